@@ -1,0 +1,31 @@
+"""The errors users see, each saying what happened, where, and what to do next."""
+
+from __future__ import annotations
+
+
+class PlanError(ValueError):
+    """The DataPipe graph cannot be split into processes as written."""
+
+
+class AmbiguousGraphError(PlanError):
+    """A DataPipe holds references whose targets would run in different processes.
+
+    Raised instead of silently running the pipeline in one process. The message names
+    the holding class, the attribute path, and the two fixes: ``NoGraph(...)`` around
+    the extra reference, or a ``get_parents()`` method that lists the real inputs.
+    """
+
+
+class WorkerError(RuntimeError):
+    """A process of the reading service failed; the message carries the remote traceback.
+
+    Used when the original exception type cannot be rebuilt in the main process.
+    """
+
+
+class ProcessDiedError(RuntimeError):
+    """A dispatch or worker process exited without being asked to."""
+
+
+class ServiceClosedError(RuntimeError):
+    """The reading service was shut down; a new DataLoader2 is needed to iterate again."""

@@ -1,0 +1,55 @@
+"""The reading service's options, validated once, up front.
+
+torchdata's keyword arguments are accepted as they are; everything below the
+reading service receives this one frozen object instead of loose keywords.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Options:
+    num_workers: int = 0
+    multiprocessing_context: str | None = None
+    worker_prefetch_cnt: int = 10
+    main_prefetch_cnt: int = 10
+    worker_init_fn: Callable[..., Any] | None = None
+    worker_reset_fn: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        _non_negative_int("num_workers", self.num_workers)
+        _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
+        _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)
+        methods = multiprocessing.get_all_start_methods()
+        if self.multiprocessing_context is not None and self.multiprocessing_context not in methods:
+            raise ValueError(
+                f"multiprocessing_context={self.multiprocessing_context!r} is not a start method of this "
+                f"platform; choose one of {methods} or None for the default"
+            )
+        for name in ("worker_init_fn", "worker_reset_fn"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                raise TypeError(f"{name} must be callable or None, got {type(hook).__name__}")
+
+    @property
+    def items_in_flight_per_worker(self) -> int:
+        """Capacity, in items, of each worker's channel to the main process.
+
+        Prefetching happens in the channels themselves, without a thread: each worker may
+        run ``worker_prefetch_cnt`` items ahead, and the main process's share of
+        ``main_prefetch_cnt`` is spread over the workers' channels.
+        """
+        share = -(-self.main_prefetch_cnt // max(self.num_workers, 1))
+        return max(1, self.worker_prefetch_cnt + share)
+
+
+def _non_negative_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")

@@ -1,0 +1,220 @@
+"""Split a Graph into segments. Pure: no processes, no I/O.
+
+    dispatch   every sharding_round_robin_dispatch node and everything upstream of it;
+               runs once, in one dispatch process
+    worker     replicable nodes downstream of the dispatchers (or of the sources), up to
+               the first non-replicable node; replicated in every worker process
+    main       the first non-replicable node and everything downstream of it
+
+A reference that straddles two segments in a way the split cannot honour raises
+``AmbiguousGraphError`` here, before any process starts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from torchdata.datapipes.iter.util.sharding import ShardingRoundRobinDispatcherIterDataPipe
+
+from .errors import AmbiguousGraphError
+from .graph import Edge, Graph, NoGraph, Node, discover
+
+
+class Segment(str, enum.Enum):
+    DISPATCH = "dispatch"
+    WORKER = "worker"
+    MAIN = "main"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every node of a graph runs, computed once in the main process.
+
+    ``worker_outputs`` are the nodes whose items travel from the workers to the main
+    process (or the output itself when it runs in the workers); ``dispatchers`` are the
+    nodes whose items travel from the dispatch process to the workers.
+    """
+
+    graph: Graph
+    num_workers: int
+    segments: tuple[Segment, ...]
+    dispatchers: tuple[int, ...]
+    worker_outputs: tuple[int, ...]
+    sharding_points: tuple[int, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def uses_processes(self) -> bool:
+        return self.num_workers > 0 and bool(self.worker_outputs)
+
+    def segment_of(self, datapipe: Any) -> Segment:
+        """The segment of a DataPipe of the planned graph (by identity)."""
+        for index, candidate in enumerate(self.graph.datapipes):
+            if candidate is datapipe:
+                return self.segments[index]
+        raise KeyError(f"{type(datapipe).__name__} is not part of this plan's graph")
+
+    def nodes_in(self, segment: Segment) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.segments) if s is segment)
+
+    def explain(self) -> str:
+        """A text rendering: each node with its segment and process."""
+        from .explain import explain_text
+
+        return explain_text(self)
+
+    def to_dot(self) -> str:
+        """A Graphviz DOT rendering, one cluster per process kind."""
+        from .explain import explain_dot
+
+        return explain_dot(self)
+
+
+def plan(datapipe: Any, num_workers: int) -> Plan:
+    """Plan ``datapipe`` for ``num_workers`` worker processes (0: everything in-process)."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    if isinstance(datapipe, NoGraph):
+        datapipe = datapipe.target
+    graph = discover(datapipe)
+    if num_workers == 0:
+        return Plan(graph, 0, (Segment.MAIN,) * len(graph.nodes), (), (), (), ())
+    segments = _assign_segments(graph)
+    _check_references(graph, segments)
+    dispatchers = tuple(i for i, dp in enumerate(graph.datapipes) if _is_dispatcher(dp))
+    worker_outputs = _worker_outputs(graph, segments)
+    sharding_points = tuple(
+        i for i, dp in enumerate(graph.datapipes) if segments[i] is Segment.WORKER and _is_sharding(dp)
+    )
+    warnings = _footguns(graph, segments, num_workers, dispatchers, worker_outputs, sharding_points)
+    return Plan(graph, num_workers, segments, dispatchers, worker_outputs, sharding_points, warnings)
+
+
+def _is_dispatcher(datapipe: Any) -> bool:
+    return isinstance(datapipe, ShardingRoundRobinDispatcherIterDataPipe)
+
+
+def _is_sharding(datapipe: Any) -> bool:
+    return callable(getattr(datapipe, "apply_sharding", None)) and not _is_dispatcher(datapipe)
+
+
+def _is_replicable(datapipe: Any) -> bool:
+    method = getattr(datapipe, "is_replicable", None)
+    return bool(method()) if callable(method) else True
+
+
+def _assign_segments(graph: Graph) -> tuple[Segment, ...]:
+    segments: dict[int, Segment] = {}
+    for index, dp in enumerate(graph.datapipes):
+        if _is_dispatcher(dp):
+            segments[index] = Segment.DISPATCH
+            for ancestor in graph.ancestors(index):
+                segments[ancestor] = Segment.DISPATCH
+    for index in graph.topological():
+        if index in segments:
+            continue
+        node = graph.nodes[index]
+        downstream_of_main = any(segments[p] is Segment.MAIN for p in node.parents)
+        if downstream_of_main or not _is_replicable(graph.datapipes[index]):
+            segments[index] = Segment.MAIN
+        else:
+            segments[index] = Segment.WORKER
+    return tuple(segments[i] for i in range(len(graph.nodes)))
+
+
+def _where(segment: Segment) -> str:
+    return {
+        Segment.DISPATCH: "the dispatch process",
+        Segment.WORKER: "the worker processes",
+        Segment.MAIN: "the main process",
+    }[segment]
+
+
+def _check_references(graph: Graph, segments: tuple[Segment, ...]) -> None:
+    ancestors = {i: graph.ancestors(i) for i in range(len(graph.nodes))}
+    for node in graph.nodes:
+        for edge in node.edges:
+            side_of = _side_reference_of(node, edge, ancestors)
+            if side_of is not None and segments[edge.parent] is not segments[side_of.parent]:
+                raise AmbiguousGraphError(_straddle_message(graph, segments, node, edge, side_of))
+        for edge in node.edges:
+            parent = edge.parent
+            crosses_out_of_dispatch = (
+                segments[parent] is Segment.DISPATCH
+                and segments[node.index] is not Segment.DISPATCH
+                and not _is_dispatcher(graph.datapipes[parent])
+            )
+            if crosses_out_of_dispatch:
+                raise AmbiguousGraphError(
+                    f"{node.name}.{edge.path} reads {graph.nodes[parent].name}, which runs in the dispatch "
+                    f"process (it feeds sharding_round_robin_dispatch), while {node.name} runs in "
+                    f"{_where(segments[node.index])}. A DataPipe runs in one process only: read the data "
+                    f"after the dispatcher, wrap {edge.path} in NoGraph(...) if {node.name} does not iterate "
+                    f"it, or define {node.name}.get_parents() to list its real inputs."
+                )
+
+
+def _side_reference_of(node: Node, edge: Edge, ancestors: dict[int, set[int]]) -> Edge | None:
+    """The other edge of ``node`` whose target lies downstream of ``edge``'s target, if any."""
+    for other in node.edges:
+        if other.parent != edge.parent and edge.parent in ancestors[other.parent]:
+            return other
+    return None
+
+
+def _straddle_message(graph: Graph, segments: tuple[Segment, ...], node: Node, side: Edge, main: Edge) -> str:
+    attribute = side.path.split("[", 1)[0].split(".", 1)[0]
+    return (
+        f"{node.name}.{side.path} ({segments[side.parent].value}) and {node.name}.{main.path} "
+        f"({segments[main.parent].value}) straddle segments: {node.name}.{side.path} points at "
+        f"{graph.nodes[side.parent].name}, which is also upstream of {node.name}.{main.path}, so the "
+        f"graph cannot tell which one {node.name} reads. Wrap {attribute} in NoGraph(...) or define "
+        f"{node.name}.get_parents() returning only the DataPipes it iterates."
+    )
+
+
+def _worker_outputs(graph: Graph, segments: tuple[Segment, ...]) -> tuple[int, ...]:
+    outputs: list[int] = []
+    for node in graph.nodes:
+        if segments[node.index] is not Segment.MAIN:
+            continue
+        for parent in node.parents:
+            crosses = segments[parent] is Segment.WORKER or (
+                segments[parent] is Segment.DISPATCH and _is_dispatcher(graph.datapipes[parent])
+            )
+            if crosses and parent not in outputs:
+                outputs.append(parent)
+    if segments[graph.output] is not Segment.MAIN and graph.output not in outputs:
+        outputs.append(graph.output)
+    return tuple(outputs)
+
+
+def _footguns(
+    graph: Graph,
+    segments: tuple[Segment, ...],
+    num_workers: int,
+    dispatchers: tuple[int, ...],
+    worker_outputs: tuple[int, ...],
+    sharding_points: tuple[int, ...],
+) -> tuple[str, ...]:
+    found: list[str] = []
+    if Segment.WORKER not in segments:
+        first_main = next((i for i in graph.topological() if segments[i] is Segment.MAIN), None)
+        where = f" ({graph.nodes[first_main].name} is not replicable)" if first_main is not None else ""
+        found.append(
+            "The worker segment is empty: no DataPipe runs in the worker processes, so the "
+            f"{num_workers} workers have nothing to do and the work stays in one process{where}. "
+            "Move non-replicable steps after the expensive ones, or mark the split with "
+            "sharding_filter() / sharding_round_robin_dispatch(...)."
+        )
+    elif num_workers > 1 and not dispatchers and not sharding_points:
+        found.append(
+            f"No sharding point: with num_workers={num_workers} every worker yields the whole dataset, "
+            f"so each item arrives {num_workers} times. Add .sharding_filter() after the source, or "
+            ".sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING) where items should be "
+            "handed out."
+        )
+    del worker_outputs
+    return tuple(found)

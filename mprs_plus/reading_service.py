@@ -1,0 +1,103 @@
+"""Thin adapter to torchdata's ``ReadingServiceInterface``: plan, start, seed, stop.
+
+    DataLoader2 --initialize(dp)--------> plan(dp) -> ServiceRuntime.start() -> main segment
+                --initialize_iteration--> seed the main segment; RESET every child
+                --finalize--------------> ServiceRuntime.stop()
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torchdata.dataloader2.graph import set_graph_random_seed
+from torchdata.dataloader2.reading_service import ReadingServiceInterface
+from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
+
+from .options import Options
+from .plan import Plan, plan
+from .runtime.service import ServiceRuntime
+
+
+class MultiProcessingReadingService(ReadingServiceInterface):
+    """Run a DataPipe graph across a dispatch process, N worker processes and the main process.
+
+    Same arguments and meaning as torchdata's ``MultiProcessingReadingService``. The graph
+    is split where its markers say (``sharding_round_robin_dispatch``, non-replicable
+    DataPipes, ``NoGraph``, ``get_parents()``); a graph that cannot be split as written
+    raises ``AmbiguousGraphError`` instead of silently running in one process.
+
+    Args:
+        num_workers: worker processes; 0 runs everything in the calling process.
+        multiprocessing_context: "fork", "spawn", "forkserver", or None for the default.
+        worker_prefetch_cnt: items each worker may produce ahead of the main process.
+        main_prefetch_cnt: items the main process may have waiting, spread over workers.
+        worker_init_fn: ``fn(datapipe, WorkerInfo) -> datapipe``, once in each worker.
+        worker_reset_fn: ``fn(datapipe, WorkerInfo, SeedGenerator) -> datapipe``, every
+            epoch in each worker.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 0,
+        multiprocessing_context: str | None = None,
+        worker_prefetch_cnt: int = 10,
+        main_prefetch_cnt: int = 10,
+        worker_init_fn: Callable[..., Any] | None = None,
+        worker_reset_fn: Callable[..., Any] | None = None,
+    ) -> None:
+        self.options = Options(
+            num_workers=num_workers,
+            multiprocessing_context=multiprocessing_context,
+            worker_prefetch_cnt=worker_prefetch_cnt,
+            main_prefetch_cnt=main_prefetch_cnt,
+            worker_init_fn=worker_init_fn,
+            worker_reset_fn=worker_reset_fn,
+        )
+        self._plan: Plan | None = None
+        self._runtime: ServiceRuntime | None = None
+        self._main: Any = None
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.num_workers
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan this service runs, once ``DataLoader2`` has initialized it."""
+        return self._plan
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader2 copies the service before use; a running one is never copied.
+        return {"options": self.options, "_plan": None, "_runtime": None, "_main": None}
+
+    def initialize(self, datapipe: Any) -> Any:
+        self._plan = plan(datapipe, self.options.num_workers)
+        for message in self._plan.warnings:
+            warnings.warn(message, UserWarning, stacklevel=3)
+        if not self._plan.uses_processes:
+            # In-process, as torchdata does: worker 0 of 1 runs the whole graph.
+            self._main = process_init_fn(datapipe, WorkerInfo(1, 0), self.options.worker_init_fn)
+            return self._main
+        self._runtime = ServiceRuntime(self._plan, self.options)
+        self._main = self._runtime.start()
+        return self._main
+
+    def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
+        if self._main is None:
+            raise RuntimeError("initialize_iteration() called before initialize(): use the service through DataLoader2")
+        set_graph_random_seed(self._main, seed_generator)
+        if self._runtime is not None:
+            self._runtime.begin_epoch(seed_generator, iter_reset_fn)
+        elif self.options.worker_reset_fn is not None:
+            self._main = self.options.worker_reset_fn(self._main, WorkerInfo(1, 0), seed_generator)
+            return lambda _: self._main
+        return None
+
+    def finalize_iteration(self) -> None:
+        return None
+
+    def finalize(self) -> None:
+        if self._runtime is not None:
+            self._runtime.stop()

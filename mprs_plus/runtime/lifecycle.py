@@ -1,0 +1,94 @@
+"""Process lifecycle: what every child does first, and how the main process ends them.
+
+Children
+    * ignore SIGINT: Ctrl-C reaches the whole process group, but only the main process
+      decides to stop; children then end on STOP instead of printing tracebacks;
+    * watch their parent: a daemon thread waits on the parent's sentinel and exits the
+      child at once when the parent is gone, so a killed main process leaves no orphans;
+    * drop inherited channel endpoints they do not own (fork), so that a dead peer
+      shows as a broken pipe.
+
+Main process
+    ``stop_processes`` asks nicely (the caller already sent STOP), then escalates
+    join -> terminate -> kill, each step bounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+from ..transport import release_all_except
+
+
+def child_setup(own_endpoints: Iterable[Any]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    release_all_except(own_endpoints)
+    _limit_intra_op_threads()
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_when_parent_dies, args=(parent.sentinel,), daemon=True).start()
+
+
+def _limit_intra_op_threads() -> None:
+    # N workers each running torch's default thread pool would oversubscribe the cores.
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except Exception:  # pragma: no cover - torch is a dependency, but never fail a worker over it
+        pass
+
+
+def _exit_when_parent_dies(sentinel: int) -> None:
+    wait([sentinel])
+    os._exit(0)
+
+
+def exit_description(process: Any) -> str:
+    code = process.exitcode
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+def stop_processes(
+    processes: Sequence[Any],
+    drain: Callable[[float], None] | None = None,
+    grace: float = 5.0,
+    step: float = 2.0,
+) -> None:
+    """Wait up to ``grace`` seconds for ``processes`` to exit, calling ``drain(timeout)``
+    meanwhile so that producers blocked on full channels can move on; then terminate,
+    then kill. Returns once every process is reaped."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = [p for p in processes if p.exitcode is None]
+        left = deadline - time.monotonic()
+        if not alive or left <= 0:
+            break
+        if drain is None:
+            wait([p.sentinel for p in alive], left)
+        else:
+            drain(left)
+    for escalate in ("terminate", "kill"):
+        alive = [p for p in processes if p.exitcode is None]
+        if not alive:
+            break
+        for process in alive:
+            getattr(process, escalate)()
+        wait([p.sentinel for p in alive], step)
+    for process in processes:
+        process.join(step)

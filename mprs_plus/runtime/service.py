@@ -1,0 +1,218 @@
+"""The main-process side of a running service: starts the processes, opens each epoch,
+reads the workers' output in round-robin order, and stops everything.
+
+    main segment <- WorkerReader <- [data channel per worker] <- worker w
+                                   [control channel per child] -> dispatch, workers
+
+Every blocking read also watches every child's sentinel, so a dead child is an error
+at once, never a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import IterDataPipe
+
+from ..errors import ProcessDiedError, ServiceClosedError
+from ..options import Options
+from ..plan import Plan
+from ..transport import ChannelBroken, ChannelError, EndOfStream, open_channel, wait_readable
+from .dispatch import DispatchSetup, dispatch_main
+from .lifecycle import exit_description, stop_processes
+from .messages import Kind
+from .segments import build_dispatch_source, build_main_pipeline, build_worker_program
+from .worker import WorkerSetup, worker_main
+
+# Control messages are small and rare; a few in flight is plenty.
+_CONTROL_ITEMS = 4
+_CONTROL_BYTES = 1 << 20
+_DATA_BYTES = 64 << 20
+
+
+class WorkerReader(IterDataPipe):
+    """The main segment's input: the workers' items for the current epoch, round-robin."""
+
+    def __init__(self, service: ServiceRuntime) -> None:
+        self._service = service
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._service.iterate()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Seen by torch's graph traversal: this node has no DataPipe inputs to report.
+        return {}
+
+
+class ServiceRuntime:
+    """Processes and channels of one reading service; ``stop()`` is idempotent."""
+
+    def __init__(self, plan: Plan, options: Options) -> None:
+        self.plan = plan
+        self.options = options
+        self.owner_pid = os.getpid()
+        self._ctx = multiprocessing.get_context(options.multiprocessing_context)
+        self._epoch = 0
+        self._stopped = False
+        self._workers: list[Any] = []
+        self._dispatch: Any = None
+        self._controls: list[Any] = []  # senders to the dispatch process (first, if any) and workers
+        self._data: list[Any] = []  # receivers from worker w
+        self._drained: set[int] = set()  # data channels found closed while stopping
+        self.main_pipeline: Any = None
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start(self) -> Any:
+        """Start every process; return the main segment, ready to iterate."""
+        n = self.options.num_workers
+        program = build_worker_program(self.plan)
+        source = build_dispatch_source(self.plan)
+        self.main_pipeline = build_main_pipeline(self.plan, WorkerReader(self))
+        child_ends: list[Any] = []
+        try:
+            worker_inputs: list[tuple[Any, ...]] = [() for _ in range(n)]
+            if source is not None:
+                control_tx, control_rx = self._channel(_CONTROL_ITEMS, _CONTROL_BYTES)
+                pairs = [self._channel(max(1, self.options.worker_prefetch_cnt), _DATA_BYTES) for _ in range(n)]
+                worker_inputs = [(rx,) for _, rx in pairs]
+                setup = DispatchSetup(source, n, control_rx, tuple(tx for tx, _ in pairs))
+                child_ends += [control_rx, *(tx for tx, _ in pairs)]
+                self._controls.append(control_tx)
+                self._dispatch = self._start("mprs_plus dispatch", dispatch_main, setup)
+                child_ends += [rx for _, rx in pairs]
+            for worker_id in range(n):
+                control_tx, control_rx = self._channel(_CONTROL_ITEMS, _CONTROL_BYTES)
+                data_tx, data_rx = self._channel(self.options.items_in_flight_per_worker, _DATA_BYTES)
+                setup = WorkerSetup(
+                    worker_id=worker_id,
+                    num_workers=n,
+                    program=program,
+                    control=control_rx,
+                    data=data_tx,
+                    inputs=worker_inputs[worker_id],
+                    init_fn=self.options.worker_init_fn,
+                    reset_fn=self.options.worker_reset_fn,
+                )
+                child_ends += [control_rx, data_tx]
+                self._controls.append(control_tx)
+                self._data.append(data_rx)
+                self._workers.append(self._start(f"mprs_plus worker {worker_id}", worker_main, setup))
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            for end in child_ends:
+                end.release()  # each belongs to a child now
+        sentinels = [p.sentinel for p in self._processes()]
+        for receiver in self._data:
+            receiver.watch(*sentinels)
+        return self.main_pipeline
+
+    def _channel(self, items: int, size: int) -> tuple[Any, Any]:
+        return open_channel(self._ctx, capacity_items=items, capacity_bytes=size)
+
+    def _start(self, name: str, target: Any, setup: Any) -> Any:
+        process = self._ctx.Process(target=target, args=(setup,), name=name, daemon=True)
+        process.start()
+        return process
+
+    def _processes(self) -> list[Any]:
+        return ([self._dispatch] if self._dispatch is not None else []) + self._workers
+
+    # -- epochs --------------------------------------------------------------------------
+
+    def begin_epoch(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
+        """Open a new epoch everywhere; items of earlier epochs still in flight are dropped."""
+        self._check_open()
+        self._epoch += 1
+        controls = list(self._controls)
+        try:
+            if self._dispatch is not None:
+                controls.pop(0).send((Kind.RESET, self._epoch, (seed_generator, iter_reset_fn)))
+            for worker_id, control in enumerate(controls):
+                control.send((Kind.RESET, self._epoch, (seed_generator.spawn(worker_id), iter_reset_fn)))
+        except ChannelError as exc:
+            raise self._death_error() from exc
+
+    def iterate(self) -> Iterator[Any]:
+        """The current epoch's items: worker 0, 1, ..., N-1, 0, ...; exhausted workers skipped."""
+        self._check_open()
+        epoch = self._epoch
+        active = list(range(len(self._data)))
+        position = 0
+        while active:
+            worker_id = active[position]
+            kind, message_epoch, payload = self._recv(worker_id)
+            if message_epoch != epoch:
+                continue
+            if kind == Kind.ITEM:
+                yield payload
+                position = position + 1 if position + 1 < len(active) else 0
+            elif kind == Kind.END:
+                active.pop(position)
+                if position >= len(active):
+                    position = 0
+            else:
+                raise payload.rebuild()
+
+    def _recv(self, worker_id: int) -> tuple[int, int, Any]:
+        try:
+            return self._data[worker_id].recv()
+        except (ChannelBroken, EndOfStream) as exc:
+            raise self._death_error() from exc
+        except ChannelError as exc:
+            raise ServiceClosedError("the reading service was shut down during iteration") from exc
+
+    def _death_error(self) -> Exception:
+        dead = []
+        for process in self._processes():
+            process.join(0)
+            if process.exitcode is not None:
+                dead.append(f"{process.name} (pid {process.pid}) {exit_description(process)}")
+        if self._stopped:
+            return ServiceClosedError("the reading service was shut down")
+        if not dead:
+            return ProcessDiedError("a child process of the reading service closed its channel unexpectedly")
+        return ProcessDiedError(
+            "; ".join(dead) + ". The reading service cannot continue: look for an out-of-memory kill or a "
+            "crash in native code in that process, then create a new DataLoader2."
+        )
+
+    def _check_open(self) -> None:
+        if self._stopped:
+            raise ServiceClosedError(
+                "this reading service has been shut down (DataLoader2.shutdown() or an earlier error); "
+                "create a new DataLoader2 to iterate again"
+            )
+
+    # -- stop ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self._stopped or os.getpid() != self.owner_pid:
+            return
+        self._stopped = True
+        for control in self._controls:
+            try:
+                control.send((Kind.STOP, self._epoch, None))
+            except ChannelError:
+                pass
+            control.close()
+        stop_processes(self._processes(), drain=self._drain)
+        for receiver in self._data:
+            receiver.close()
+
+    def _drain(self, timeout: float) -> None:
+        """Discard worker output while stopping, so no worker stays blocked on a full channel."""
+        open_receivers = [r for i, r in enumerate(self._data) if i not in self._drained]
+        sentinels = [p.sentinel for p in self._processes() if p.exitcode is None]
+        for ready in wait_readable(open_receivers, timeout, also=sentinels):
+            if ready in open_receivers:
+                try:
+                    while ready.poll():
+                        ready.recv(0)
+                except ChannelError:
+                    self._drained.add(self._data.index(ready))

@@ -1,0 +1,170 @@
+"""The worker process: runs one replica of the worker segment and streams its output.
+
+States (driven by the control channel from the main process)::
+
+    IDLE --RESET(e)--> RUNNING(e) --last item--> send END(e) --> IDLE
+                        |  \--exception--> send ERROR(e) --> IDLE
+                        \--control message waiting--> IDLE (the message is handled next)
+    IDLE/RUNNING --STOP or control closed--> exit
+
+Between two items the worker looks at its control channel, so a new epoch or a stop
+is seen within one item. The worker never rediscovers the graph: it receives its
+segment ready to run, with ``DispatchedInput`` placeholders where the dispatch
+process feeds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils.data.graph_settings
+from torch.utils.data import IterDataPipe
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
+
+from ..transport import ChannelBroken, ChannelError, EndOfStream
+from .lifecycle import child_setup
+from .messages import Kind, RemoteError, describe_process
+
+
+class DispatchedInput(IterDataPipe):
+    """Stands in the worker's copy of the graph where a dispatcher was: yields the items
+    the dispatch process hands to this worker for the current epoch."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.receiver: Any = None
+        self.epoch = 0
+        self._pushed_back: tuple[int, int, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            message = self._next_message()
+            if message is None:
+                return
+            kind, epoch, payload = message
+            if epoch < self.epoch:
+                continue  # left over from an abandoned epoch
+            if epoch > self.epoch:
+                # The dispatch process is already in the next epoch: keep the message
+                # for it and end this one; the worker loop picks up the RESET next.
+                self._pushed_back = message
+                return
+            if kind == Kind.ITEM:
+                yield payload
+            elif kind == Kind.END:
+                return
+            else:
+                raise payload.rebuild()
+
+    def _next_message(self) -> tuple[int, int, Any] | None:
+        if self._pushed_back is not None:
+            message, self._pushed_back = self._pushed_back, None
+            return message
+        try:
+            return self.receiver.recv()
+        except EndOfStream:
+            return None  # the dispatch process stopped: the service is shutting down
+        except ChannelBroken as exc:
+            raise RuntimeError(f"{self.name}: the dispatch process is gone") from exc
+
+
+@dataclass
+class WorkerProgram:
+    """What a worker runs: its copy of the segment, built once in the main process."""
+
+    output: Any
+    inputs: tuple[DispatchedInput, ...]
+    sharding_roots: tuple[Any, ...]
+
+
+@dataclass
+class WorkerSetup:
+    worker_id: int
+    num_workers: int
+    program: WorkerProgram
+    control: Any  # receiver: main -> this worker
+    data: Any  # sender: this worker -> main
+    inputs: tuple[Any, ...]  # receivers: dispatch -> this worker, one per DispatchedInput
+    init_fn: Callable[..., Any] | None
+    reset_fn: Callable[..., Any] | None
+
+
+def worker_main(setup: WorkerSetup) -> None:
+    child_setup([setup.control, setup.data, *setup.inputs])
+    where = describe_process("worker", setup.worker_id)
+    info = WorkerInfo(setup.num_workers, setup.worker_id)
+    program = setup.program
+    for placeholder, receiver in zip(program.inputs, setup.inputs):
+        placeholder.receiver = receiver
+    try:
+        for root in program.sharding_roots:
+            torch.utils.data.graph_settings.apply_sharding(
+                root, setup.num_workers, setup.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
+            )
+        datapipe = program.output
+        if setup.init_fn is not None:
+            datapipe = setup.init_fn(datapipe, info)
+    except Exception as exc:
+        _report_setup_failure(setup, RemoteError.capture(exc, where))
+        return
+    _serve(setup, datapipe, info, where)
+
+
+def _serve(setup: WorkerSetup, datapipe: Any, info: WorkerInfo, where: str) -> None:
+    control, data = setup.control, setup.data
+    try:
+        while True:
+            try:
+                kind, epoch, payload = control.recv()
+            except (EndOfStream, ChannelBroken):
+                return
+            if kind == Kind.STOP:
+                return
+            try:
+                seed_generator, iter_reset_fn = payload
+                for placeholder in setup.program.inputs:
+                    placeholder.epoch = epoch
+                datapipe = process_reset_fn(
+                    datapipe, info, seed_generator, iter_reset_fn=iter_reset_fn, custom_reset_fn=setup.reset_fn
+                )
+                iterator = iter(datapipe)
+            except Exception as exc:
+                data.send((Kind.ERROR, epoch, RemoteError.capture(exc, where)))
+                continue
+            _run_epoch(iterator, epoch, control, data, where)
+    except ChannelError:
+        return  # the main process closed its end: it is stopping or gone
+    finally:
+        data.close()
+
+
+def _run_epoch(iterator: Iterator[Any], epoch: int, control: Any, data: Any, where: str) -> None:
+    send = data.send
+    item_kind = Kind.ITEM
+    while not control.poll():
+        try:
+            item = next(iterator)
+        except StopIteration:
+            send((Kind.END, epoch, None))
+            return
+        except Exception as exc:
+            send((Kind.ERROR, epoch, RemoteError.capture(exc, where)))
+            return
+        send((item_kind, epoch, item))
+
+
+def _report_setup_failure(setup: WorkerSetup, error: RemoteError) -> None:
+    """A worker that cannot start answers every RESET with the error until STOP."""
+    try:
+        while True:
+            kind, epoch, _ = setup.control.recv()
+            if kind == Kind.STOP:
+                return
+            setup.data.send((Kind.ERROR, epoch, error))
+    except ChannelError:
+        return
+    finally:
+        setup.data.close()

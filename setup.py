@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mprs_plus",
+    version="0.1.0",
+    description=(
+        "A multiprocessing reading service for torchdata's DataLoader2 that splits the DataPipe "
+        "graph at explicit markers and never silently runs it in one process"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["mprs_plus", "mprs_plus.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        # 0.10 removed DataLoader2 and the DataPipes this service runs.
+        "torchdata>=0.7,<0.10",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "test": ["pytest>=7.4", "pytest-timeout>=2.2", "numpy>=1.24"],
+        "bench": ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60"],
+    },
+    entry_points={"console_scripts": ["mprs-plus=mprs_plus.__main__:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
