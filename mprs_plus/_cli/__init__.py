@@ -1,0 +1,1 @@
+"""Subcommands of ``python -m mprs_plus``; each module has ``register(subparsers)``."""
