@@ -22,7 +22,7 @@ from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
 from ..transport import ChannelBroken, ChannelError, EndOfStream
 from .lifecycle import child_setup
-from .messages import Kind, RemoteError, describe_process
+from .messages import Batcher, Kind, RemoteError, describe_process
 
 
 @dataclass
@@ -54,7 +54,7 @@ def dispatch_main(setup: DispatchSetup) -> None:
             if kind == Kind.STOP:
                 return
             if setup_error is not None:
-                _deal_error(setup.outputs, epoch, setup_error, turn=0)
+                _deal_error([Batcher(o.send, epoch) for o in setup.outputs], setup_error, turn=0)
                 continue
             try:
                 seed_generator, iter_reset_fn = payload
@@ -64,7 +64,7 @@ def dispatch_main(setup: DispatchSetup) -> None:
                 )
                 iterator = iter(datapipe)
             except Exception as exc:
-                _deal_error(setup.outputs, epoch, RemoteError.capture(exc, where), turn=0)
+                _deal_error([Batcher(o.send, epoch) for o in setup.outputs], RemoteError.capture(exc, where), turn=0)
                 continue
             _deal_epoch(iterator, epoch, setup.control, setup.outputs, where)
     except ChannelError:
@@ -75,26 +75,29 @@ def dispatch_main(setup: DispatchSetup) -> None:
 
 
 def _deal_epoch(iterator: Iterator[Any], epoch: int, control: Any, outputs: tuple[Any, ...], where: str) -> None:
-    sends = [output.send for output in outputs]
-    count = len(sends)
+    batchers = [Batcher(output.send, epoch) for output in outputs]
+    adds = [batcher.add for batcher in batchers]
+    count = len(adds)
     turn = 0
-    item_kind = Kind.ITEM
-    while not control.poll():
+    poll = control.poll
+    while not poll():
         try:
             item = next(iterator)
         except StopIteration:
-            for send in sends:
-                send((Kind.END, epoch, None))
+            for batcher in batchers:
+                batcher.finish(Kind.END)
             return
         except Exception as exc:
-            _deal_error(outputs, epoch, RemoteError.capture(exc, where), turn)
+            _deal_error(batchers, RemoteError.capture(exc, where), turn)
             return
-        sends[turn]((item_kind, epoch, item))
+        adds[turn](item)
         turn = turn + 1 if turn + 1 < count else 0
+    for batcher in batchers:
+        batcher.flush()
 
 
-def _deal_error(outputs: tuple[Any, ...], epoch: int, error: RemoteError, turn: int) -> None:
-    for offset in range(len(outputs)):
-        index = (turn + offset) % len(outputs)
-        message = (Kind.ERROR, epoch, error) if offset == 0 else (Kind.END, epoch, None)
-        outputs[index].send(message)
+def _deal_error(batchers: list[Batcher], error: RemoteError, turn: int) -> None:
+    """The error takes the failing item's place in the deal; the other workers end."""
+    for offset in range(len(batchers)):
+        batcher = batchers[(turn + offset) % len(batchers)]
+        batcher.finish(Kind.ERROR, error) if offset == 0 else batcher.finish(Kind.END)

@@ -4,8 +4,11 @@ Every message is a tuple ``(kind, epoch, payload)``; tuples pickle fastest.
 
     main --control--> dispatch     RESET(epoch, (seed_generator, iter_reset_fn)) | STOP
     main --control--> worker w     RESET(epoch, (seed_generator, iter_reset_fn)) | STOP
-    dispatch --data--> worker w    ITEM(epoch, item) ... END(epoch) | ERROR(epoch, RemoteError)
-    worker w --data--> main        ITEM(epoch, item) ... END(epoch) | ERROR(epoch, RemoteError)
+    dispatch --data--> worker w    ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
+    worker w --data--> main        ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
+
+Items travel in batches (see ``Batcher``): a reader takes them one by one, so order and
+round-robin are per item, whatever the batch sizes.
 
 ``epoch`` increases with every RESET, so a reader drops whatever a producer sent for an
 epoch the main process has already abandoned (a loop broken off early, say).
@@ -16,6 +19,7 @@ from __future__ import annotations
 import enum
 import os
 import pickle
+import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
@@ -29,9 +33,55 @@ from ..errors import WorkerError
 class Kind(enum.IntEnum):
     RESET = 1
     STOP = 2
-    ITEM = 10
+    ITEMS = 10
     END = 11
     ERROR = 12
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # Travel as a plain int: cheaper, and unpickling needs no import of this module
+        # (which may already be torn down when a stop runs at interpreter exit).
+        return int, (self.value,)
+
+
+class Batcher:
+    """Groups items bound for one channel so that small items share one message.
+
+    A batch is sent when it holds ``max_items`` items or when its first item has waited
+    ``max_delay`` seconds; the owner also calls ``flush()`` before it could block (at the
+    end of an epoch, before waiting on its own input), so a held item never waits on a
+    peer that waits on it. Large items therefore travel alone and at once, tiny items in
+    batches of up to ``max_items``.
+    """
+
+    __slots__ = ("_send", "epoch", "max_items", "max_delay", "_items", "_since")
+
+    def __init__(self, send: Any, epoch: int, max_items: int = 64, max_delay: float = 0.002) -> None:
+        self._send = send
+        self.epoch = epoch
+        self.max_items = max_items
+        self.max_delay = max_delay
+        self._items: list[Any] = []
+        self._since = 0.0
+
+    def add(self, item: Any) -> None:
+        items = self._items
+        items.append(item)
+        if len(items) == 1:
+            self._since = time.perf_counter()
+            if self.max_items > 1:
+                return
+        if len(items) >= self.max_items or time.perf_counter() - self._since >= self.max_delay:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._items:
+            items, self._items = self._items, []
+            self._send((Kind.ITEMS, self.epoch, items))
+
+    def finish(self, kind: Kind, payload: Any = None) -> None:
+        """Flush, then send the epoch's last message (END or ERROR)."""
+        self.flush()
+        self._send((kind, self.epoch, payload))
 
 
 class RemoteTraceback(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,17 +35,31 @@ _DATA_BYTES = 64 << 20
 
 
 class WorkerReader(IterDataPipe):
-    """The main segment's input: the workers' items for the current epoch, round-robin."""
+    """The main segment's input: the workers' items for the current epoch, round-robin.
+
+    An ``IterDataPipe`` so that DataLoader2 and torch's graph tools accept it as the
+    root of the main segment; graph traversal finds nothing behind it.
+    """
 
     def __init__(self, service: ServiceRuntime) -> None:
         self._service = service
 
-    def __iter__(self) -> Iterator[Any]:
-        return self._service.iterate()
-
     def __getstate__(self) -> dict[str, Any]:
-        # Seen by torch's graph traversal: this node has no DataPipe inputs to report.
         return {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WorkerReader:
+        return self  # one reader per service, whatever copies the main segment
+
+
+
+def _iterate_reader(reader: WorkerReader) -> Iterator[Any]:
+    return reader._service.iterate()
+
+
+# Assigned after the class is made, on purpose: torch's DataPipe metaclass wraps an
+# ``__iter__`` found in the class body with per-item bookkeeping (profiling, iterator
+# validity checks) that costs more than the shared-memory transport per item.
+WorkerReader.__iter__ = _iterate_reader  # type: ignore[method-assign]
 
 
 class ServiceRuntime:
@@ -142,16 +157,21 @@ class ServiceRuntime:
         """The current epoch's items: worker 0, 1, ..., N-1, 0, ...; exhausted workers skipped."""
         self._check_open()
         epoch = self._epoch
+        pending: list[deque[Any]] = [deque() for _ in self._data]
         active = list(range(len(self._data)))
         position = 0
         while active:
             worker_id = active[position]
+            queue = pending[worker_id]
+            if queue:
+                yield queue.popleft()
+                position = position + 1 if position + 1 < len(active) else 0
+                continue
             kind, message_epoch, payload = self._recv(worker_id)
             if message_epoch != epoch:
                 continue
-            if kind == Kind.ITEM:
-                yield payload
-                position = position + 1 if position + 1 < len(active) else 0
+            if kind == Kind.ITEMS:
+                queue.extend(payload)
             elif kind == Kind.END:
                 active.pop(position)
                 if position >= len(active):

@@ -3,8 +3,8 @@
 States (driven by the control channel from the main process)::
 
     IDLE --RESET(e)--> RUNNING(e) --last item--> send END(e) --> IDLE
-                        |  \--exception--> send ERROR(e) --> IDLE
-                        \--control message waiting--> IDLE (the message is handled next)
+                        |---exception--> send ERROR(e) --> IDLE
+                        +---control message waiting--> IDLE (the message is handled next)
     IDLE/RUNNING --STOP or control closed--> exit
 
 Between two items the worker looks at its control channel, so a new epoch or a stop
@@ -26,7 +26,11 @@ from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
 from ..transport import ChannelBroken, ChannelError, EndOfStream
 from .lifecycle import child_setup
-from .messages import Kind, RemoteError, describe_process
+from .messages import Batcher, Kind, RemoteError, describe_process
+
+
+def _nothing() -> None:
+    return None
 
 
 class DispatchedInput(IterDataPipe):
@@ -37,6 +41,9 @@ class DispatchedInput(IterDataPipe):
         self.name = name
         self.receiver: Any = None
         self.epoch = 0
+        # Called before blocking on the dispatch process: the worker flushes the items it
+        # holds, so that nobody waits on items stuck in a batch.
+        self.before_wait: Callable[[], None] = _nothing
         self._pushed_back: tuple[int, int, Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -52,8 +59,8 @@ class DispatchedInput(IterDataPipe):
                 # for it and end this one; the worker loop picks up the RESET next.
                 self._pushed_back = message
                 return
-            if kind == Kind.ITEM:
-                yield payload
+            if kind == Kind.ITEMS:
+                yield from payload
             elif kind == Kind.END:
                 return
             else:
@@ -64,6 +71,8 @@ class DispatchedInput(IterDataPipe):
             message, self._pushed_back = self._pushed_back, None
             return message
         try:
+            if not self.receiver.poll():
+                self.before_wait()
             return self.receiver.recv()
         except EndOfStream:
             return None  # the dispatch process stopped: the service is shutting down
@@ -134,26 +143,31 @@ def _serve(setup: WorkerSetup, datapipe: Any, info: WorkerInfo, where: str) -> N
             except Exception as exc:
                 data.send((Kind.ERROR, epoch, RemoteError.capture(exc, where)))
                 continue
-            _run_epoch(iterator, epoch, control, data, where)
+            _run_epoch(iterator, Batcher(data.send, epoch), control, setup.program.inputs, where)
     except ChannelError:
         return  # the main process closed its end: it is stopping or gone
     finally:
         data.close()
 
 
-def _run_epoch(iterator: Iterator[Any], epoch: int, control: Any, data: Any, where: str) -> None:
-    send = data.send
-    item_kind = Kind.ITEM
-    while not control.poll():
+def _run_epoch(
+    iterator: Iterator[Any], batcher: Batcher, control: Any, inputs: tuple[DispatchedInput, ...], where: str
+) -> None:
+    for placeholder in inputs:
+        placeholder.before_wait = batcher.flush
+    add = batcher.add
+    poll = control.poll
+    while not poll():
         try:
             item = next(iterator)
         except StopIteration:
-            send((Kind.END, epoch, None))
+            batcher.finish(Kind.END)
             return
         except Exception as exc:
-            send((Kind.ERROR, epoch, RemoteError.capture(exc, where)))
+            batcher.finish(Kind.ERROR, RemoteError.capture(exc, where))
             return
-        send((item_kind, epoch, item))
+        add(item)
+    batcher.flush()
 
 
 def _report_setup_failure(setup: WorkerSetup, error: RemoteError) -> None:
