@@ -20,8 +20,13 @@ class Options:
     main_prefetch_cnt: int = 10
     worker_init_fn: Callable[..., Any] | None = None
     worker_reset_fn: Callable[..., Any] | None = None
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0
+        ):
+            raise ValueError(f"timeout must be a number of seconds > 0, or None to wait forever; got {self.timeout!r}")
         _non_negative_int("num_workers", self.num_workers)
         _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
         _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)

@@ -36,6 +36,8 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         worker_init_fn: ``fn(datapipe, WorkerInfo) -> datapipe``, once in each worker.
         worker_reset_fn: ``fn(datapipe, WorkerInfo, SeedGenerator) -> datapipe``, every
             epoch in each worker.
+        timeout: seconds to wait for the next item before raising ``TimeoutError``;
+            None waits as long as the workers are alive (a dead one is an error at once).
     """
 
     def __init__(
@@ -46,6 +48,8 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         main_prefetch_cnt: int = 10,
         worker_init_fn: Callable[..., Any] | None = None,
         worker_reset_fn: Callable[..., Any] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -54,6 +58,7 @@ class MultiProcessingReadingService(ReadingServiceInterface):
             main_prefetch_cnt=main_prefetch_cnt,
             worker_init_fn=worker_init_fn,
             worker_reset_fn=worker_reset_fn,
+            timeout=timeout,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | None = None

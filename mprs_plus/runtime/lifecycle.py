@@ -10,13 +10,18 @@ Children
 
 Main process
     ``stop_processes`` asks nicely (the caller already sent STOP), then escalates
-    join -> terminate -> kill, each step bounded.
+    join -> terminate -> kill, each step bounded. ``stop_at_exit`` registers, when the
+    first service starts, an exit hook that stops every service still running; being
+    registered after ``multiprocessing`` set up its own, it runs before the interpreter
+    joins or terminates child processes.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
+import weakref
 import signal
 import threading
 import time
@@ -25,6 +30,24 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ..transport import release_all_except
+
+
+_running: weakref.WeakSet[Any] = weakref.WeakSet()
+_hook_registered = False
+
+
+def stop_at_exit(resources: Any) -> None:
+    """Stop ``resources`` (anything with ``stop()``) at interpreter exit if still running."""
+    global _hook_registered
+    if not _hook_registered:
+        atexit.register(_stop_all)
+        _hook_registered = True
+    _running.add(resources)
+
+
+def _stop_all() -> None:
+    for resources in list(_running):
+        resources.stop()
 
 
 def child_setup(own_endpoints: Iterable[Any]) -> None:
