@@ -172,3 +172,68 @@ def counting_reset_fn(datapipe: Any, worker_info: Any, seed_generator: Any) -> A
 
 
 fail_on_5 = fail_on
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+def exit_on(item: Any, bad: int = 5, code: int = 3) -> Any:
+    """Leave the process abruptly, as a crash in native code would."""
+    if item == bad:
+        os._exit(code)
+    return item
+
+
+def kill_self_on(item: Any, bad: int = 5) -> Any:
+    """SIGKILL this process, as the out-of-memory killer would."""
+    import signal
+
+    if item == bad:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return item
+
+
+def block_on(item: Any, bad: int = 3) -> Any:
+    """Never return for one item: a stuck read."""
+    import threading
+
+    if item == bad:
+        threading.Event().wait()
+    return item
+
+
+class UnpicklableError(Exception):
+    """Cannot travel between processes: it holds a lock."""
+
+    def __init__(self, message: str) -> None:
+        import threading
+
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def raise_unpicklable(item: Any) -> Any:
+    if item == 2:
+        raise UnpicklableError(f"unpicklable failure at {item}")
+    return item
+
+
+class NeedsTwoArgsError(Exception):
+    """Pickles, but cannot be rebuilt: its constructor wants two arguments."""
+
+    def __init__(self, what: str, where: int) -> None:
+        super().__init__(f"{what} at {where}")
+
+
+def raise_needs_two(item: Any) -> Any:
+    if item == 2:
+        raise NeedsTwoArgsError("odd failure", item)
+    return item
+
+
+def pid_of(item: Any) -> Any:
+    return item, os.getpid()
+
+
+def broken_init_fn(datapipe: Any, worker_info: Any) -> Any:
+    raise RuntimeError(f"init failed in worker {worker_info.worker_id}")

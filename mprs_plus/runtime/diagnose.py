@@ -51,9 +51,10 @@ def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
     else:
         state = getattr(obj, "__dict__", None)
         if isinstance(state, dict):
-            prefix = type(obj).__name__ if path.endswith(")") or "." not in path else path
+            # Name attributes after their owner's class: "MapperIterDataPipe.fn" says
+            # more to a user than the path from the top of the segment.
             for key, value in state.items():
-                yield f"{prefix}.{key}", value
+                yield f"{type(obj).__name__}.{key}", value
 
 
 def unpicklable_error(setup: Any, method: str, process_name: str) -> TypeError:

@@ -34,6 +34,7 @@ from .worker import WorkerSetup, worker_main
 _CONTROL_ITEMS = 4
 _CONTROL_BYTES = 1 << 20
 _DATA_BYTES = 64 << 20
+_DEATH_GRACE = 2.0  # seconds a broken channel's process may take to be reaped
 
 
 class WorkerReader(IterDataPipe):
@@ -251,8 +252,12 @@ class ServiceRuntime:
         if self._res.stopped:
             return ServiceClosedError("the reading service was shut down")
         dead = []
-        for process in self._res.processes():
-            process.join(0)
+        processes = self._res.processes()
+        # The channel can break a moment before the process has exited: give it that
+        # moment, then reap the ones whose sentinel fired (they are gone or going).
+        ready = wait_readable([], _DEATH_GRACE, also=[p.sentinel for p in processes])
+        for process in processes:
+            process.join(None if process.sentinel in ready else 0)
             if process.exitcode is not None:
                 dead.append(f"{process.name} (pid {process.pid}) {exit_description(process)}")
         if not dead:

@@ -1,0 +1,331 @@
+"""Fault injection: crashes, errors, interrupts, exits without shutdown.
+
+Every case is bounded in time, interpreter-exit cases run in a subprocess, and the
+autouse leak check (conftest) fails any test that leaves a child process or a
+shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+import pipelines
+from mprs_plus import MultiProcessingReadingService, ProcessDiedError, WorkerError
+from mprs_plus.runtime.diagnose import find_unpicklable
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def sharded(n: int, fn) -> object:
+    return IterableWrapper(range(n)).sharding_filter().map(fn)
+
+
+def dispatched(n: int, fn) -> object:
+    pipe = IterableWrapper(range(n)).map(fn)
+    return pipe.sharding_round_robin_dispatch(pipelines.SHARDING_PRIORITIES.MULTIPROCESSING).map(pipelines.pid_of)
+
+
+def loader_for(pipe, **options):
+    options.setdefault("num_workers", 2)
+    return DataLoader2(pipe, reading_service=MultiProcessingReadingService(**options))
+
+
+def children_of_this_test(before: set[int]) -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+
+# -- crashes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_killed_by_signal_is_reported_with_role_pid_and_signal(context):
+    loader = loader_for(sharded(40, pipelines.kill_self_on), multiprocessing_context=context)
+    with pytest.raises(ProcessDiedError, match=r"mprs_plus worker 1 \(pid \d+\) was killed by SIGKILL"):
+        list(loader)
+    loader.shutdown()
+
+
+def test_worker_os_exit_is_reported_with_exit_code():
+    loader = loader_for(sharded(40, pipelines.exit_on))
+    with pytest.raises(ProcessDiedError, match=r"mprs_plus worker 1 \(pid \d+\) exited with code 3"):
+        list(loader)
+    loader.shutdown()
+
+
+def test_dispatch_process_killed_is_reported():
+    loader = loader_for(dispatched(40, pipelines.kill_self_on))
+    with pytest.raises(ProcessDiedError, match=r"mprs_plus dispatch process \(pid \d+\) was killed by SIGKILL"):
+        list(loader)
+    loader.shutdown()
+
+
+def test_worker_killed_from_outside_while_main_waits():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loader = loader_for(sharded(10, pipelines.block_on))
+    iterator = iter(loader)
+    next(iterator)
+    stuck = children_of_this_test(before)
+    assert len(stuck) == 2
+    for worker in stuck:
+        worker.send_signal(signal.SIGKILL)
+    with pytest.raises(ProcessDiedError, match="killed by SIGKILL"):
+        list(iterator)
+    loader.shutdown()
+
+
+def test_children_exit_when_the_main_process_is_killed(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys, os
+        sys.path.insert(0, {TESTS!r})
+        import psutil, pipelines
+        from torchdata.dataloader2 import DataLoader2
+        from mprs_plus import MultiProcessingReadingService
+        loader = DataLoader2(pipelines.NoGraphWrapper(1000), reading_service=MultiProcessingReadingService(2))
+        it = iter(loader)
+        next(it)
+        print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
+        sys.stdin.read()
+        """
+    )
+    main = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = [int(p) for p in main.stdout.readline().split()]
+        assert len(pids) == 3
+        children = [psutil.Process(pid) for pid in pids]
+        main.kill()
+        main.wait(10)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, "children outlived the killed main process"
+    finally:
+        main.kill()
+        main.wait(10)
+
+
+# -- errors with context -------------------------------------------------------------------
+
+
+def test_main_segment_error_then_shutdown_is_clean():
+    pipe = pipelines.NonReplicable(sharded(10, pipelines.pid_of)).map(pipelines.fail_on_5)
+    loader = loader_for(pipe)
+    with pytest.raises(ValueError, match="bad sample 5"):
+        list(loader)
+    loader.shutdown()
+
+
+def test_exception_that_cannot_be_pickled_arrives_as_worker_error_with_its_text():
+    loader = loader_for(sharded(10, pipelines.raise_unpicklable))
+    with pytest.raises(WorkerError) as info:
+        list(loader)
+    loader.shutdown()
+    message = str(info.value)
+    assert "UnpicklableError: unpicklable failure at 2" in message
+    assert "worker 0" in message and "MapperIterDataPipe" in message
+    assert "raise_unpicklable" in str(info.value.__cause__)
+
+
+def test_exception_that_cannot_be_rebuilt_arrives_as_worker_error():
+    loader = loader_for(sharded(10, pipelines.raise_needs_two))
+    with pytest.raises(WorkerError, match="NeedsTwoArgsError: odd failure at 2"):
+        list(loader)
+    loader.shutdown()
+
+
+def test_error_in_worker_init_fn_surfaces():
+    loader = loader_for(sharded(6, pipelines.pid_of), worker_init_fn=pipelines.broken_init_fn)
+    with pytest.raises(RuntimeError, match="init failed in worker"):
+        list(loader)
+    loader.shutdown()
+
+
+# -- interrupts and timeouts ---------------------------------------------------------------
+
+
+def test_timeout_raises_a_clear_error():
+    loader = loader_for(sharded(10, pipelines.block_on), timeout=1.0)
+    with pytest.raises(TimeoutError, match=r"no item from worker 1 within timeout=1.0 s"):
+        list(loader)
+    loader.shutdown()
+
+
+def _run_script(body: str, timeout: float = 60, **popen) -> subprocess.CompletedProcess:
+    script = f"import sys\nsys.path.insert(0, {TESTS!r})\n" + body
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=timeout, **popen
+    )
+
+
+def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import psutil, pipelines
+        from torchdata.dataloader2 import DataLoader2
+        from torchdata.datapipes.iter import IterableWrapper
+        from mprs_plus import MultiProcessingReadingService
+        pipe = IterableWrapper(range(10)).sharding_filter().map(pipelines.block_on)
+        loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(2))
+        try:
+            it = iter(loader)
+            next(it)
+            print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
+            list(it)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    main = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, like a terminal job
+    )
+    try:
+        children = [psutil.Process(int(pid)) for pid in main.stdout.readline().split()]
+        assert len(children) == 2
+        os.killpg(main.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = main.communicate(timeout=30)
+    finally:
+        if main.poll() is None:
+            os.killpg(main.pid, signal.SIGKILL)
+            main.wait(10)
+    assert "interrupted" in out
+    assert main.returncode == 0
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive
+
+
+# -- exits without shutdown ----------------------------------------------------------------
+
+EXIT_CASES = {
+    "loader_in_a_global": """
+        loader = DataLoader2(pipelines.NoGraphWrapper(100), reading_service=MultiProcessingReadingService(2))
+        list(loader)
+    """,
+    "iterator_kept_mid_epoch": """
+        loader = DataLoader2(pipelines.NoGraphWrapper(100000), reading_service=MultiProcessingReadingService(2))
+        it = iter(loader)
+        next(it)
+    """,
+    "loop_broken_early": """
+        loader = DataLoader2(pipelines.sharded_pipe(100000), reading_service=MultiProcessingReadingService(2))
+        for i, x in enumerate(loader):
+            if i == 10:
+                break
+    """,
+    "spawn_iterator_kept": """
+        loader = DataLoader2(pipelines.NoGraphWrapper(100000),
+                             reading_service=MultiProcessingReadingService(2, multiprocessing_context="spawn"))
+        it = iter(loader)
+        next(it)
+    """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXIT_CASES))
+def test_interpreter_exits_promptly_and_leaves_no_process(case):
+    body = "\n".join(
+        [
+            "import psutil, pipelines",
+            "from torchdata.dataloader2 import DataLoader2",
+            "from mprs_plus import MultiProcessingReadingService",
+            textwrap.dedent(EXIT_CASES[case]),
+            'print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)',
+        ]
+    )
+    done = _run_script(body, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert pids, "the service should have started processes"
+    leftovers = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_garbage_collection_stops_the_service():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loader = loader_for(pipelines.NoGraphWrapper(1000))
+    it = iter(loader)
+    next(it)
+    started = children_of_this_test(before)
+    assert len(started) == 3
+    del it, loader
+    gc.collect()
+    _, alive = psutil.wait_procs(started, timeout=10)
+    assert not alive
+
+
+def test_recreating_loaders_every_epoch_does_not_accumulate_processes():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    for _ in range(6):
+        loader = loader_for(pipelines.sharded_pipe(20))
+        assert len(list(loader)) == 20
+        alive = [p for p in children_of_this_test(before) if p.status() != psutil.STATUS_ZOMBIE]
+        assert len(alive) <= 2 + 2  # this loader's workers, plus at most the previous ones exiting
+    del loader
+
+
+# -- bad input, up front -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"num_workers": -1}, ValueError, "num_workers must be >= 0"),
+        ({"num_workers": 1.5}, TypeError, "num_workers must be an int"),
+        ({"num_workers": 2, "multiprocessing_context": "thread"}, ValueError, "not a start method"),
+        ({"num_workers": 2, "worker_prefetch_cnt": -1}, ValueError, "worker_prefetch_cnt must be >= 0"),
+        ({"num_workers": 2, "main_prefetch_cnt": -3}, ValueError, "main_prefetch_cnt must be >= 0"),
+        ({"num_workers": 2, "worker_init_fn": 42}, TypeError, "worker_init_fn must be callable"),
+        ({"num_workers": 2, "worker_reset_fn": "reset"}, TypeError, "worker_reset_fn must be callable"),
+        ({"num_workers": 2, "timeout": 0}, ValueError, "timeout must be"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MultiProcessingReadingService(**kwargs)
+
+
+def test_unpicklable_segment_under_spawn_names_the_object():
+    from mprs_plus.options import Options
+    from mprs_plus.plan import plan
+    from mprs_plus.runtime.service import ServiceRuntime
+
+    local = lambda x: x  # noqa: E731 - the point of the test
+    runtime = ServiceRuntime(plan(sharded(4, local), 2), Options(num_workers=2, multiprocessing_context="spawn"))
+    with pytest.raises(TypeError, match=r"MapperIterDataPipe\.fn = <function .* cannot be pickled .*lambda") as info:
+        runtime.start()
+    assert "module-level function" in str(info.value)
+    runtime.stop()
+
+
+def test_find_unpicklable_walks_into_nograph_and_containers(tmp_path):
+    with open(tmp_path / "f.txt", "w") as handle:
+        holder = pipelines.Outer(IterableWrapper([1]))
+        holder.files = {"log": [handle]}
+        path, value, _ = find_unpicklable(holder, "pipe")
+    assert path == "Outer.files['log'][0]"
+
+
+def test_iterating_after_shutdown_is_a_clear_error():
+    loader = loader_for(pipelines.sharded_pipe(4))
+    list(loader)
+    loader.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        next(iter(loader))
