@@ -60,16 +60,29 @@ class Plan:
         return tuple(i for i, s in enumerate(self.segments) if s is segment)
 
     def explain(self) -> str:
-        """A text rendering: each node with its segment and process."""
+        """A text rendering: one section per process with its nodes, the queues between
+        processes, the worker replica count, the sharding points and the warnings."""
         from .explain import explain_text
 
         return explain_text(self)
 
     def to_dot(self) -> str:
-        """A Graphviz DOT rendering, one cluster per process kind."""
+        """The same as ``explain()`` as Graphviz DOT text: one cluster per process kind,
+        queues as dashed edges. Needs nothing to produce; any Graphviz viewer draws it."""
         from .explain import explain_dot
 
         return explain_dot(self)
+
+    def render(self, format: str = "svg") -> bytes:
+        """``to_dot()`` drawn as ``"svg"`` or ``"png"`` bytes.
+
+        Needs the optional ``graphviz`` package and Graphviz's ``dot`` program, and raises
+        ``GraphvizNotFound`` saying what is missing. The only method of a Plan that does
+        I/O: it runs ``dot``.
+        """
+        from .explain import render_dot
+
+        return render_dot(self.to_dot(), format)
 
 
 def plan(datapipe: Any, num_workers: int) -> Plan:
