@@ -211,7 +211,7 @@ def explain_dot(plan: Plan) -> str:
                 attributes.append("peripheries=2")
             lines.append(f"    n{index} [{', '.join(attributes)}];")
         if not members:
-            lines.append('    main_reader [label="reads the workers\' queues", shape=plaintext, style=""];')
+            lines.append('    main_reader [label="(no DataPipe of its own)", shape=plaintext, style=""];')
         lines.append("  }")
     for node in graph.nodes:
         paths: dict[int, list[str]] = {}
