@@ -1,11 +1,11 @@
-"""Text and DOT renderings of a Plan: where every DataPipe runs and where queues join them.
+r"""Text and DOT renderings of a Plan: where every DataPipe runs and where queues join them.
 
 Both renderings read the Plan only; they never iterate a DataPipe or start a process,
 so a user can look at a pipeline before running it::
 
     Plan --explain_text--> str    sources first, one section per process, queue lines
-         --explain_dot---> str    one Graphviz cluster per process, queues as dashed edges
-                   \--render_dot--> bytes (svg, png)   optional: graphviz package + dot
+    Plan --explain_dot---> str    one Graphviz cluster per process, queues as dashed edges
+                            \--render_dot--> bytes   svg or png; optional: graphviz + dot
 
 Rendering to an image is the only step with I/O (it runs Graphviz's ``dot``), and the
 only one with an optional dependency; the DOT text needs nothing.

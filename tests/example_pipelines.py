@@ -17,6 +17,10 @@ def double(x: int) -> int:
     return 2 * x
 
 
+def tagged(x: Any, tag: str = "") -> Any:
+    return x
+
+
 class NonReplicable(IterDataPipe):
     """Ends the worker segment: it and everything after it run in the main process."""
 
