@@ -88,12 +88,14 @@ def _tags(plan: Plan, index: int) -> list[str]:
 def _sharding_summary(plan: Plan) -> str | None:
     if plan.num_workers == 0:
         return None
-    parts = [
-        f"#{i} deals items round-robin to the {plan.num_workers} workers" for i in plan.dispatchers
-    ] + [
-        f"#{i} {describe(plan.graph.datapipes[i])} splits its input across the {plan.num_workers} workers"
-        for i in plan.sharding_points
-    ]
+    parts = [f"#{i} deals items round-robin to the {plan.num_workers} workers" for i in plan.dispatchers]
+    for index in plan.sharding_points:
+        name = f"#{index} {describe(plan.graph.datapipes[index])}"
+        if any(plan.segments[i] is Segment.DISPATCH for i in plan.graph.ancestors(index)):
+            # Its input was dealt out already, so the worker does not shard it again.
+            parts.append(f"{name} keeps every item (the dispatcher already dealt them out)")
+        else:
+            parts.append(f"{name} splits its input across the {plan.num_workers} workers")
     return "Sharding: " + ("; ".join(parts) if parts else "none")
 
 

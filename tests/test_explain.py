@@ -67,6 +67,15 @@ def test_text_shows_the_replica_count_and_every_path_of_a_side_reference():
     assert "Sharding: #2 ShardingFilterIterDataPipe splits its input across the 3 workers" in text
 
 
+def test_text_says_a_sharding_filter_after_the_dispatcher_keeps_every_item():
+    # Its input is already dealt out item by item; the workers do not shard it again.
+    worker_filter = pipes.NonReplicable(
+        pipes.IterableWrapper(range(4)).sharding_round_robin_dispatch(pipes.SHARDING_PRIORITIES.MULTIPROCESSING).sharding_filter()
+    )
+    text = " ".join(mprs_plus.plan(worker_filter, 2).explain().split())
+    assert "#1 ShardingFilterIterDataPipe keeps every item (the dispatcher already dealt them out)" in text
+
+
 def test_text_reports_the_planners_warning_and_a_main_process_without_datapipes():
     planned = mprs_plus.plan(pipes.unsharded(), 2)
     text = planned.explain()
