@@ -120,12 +120,17 @@ def _segments_in_order(plan: Plan) -> Iterable[tuple[Segment, list[int]]]:
             yield segment, members
 
 
-def _inputs(node: Node) -> str:
-    """``#6 (source_datapipe)``, one entry per parent with every path it was found at."""
+def _paths_by_parent(node: Node) -> dict[int, list[str]]:
+    """Every path a parent was found at: two paths to one parent is a side reference."""
     paths: dict[int, list[str]] = {}
     for edge in node.edges:
         paths.setdefault(edge.parent, []).append(edge.path)
-    return ", ".join(f"#{parent} ({', '.join(found)})" for parent, found in paths.items())
+    return paths
+
+
+def _inputs(node: Node) -> str:
+    """``#6 (source_datapipe)``, one entry per parent."""
+    return ", ".join(f"#{parent} ({', '.join(found)})" for parent, found in _paths_by_parent(node).items())
 
 
 def _wrapped(prefix: str, text: str) -> list[str]:
@@ -149,9 +154,9 @@ def explain_text(plan: Plan) -> str:
         for index in members:
             node = graph.nodes[index]
             inputs = f"<- {_inputs(node)}" if node.edges else "(source)"
-            tags = _tags(plan, index)
-            tags = f"  [{', '.join(tags)}]" if tags else ""
-            lines.append(f"  {labels[index]:<{width}}  {inputs}{tags}".rstrip())
+            tags = ", ".join(_tags(plan, index))
+            shown_tags = f"  [{tags}]" if tags else ""
+            lines.append(f"  {labels[index]:<{width}}  {inputs}{shown_tags}".rstrip())
             lines += [f"    ==> {queue}" for queue in _queue_text(plan, index)]
     lines.append("")
     sharding = _sharding_summary(plan)
@@ -216,11 +221,9 @@ def explain_dot(plan: Plan) -> str:
             lines.append('    main_reader [label="(no DataPipe of its own)", shape=plaintext, style=""];')
         lines.append("  }")
     for node in graph.nodes:
-        paths: dict[int, list[str]] = {}
-        for edge in node.edges:
-            paths.setdefault(edge.parent, []).append(edge.path)
-        for parent, found in paths.items():
-            lines.append(f"  n{parent} -> n{node.index}{_edge_attributes(plan, parent, node.index, found, len(node.edges))};")
+        for parent, found in _paths_by_parent(node).items():
+            attributes = _edge_attributes(plan, parent, node.index, found, len(node.edges))
+            lines.append(f"  n{parent} -> n{node.index}{attributes};")
     if plan.uses_processes and plan.segments[graph.output] is not Segment.MAIN:
         lines.append(f'  n{graph.output} -> main_reader [style=dashed, label="queue per worker"];')
     lines.append("}")

@@ -28,8 +28,9 @@ FORMATS = ("text", "dot", "svg", "png")
 _BY_SUFFIX = {".txt": "text", ".dot": "dot", ".gv": "dot", ".svg": "svg", ".png": "png"}
 _PROG = "mprs_plus explain"
 
-# Exit codes. argparse also exits with 2 on a usage error: both mean "fix the input".
+# Exit codes. argparse exits with 2 on a usage error too: both mean "fix the input".
 CANNOT_PLAN = 2
+USAGE = 2
 FAILED = 1
 
 _EPILOG = """\
@@ -38,7 +39,7 @@ examples:
   python -m mprs_plus explain path/to/pipes.py:make_pipe --format dot
   python -m mprs_plus explain my_project.data:make_pipe --output plan.svg
 
-exit codes: 0 planned; 1 the module, the factory or Graphviz failed;
+exit codes: 0 planned; 1 the module, the factory, Graphviz or writing FILE failed;
 2 the graph cannot be planned as written (e.g. AmbiguousGraphError), or a usage error.
 """
 
@@ -92,7 +93,7 @@ def _non_negative(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     fmt = args.format or (_BY_SUFFIX.get(Path(args.output).suffix.lower(), "text") if args.output else "text")
     if fmt == "png" and args.output is None and sys.stdout.isatty():
-        return _fail("PNG is binary: give --output FILE.png (or redirect standard output)", FAILED)
+        return _fail("PNG is binary: give --output FILE.png (or redirect standard output)", USAGE)
     try:
         datapipe = load_datapipe(args.target)
     except TargetError as exc:
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{type(exc).__name__}: {exc}", CANNOT_PLAN)
     try:
         _write(planned, fmt, args.output)
-    except GraphvizNotFound as exc:
+    except (GraphvizNotFound, OSError) as exc:
         return _fail(str(exc), FAILED)
     if fmt != "text" or args.output is not None:
         # The warnings are inside the rendering; say them where the user is looking too.
@@ -139,10 +140,10 @@ def _write(planned: Plan, fmt: str, output: str | None) -> None:
         data = planned.to_dot() + "\n"
     else:
         data = planned.render(fmt)
-    if output is not None:
-        mode = "w" if isinstance(data, str) else "wb"
-        with open(output, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as file:
-            file.write(data)
+    if output is not None and isinstance(data, str):
+        Path(output).write_text(data, encoding="utf-8")
+    elif output is not None:
+        Path(output).write_bytes(data)
     elif isinstance(data, str):
         sys.stdout.write(data)
     else:
