@@ -1,5 +1,11 @@
 from setuptools import find_packages, setup
 
+# MkDocs: the docs are Markdown, the format of the README and of the pages' examples that
+# the tests run; mkdocstrings renders the API reference from the docstrings.
+DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0"]
+# Plan.render() and `explain --format svg|png` draw with Graphviz's dot through this package.
+RENDER = ["graphviz>=0.20"]
+
 setup(
     name="mprs_plus",
     version="0.1.0",
@@ -18,7 +24,18 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "pytest-timeout>=2.2", "numpy>=1.24"],
+        # The suite also builds the docs and checks the explain command's rendering
+        # messages, so it needs the docs tools and the graphviz package (not Graphviz's
+        # dot program: the tests that draw images skip without it).
+        "test": [
+            "pytest>=7.4",
+            "pytest-timeout>=2.2",
+            "numpy>=1.24",
+            *DOCS,
+            *RENDER,
+        ],
+        "docs": DOCS,
+        "render": RENDER,
         "bench": ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60"],
     },
     entry_points={"console_scripts": ["mprs-plus=mprs_plus.__main__:main"]},

@@ -9,7 +9,11 @@ from ._cli import bench, demo, explain
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mprs_plus", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m mprs_plus",
+        description="Commands of mprs_plus, the multiprocessing reading service for DataLoader2. "
+        "Each command has --help.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (demo, explain, bench):
         module.register(commands)

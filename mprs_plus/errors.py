@@ -29,3 +29,11 @@ class ProcessDiedError(RuntimeError):
 
 class ServiceClosedError(RuntimeError):
     """The reading service was shut down; a new DataLoader2 is needed to iterate again."""
+
+
+class GraphvizNotFound(RuntimeError):
+    """Drawing a plan as an image needs Graphviz, and part of it is missing.
+
+    The message says which part (the ``graphviz`` Python package or the ``dot`` program)
+    and how to get it; the DOT text of ``Plan.to_dot()`` needs neither.
+    """

@@ -23,6 +23,8 @@ from .graph import Edge, Graph, NoGraph, Node, discover
 
 
 class Segment(str, enum.Enum):
+    """The kind of process a DataPipe runs in; a ``str`` so that it prints as its value."""
+
     DISPATCH = "dispatch"
     WORKER = "worker"
     MAIN = "main"
@@ -32,9 +34,19 @@ class Segment(str, enum.Enum):
 class Plan:
     """Where every node of a graph runs, computed once in the main process.
 
-    ``worker_outputs`` are the nodes whose items travel from the workers to the main
-    process (or the output itself when it runs in the workers); ``dispatchers`` are the
-    nodes whose items travel from the dispatch process to the workers.
+    Nodes are indices into ``graph.datapipes``; node 0 is the output.
+
+    Attributes:
+        graph: the discovered graph.
+        num_workers: the number of worker processes planned for.
+        segments: the segment of every node, by index.
+        dispatchers: the nodes whose items travel from the dispatch process to the workers.
+        worker_outputs: the nodes whose items travel from the workers to the main
+            process (or the output itself when it runs in the workers).
+        sharding_points: worker-segment nodes with ``apply_sharding``, such as
+            ``sharding_filter``.
+        warnings: footguns found, such as no sharding point; the reading service issues
+            them as ``UserWarning`` and ``explain()`` shows them.
     """
 
     graph: Graph
@@ -60,20 +72,45 @@ class Plan:
         return tuple(i for i, s in enumerate(self.segments) if s is segment)
 
     def explain(self) -> str:
-        """A text rendering: each node with its segment and process."""
+        """A text rendering: one section per process with its nodes, the queues between
+        processes, the worker replica count, the sharding points and the warnings."""
         from .explain import explain_text
 
         return explain_text(self)
 
     def to_dot(self) -> str:
-        """A Graphviz DOT rendering, one cluster per process kind."""
+        """The same as ``explain()`` as Graphviz DOT text: one cluster per process kind,
+        queues as dashed edges. Needs nothing to produce; any Graphviz viewer draws it."""
         from .explain import explain_dot
 
         return explain_dot(self)
 
+    def render(self, format: str = "svg") -> bytes:
+        """``to_dot()`` drawn as ``"svg"`` or ``"png"`` bytes.
+
+        Needs the optional ``graphviz`` package and Graphviz's ``dot`` program, and raises
+        ``GraphvizNotFound`` saying what is missing. The only method of a Plan that does
+        I/O: it runs ``dot``.
+        """
+        from .explain import render_dot
+
+        return render_dot(self.to_dot(), format)
+
 
 def plan(datapipe: Any, num_workers: int) -> Plan:
-    """Plan ``datapipe`` for ``num_workers`` worker processes (0: everything in-process)."""
+    """Plan ``datapipe`` for ``num_workers`` worker processes (0: everything in-process).
+
+    Pure: nothing is iterated, no process starts, so a pipeline can be checked (and
+    drawn with ``Plan.explain()``) before it runs. The reading service calls it once,
+    when ``DataLoader2`` first iterates.
+
+    Raises:
+        AmbiguousGraphError: a DataPipe holds references whose targets would run in
+            different processes; the message names the attribute and the fixes.
+        ValueError: ``num_workers`` is not an int >= 0.
+        TypeError: ``datapipe`` is not a DataPipe, or a ``get_parents()`` returned
+            something that is not one.
+    """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     if isinstance(datapipe, NoGraph):

@@ -60,9 +60,11 @@ class Wrapper(IterDataPipe):
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("demo", help="run the seed pipeline and show where each stage ran")
-    parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--items", type=int, default=6)
-    parser.add_argument("--context", default=None, help="fork, spawn or forkserver")
+    parser.add_argument("--num-workers", type=int, default=2, metavar="N", help="worker processes (default 2)")
+    parser.add_argument("--items", type=int, default=6, metavar="N", help="items the source yields (default 6)")
+    parser.add_argument(
+        "--context", default=None, help="multiprocessing start method: fork, spawn or forkserver (default: the platform's)"
+    )
     parser.set_defaults(run=run)
 
 
