@@ -121,9 +121,9 @@ def test_bad_num_workers():
 
 def test_explain_shows_segments_processes_and_queues():
     text = plan(pipelines.NoGraphWrapper(), num_workers=2).explain()
-    assert "2 worker processes + 1 dispatch process + main" in text
-    assert "[dispatch process]" in text and "[worker x2]" in text and "[main process]" in text
-    assert text.count("queue:") == 2
+    assert "4 processes (1 dispatch, 2 workers, 1 main)" in text
+    assert "[dispatch process" in text and "[worker processes x2" in text and "[main process" in text
+    assert text.count("==> queue") == 2
 
 
 def test_plan_of_nograph_wrapped_output():
