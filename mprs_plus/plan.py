@@ -240,10 +240,14 @@ def _footguns(
     if Segment.WORKER not in segments:
         first_main = next((i for i in graph.topological() if segments[i] is Segment.MAIN), None)
         where = f" ({graph.nodes[first_main].name} is not replicable)" if first_main is not None else ""
+        consequence = (
+            "the workers only pass the dispatched items on, and all the work runs in the dispatch and main processes"
+            if dispatchers
+            else "the work stays in the main process"
+        )
         found.append(
-            "The worker segment is empty: no DataPipe runs in the worker processes, so the "
-            f"{num_workers} workers have nothing to do and the work stays in one process{where}. "
-            "Move non-replicable steps after the expensive ones, or mark the split with "
+            f"The worker segment is empty: no DataPipe runs in the {num_workers} worker processes, so "
+            f"{consequence}{where}. Move non-replicable steps after the expensive ones, or mark the split with "
             "sharding_filter() / sharding_round_robin_dispatch(...)."
         )
     elif num_workers > 1 and not dispatchers and not sharding_points:
