@@ -40,7 +40,7 @@ from benchmarks.workloads._shared import calibrate_loops  # noqa: E402
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     names = [w.name for w in WORKLOADS]
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog or "benchmarks/run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="few items, 1 repetition, no memory check (<1 min)")
     parser.add_argument("--repetitions", type=int, default=None, help="interleaved repetitions (default 5; 1 with --quick)")
