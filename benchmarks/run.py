@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         repetitions=args.repetitions or (1 if args.quick else 5),
         budget_s=args.budget or (0.3 if args.quick else 3.0),
         deadline_s=40.0 if args.quick else 120.0,
-        shutdown_limit_s=3.0 if args.quick else 20.0,
+        shutdown_limit_s=3.0 if args.quick else 10.0,
         cpu_loops=calibrate_loops(0.002),
         memory_gb=args.memory_gb,
         memory_bound_mib=args.memory_bound_mib,

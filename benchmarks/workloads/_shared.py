@@ -42,13 +42,13 @@ def burn(item: Any, loops: int) -> Any:
     return item
 
 
-def calibrate_loops(seconds: float = 0.002, trials: int = 7) -> int:
+def calibrate_loops(seconds: float = 0.002, trials: int = 11) -> int:
     """The ``burn`` loop count that takes about ``seconds`` on this machine.
 
     The fastest of several trials is used: it is the cost of the work itself, without
     whatever else the machine was doing meanwhile.
     """
-    probe = 20_000
+    probe = 50_000
     best = float("inf")
     for _ in range(trials):
         start = time.perf_counter()
