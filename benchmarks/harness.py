@@ -375,6 +375,7 @@ class Results:
     cells: dict[str, dict[str, Cell]]
     memcpy_gbps: list[float]
     wall_s: float = 0.0
+    load_averages: list[float] = field(default_factory=list)  # 1-minute load, after every step
 
     def memcpy_median(self) -> float | None:
         return float(np.median(self.memcpy_gbps)) if self.memcpy_gbps else None
@@ -423,6 +424,8 @@ def run_suite(
             results.memcpy_gbps.append(memcpy_bandwidth(64 * MiB if settings.quick else 256 * MiB, 5))
         else:
             _measure(workload, contender, settings, cells[workload.name][contender])
+        # Other work on the machine shows here; a reader of the results should see it.
+        results.load_averages.append(os.getloadavg()[0])
     bar.close()
     results.wall_s = time.perf_counter() - started
     results.environment["load_average_end"] = list(os.getloadavg())

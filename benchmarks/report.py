@@ -182,10 +182,12 @@ def _headline(results: Results) -> str:
     s, env = results.settings, results.environment
     memcpy = results.memcpy_median()
     memcpy_text = f"{memcpy:.2f} GB/s" if memcpy else "—"
+    loads = results.load_averages
+    load_text = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
     return (
         f"{s.num_workers} workers, {s.context}, {'quick, ' if s.quick else ''}median of "
-        f"{s.repetitions} repetition(s); {env['cpu_model']}, {env['usable_cores']} usable cores; "
-        f"single-core memcpy {memcpy_text}"
+        f"{s.repetitions} repetition(s); {env['cpu_model']}, {env['usable_cores']} usable cores"
+        f"{load_text}; single-core memcpy {memcpy_text}"
     )
 
 
@@ -258,6 +260,7 @@ def to_json(results: Results, rows: list[Row]) -> dict[str, Any]:
         "settings": settings_dict(results.settings),
         "wall_s": results.wall_s,
         "memcpy": {"samples_gbps": results.memcpy_gbps, "median_gbps": results.memcpy_median()},
+        "load_averages": results.load_averages,
         "contenders": list(CONTENDERS),
         "workloads": workloads,
         "summary": _verdict_counts(rows),
