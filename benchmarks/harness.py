@@ -405,8 +405,6 @@ def run_suite(
     contenders: tuple[str, ...] = CONTENDERS,
     progress: bool = True,
 ) -> Results:
-    from tqdm import tqdm
-
     def note(workload: Workload, contender: str) -> str:
         if contender in workload.runners and contender not in contenders:
             return "not selected in this run"
@@ -416,7 +414,7 @@ def run_suite(
     results = Results(settings, environment(settings), workloads, cells, [])
     steps = schedule(workloads, contenders, settings.repetitions)
     started = time.perf_counter()
-    bar = tqdm(steps, desc="benchmarks", unit="run", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = _progress(steps, progress)
     for rep, workload, contender in bar:
         label = "memcpy" if workload is None else f"{workload.name} / {contender}"
         bar.set_postfix_str(f"rep {rep + 1}/{settings.repetitions} {label}", refresh=True)
@@ -430,6 +428,24 @@ def run_suite(
     results.wall_s = time.perf_counter() - started
     results.environment["load_average_end"] = list(os.getloadavg())
     return results
+
+
+def _progress(steps: list[Any], enabled: bool) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a comfort, not a requirement ("pip install tqdm" brings it)
+        enabled = False
+    if not enabled:
+        return _Quiet(steps)
+    return tqdm(steps, desc="benchmarks", unit="run", file=sys.stderr, dynamic_ncols=True)
+
+
+class _Quiet(list):
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _measure(workload: Workload, contender: str, settings: Settings, cell: Cell) -> None:
