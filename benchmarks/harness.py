@@ -70,6 +70,7 @@ class Settings:
     budget_s: float = 3.0  # timed streaming per throughput measurement, after warm-up
     deadline_s: float = 120.0  # a measurement still running after this is cut off
     shutdown_limit_s: float = 20.0  # a loader's shutdown still running after this is cut off
+    reap_grace_s: float = 3.0  # after a measurement, how long child processes get to end
     cpu_loops: int = 0  # loop count of ``burn`` for about 2 ms; calibrated by run.py
     memory_gb: float = 10.0
     memory_bound_mib: float = 64.0
@@ -465,7 +466,7 @@ def _measure(workload: Workload, contender: str, settings: Settings, cell: Cell)
         cell.details.append(values)
     finally:
         gc.collect()  # loaders that escaped shutdown end here, before anyone else runs
-        cell.killed_pids += end_children(grace_s=3.0)
+        cell.killed_pids += end_children(grace_s=settings.reap_grace_s)
 
 
 def describe(exc: BaseException) -> str:
