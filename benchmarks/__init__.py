@@ -1,0 +1,1 @@
+"""The benchmark suite of mprs_plus; ``python benchmarks/run.py --help``."""

@@ -1,0 +1,325 @@
+"""Turn a run's samples into medians, ratios and target verdicts; print them as a table and
+write them as JSON (with environment metadata), Markdown and a PNG plot of the ratios.
+
+    Results --summarize--> [Row: workload x metric] --table()/markdown()--> text
+                                                    --to_json()---------> results-*.json
+                                                    --plot()------------> results-*.png
+
+Ratios are always oriented so that above 1 means mprs_plus is better: throughput of
+mprs_plus over the other's, time of the other over mprs_plus's. Bandwidths are also given
+as a fraction of the single-core memcpy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .harness import (
+    CONTENDERS,
+    FAILED,
+    MEMCPY,
+    MPRS_PLUS,
+    NOT_APPLICABLE,
+    Metric,
+    Results,
+    Target,
+    Workload,
+    settings_dict,
+)
+
+OTHERS = tuple(c for c in CONTENDERS if c != MPRS_PLUS)
+COMPARISONS = (*OTHERS, MEMCPY)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: Target
+    threshold: float
+    value: float | None  # the ratio (or, for an absolute target, the value) measured
+
+    @property
+    def passed(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.threshold if self.target.against is not None else self.value <= self.threshold
+
+    @property
+    def word(self) -> str:
+        return {True: "PASS", False: "MISS", None: "NO DATA"}[self.passed]
+
+    def label(self, metric: Metric) -> str:
+        if self.target.against is None:
+            sign = "≥" if metric.higher_is_better else "≤"
+            return f"{sign}{_number(self.threshold)} {metric.unit}"
+        return f"≥{_number(self.threshold)}× {self.target.against}"
+
+
+@dataclass(frozen=True)
+class Row:
+    workload: Workload
+    metric: Metric
+    medians: dict[str, float | None]  # contender -> median; None when failed or not applicable
+    ratios: dict[str, float | None]  # contender or MEMCPY -> ratio of mprs_plus against it
+    verdicts: tuple[Verdict, ...]
+
+
+def ratio(metric: Metric, mine: float | None, theirs: float | None) -> float | None:
+    if not mine or not theirs:
+        return None
+    return mine / theirs if metric.higher_is_better else theirs / mine
+
+
+def summarize(results: Results) -> list[Row]:
+    memcpy = results.memcpy_median()
+    rows = []
+    for workload in results.workloads:
+        cells = results.cells[workload.name]
+        for metric in workload.metrics:
+            medians = {c: cells[c].median(metric.key) for c in CONTENDERS}
+            mine = medians[MPRS_PLUS]
+            ratios = {c: ratio(metric, mine, medians[c]) for c in OTHERS}
+            ratios[MEMCPY] = ratio(metric, mine, memcpy) if metric.unit == "GB/s" else None
+            verdicts = tuple(
+                Verdict(t, t.resolve(results.settings), mine if t.against is None else ratios[t.against])
+                for t in workload.targets
+                if t.metric == metric.key
+            )
+            rows.append(Row(workload, metric, medians, ratios, verdicts))
+    return rows
+
+
+# -- text ------------------------------------------------------------------------------------
+
+
+def _number(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}".rstrip("0").rstrip(".")
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def format_value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "items/s":
+        for scale, suffix in ((1e6, "M"), (1e3, "k")):
+            if value >= scale:
+                return f"{value / scale:.3g}{suffix}"
+        return f"{value:.3g}"
+    if unit == "s":
+        return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+    return f"{value:.3g}"
+
+
+def format_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3g}×"
+
+
+def _cell_text(results: Results, row: Row, contender: str) -> str:
+    cell = results.cells[row.workload.name][contender]
+    if cell.status == FAILED:
+        return "failed"
+    if cell.status == NOT_APPLICABLE:
+        return "n/a"
+    return format_value(row.medians[contender], row.metric.unit)
+
+
+def _display_unit(unit: str) -> str:
+    return "ms" if unit == "s" else unit
+
+
+def _grid(results: Results, rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    header = ["workload", "metric", "unit", *CONTENDERS, *(f"vs {c}" for c in COMPARISONS), "targets"]
+    body = []
+    for row in rows:
+        targets = ", ".join(f"{v.label(row.metric)} {v.word}" for v in row.verdicts)
+        body.append(
+            [
+                row.workload.title,
+                row.metric.key,
+                _display_unit(row.metric.unit),
+                *(_cell_text(results, row, c).replace(" ms", "") for c in CONTENDERS),
+                *(format_ratio(row.ratios[c]) for c in COMPARISONS),
+                targets,
+            ]
+        )
+    return header, body
+
+
+def _failures(results: Results) -> list[str]:
+    lines = []
+    for workload in results.workloads:
+        for contender, cell in results.cells[workload.name].items():
+            for error in dict.fromkeys(cell.errors):
+                lines.append(f"{workload.name} / {contender}: {error.splitlines()[0]}")
+            if cell.killed_pids:
+                lines.append(f"{workload.name} / {contender}: left {len(cell.killed_pids)} process(es) running; killed")
+    return lines
+
+
+def _notes(results: Results) -> list[str]:
+    lines = []
+    for workload in results.workloads:
+        for contender, cell in results.cells[workload.name].items():
+            if cell.note:
+                lines.append(f"{workload.name} / {contender}: {cell.note}")
+    return lines
+
+
+def _verdict_counts(rows: list[Row]) -> dict[str, int]:
+    counts = {"PASS": 0, "MISS": 0, "NO DATA": 0}
+    for row in rows:
+        for verdict in row.verdicts:
+            counts[verdict.word] += 1
+    return counts
+
+
+def _headline(results: Results) -> str:
+    s, env = results.settings, results.environment
+    memcpy = results.memcpy_median()
+    memcpy_text = f"{memcpy:.2f} GB/s" if memcpy else "—"
+    loads = results.load_averages
+    load_text = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
+    return (
+        f"{s.num_workers} workers, {s.context}, {'quick, ' if s.quick else ''}median of "
+        f"{s.repetitions} repetition(s); {env['cpu_model']}, {env['usable_cores']} usable cores"
+        f"{load_text}; single-core memcpy {memcpy_text}"
+    )
+
+
+def table(results: Results, rows: list[Row]) -> str:
+    header, body = _grid(results, rows)
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    numeric = set(range(3, len(header) - 1))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [_headline(results), "", line(header), line(["-" * w for w in widths])]
+    out += [line(r) for r in body]
+    counts = _verdict_counts(rows)
+    out += ["", f"targets: {counts['PASS']} PASS, {counts['MISS']} MISS, {counts['NO DATA']} without data"]
+    out += [f"  note  {n}" for n in _notes(results)]
+    out += [f"  error {f}" for f in _failures(results)]
+    return "\n".join(out)
+
+
+def markdown(results: Results, rows: list[Row]) -> str:
+    header, body = _grid(results, rows)
+    out = [f"_{_headline(results)}_", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(out) + "\n"
+
+
+# -- JSON ------------------------------------------------------------------------------------
+
+
+def to_json(results: Results, rows: list[Row]) -> dict[str, Any]:
+    workloads: dict[str, Any] = {}
+    for workload in results.workloads:
+        workloads[workload.name] = {
+            "title": workload.title,
+            "description": workload.description,
+            "metrics": [{"key": m.key, "unit": m.unit, "higher_is_better": m.higher_is_better} for m in workload.metrics],
+            "contenders": {
+                contender: {
+                    "status": cell.status,
+                    "note": cell.note,
+                    "median": {m.key: cell.median(m.key) for m in workload.metrics},
+                    "samples": cell.samples,
+                    "details": cell.details,
+                    "errors": cell.errors,
+                    "killed_pids": cell.killed_pids,
+                }
+                for contender, cell in results.cells[workload.name].items()
+            },
+            "ratios": {},
+            "targets": [],
+        }
+    for row in rows:
+        entry = workloads[row.workload.name]
+        entry["ratios"][row.metric.key] = row.ratios
+        entry["targets"] += [
+            {
+                "metric": row.metric.key,
+                "against": v.target.against,
+                "threshold": v.threshold,
+                "value": v.value,
+                "verdict": v.word,
+            }
+            for v in row.verdicts
+        ]
+    return {
+        "suite": "mprs_plus benchmarks",
+        "schema": 1,
+        "environment": results.environment,
+        "settings": settings_dict(results.settings),
+        "wall_s": results.wall_s,
+        "memcpy": {"samples_gbps": results.memcpy_gbps, "median_gbps": results.memcpy_median()},
+        "load_averages": results.load_averages,
+        "contenders": list(CONTENDERS),
+        "workloads": workloads,
+        "summary": _verdict_counts(rows),
+    }
+
+
+# -- plot ------------------------------------------------------------------------------------
+
+
+def plot(results: Results, rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    shown = [r for r in rows if any(r.ratios[c] for c in COMPARISONS)]
+    width = 0.8 / len(COMPARISONS)
+    fig, ax = plt.subplots(figsize=(max(9.0, 1.35 * len(shown) + 2), 5.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for j, against in enumerate(COMPARISONS):
+        offset = (j - (len(COMPARISONS) - 1) / 2) * width
+        for i, row in enumerate(shown):
+            value = row.ratios[against]
+            if not value:
+                continue
+            x = i + offset
+            ax.bar(x, value, width, color=colors[j % len(colors)])
+            ax.annotate(f"{value:.3g}", (x, value), ha="center", va="bottom", fontsize=6, rotation=90,
+                        xytext=(0, 2), textcoords="offset points")
+            for verdict in row.verdicts:
+                if verdict.target.against == against:
+                    ax.plot([x - width / 2, x + width / 2], [verdict.threshold] * 2, color="black", linewidth=2)
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(shown)))
+    ax.set_xticklabels([f"{r.workload.title}\n{r.metric.key.replace('_', ' ')}" for r in shown], fontsize=8)
+    ax.set_ylabel("mprs_plus ÷ other (above 1: mprs_plus better)")
+    ax.set_title(f"mprs_plus benchmarks: {_headline(results)}", fontsize=8, wrap=True)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[j % len(colors)]) for j in range(len(COMPARISONS))]
+    handles.append(Line2D([], [], color="black", linewidth=2))
+    labels = [f"vs {c}" for c in COMPARISONS] + ["target"]
+    ax.legend(handles, labels, fontsize=8, loc="upper right")
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def write(results: Results, rows: list[Row], out_dir: Path, stem: str) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{stem}.json", "markdown": out_dir / f"{stem}.md", "plot": out_dir / f"{stem}.png"}
+    paths["json"].write_text(json.dumps(to_json(results, rows), indent=2, default=str) + "\n")
+    paths["markdown"].write_text(markdown(results, rows))
+    try:
+        plot(results, rows, paths.pop("plot"))
+    except ImportError as exc:  # the figures are in the JSON already; the plot is extra
+        print(f"no plot: {exc}; 'pip install matplotlib' (or the 'bench' extra) brings it", file=sys.stderr)
+    else:
+        paths["plot"] = out_dir / f"{stem}.png"
+    return paths

@@ -1,0 +1,30 @@
+"""The workloads, one module each, in the order the report shows them.
+
+Each module defines ``WORKLOAD``, a ``harness.Workload``: what it measures, a runner per
+contender it applies to, and the project's targets for it.
+"""
+
+from __future__ import annotations
+
+from ..harness import Workload
+from . import (
+    cpu_bound,
+    dispatch_pipeline,
+    memory_growth,
+    numpy_arrays,
+    seed_wrapper,
+    startup_shutdown,
+    tiny_items,
+    torch_tensors,
+)
+
+WORKLOADS: tuple[Workload, ...] = (
+    tiny_items.WORKLOAD,
+    numpy_arrays.WORKLOAD,
+    torch_tensors.WORKLOAD,
+    cpu_bound.WORKLOAD,
+    dispatch_pipeline.WORKLOAD,
+    seed_wrapper.WORKLOAD,
+    startup_shutdown.WORKLOAD,
+    memory_growth.WORKLOAD,
+)

@@ -1,0 +1,92 @@
+"""The benchmark suite runs end to end and reports every workload and contender.
+
+Nothing here asserts anything about speed: ``--quick`` is a smoke test of the suite's
+machinery (interleaving, failure recording, JSON, plot), run in a subprocess with a
+timeout so that a hang fails the test instead of the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mprs_plus._cli import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+QUICK_WORKLOADS = {
+    "tiny_items",
+    "numpy_arrays",
+    "torch_tensors",
+    "cpu_bound",
+    "dispatch_pipeline",
+    "seed_wrapper",
+    "startup_shutdown",
+}
+CONTENDERS = {"mprs_plus", "torchdata", "torch", "in-process"}
+STATUSES = {"ok", "failed", "n/a"}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--no-progress", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=105,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [result_file] = tmp_path.glob("*.json")
+    result = json.loads(result_file.read_text())
+
+    assert set(result["workloads"]) == QUICK_WORKLOADS
+    for name, workload in result["workloads"].items():
+        assert set(workload["contenders"]) == CONTENDERS, name
+        for contender, cell in workload["contenders"].items():
+            assert cell["status"] in STATUSES, (name, contender)
+            if cell["status"] == "failed":
+                assert cell["errors"], (name, contender)  # a failure always says why
+            if cell["status"] == "ok":
+                assert all(cell["samples"][m["key"]] for m in workload["metrics"]), (name, contender)
+        assert workload["contenders"]["mprs_plus"]["status"] != "n/a", name
+    environment = result["environment"]
+    for key in ("python", "versions", "cpu_model", "logical_cores", "start_method", "date", "git"):
+        assert key in environment, key
+    assert environment["start_method"] == "fork"
+    assert result["memcpy"]["median_gbps"] > 0
+    assert list(tmp_path.glob("*.png")), "no plot written"
+    assert "PASS" in done.stdout or "MISS" in done.stdout  # the table has its verdict column
+
+
+def test_bench_command_forwards_help_to_the_suite() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mprs_plus", "bench", "--help"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--quick" in done.stdout and "--context" in done.stdout
+
+
+def test_bench_command_finds_the_suite_only_in_a_source_checkout(tmp_path: Path) -> None:
+    assert bench.suite_path() == ROOT / "benchmarks" / "run.py"
+    installed_alone = tmp_path / "site-packages" / "mprs_plus"
+    installed_alone.mkdir(parents=True)
+    assert bench.suite_path(installed_alone) is None
+
+
+def test_bench_command_explains_what_to_do_without_a_checkout(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(bench, "suite_path", lambda: None)
+    assert bench.run(bench.argparse.Namespace(rest=["--quick"])) == 2
+    assert "source repository" in capsys.readouterr().err
