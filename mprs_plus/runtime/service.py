@@ -103,14 +103,20 @@ class ServiceResources:
     def _drain(self, timeout: float) -> None:
         """Discard worker output while stopping, so no worker stays blocked on a full channel."""
         open_receivers = [r for i, r in enumerate(self.data) if i not in self._drained]
-        sentinels = [p.sentinel for p in self.processes() if p.exitcode is None]
-        for ready in wait_readable(open_receivers, timeout, also=sentinels):
-            if ready in open_receivers:
-                try:
-                    while ready.poll():
-                        ready.recv(0)
-                except ChannelError:
-                    self._drained.add(self.data.index(ready))
+        alive = {p.sentinel: p for p in self.processes() if p.exitcode is None}
+        if not alive:
+            return  # everyone exited since the caller looked: nothing left to wait for
+        for ready in wait_readable(open_receivers, timeout, also=list(alive)):
+            if ready in alive:
+                # Its sentinel fired: the process is gone or in its last moments; reap it
+                # rather than wake up again and again until the kernel lets us.
+                alive[ready].join(_DEATH_GRACE)
+                continue
+            try:
+                while ready.poll():
+                    ready.recv(0)
+            except ChannelError:
+                self._drained.add(self.data.index(ready))
 
 
 class ServiceRuntime:
