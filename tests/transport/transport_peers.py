@@ -1,0 +1,71 @@
+"""Bodies of the child processes the transport tests start (module level, so that spawn
+and forkserver children can import them), and a helper to wait on shared state."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mprs_plus.transport import EndOfStream, release_all_except
+from mprs_plus.transport import shm
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:
+    """Spin (yielding the CPU) until ``predicate()`` holds; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout} s")
+        os.sched_yield()
+
+
+def sender_sleeps(endpoint: Any) -> bool:
+    """The channel's producer is blocked waiting for room (read from shared memory)."""
+    return bool(endpoint._ctl[shm._TX_SLEEPING])
+
+
+def receiver_sleeps(endpoint: Any) -> bool:
+    """The channel's consumer is blocked waiting for data (read from shared memory)."""
+    return bool(endpoint._ctl[shm._RX_SLEEPING])
+
+
+def echo(receiver: Any, sender: Any) -> None:
+    """Send back everything received; end the stream when the input ends."""
+    release_all_except([receiver, sender])
+    try:
+        while True:
+            sender.send(receiver.recv())
+    except EndOfStream:
+        sender.close()
+
+
+def produce(sender: Any, items: list[Any], counter: Any = None, close: bool = True) -> None:
+    """Send ``items``, counting each accepted one in ``counter`` (a shared Value)."""
+    release_all_except([sender])
+    for item in items:
+        sender.send(item)
+        if counter is not None:
+            with counter.get_lock():
+                counter.value += 1
+    if close:
+        sender.close()
+    else:
+        os._exit(0)  # die without ending the stream
+
+
+def hold(endpoint: Any) -> None:
+    """Own ``endpoint`` and never use it (until killed)."""
+    release_all_except([endpoint])
+    threading.Event().wait()
+
+
+def list_fds(sender: Any, report: Any) -> None:
+    """Report the descriptors this (forked) child holds after dropping foreign endpoints."""
+    release_all_except([sender])
+    report.send(sorted(int(name) for name in os.listdir("/proc/self/fd")))
+    report.close()
+    sender.send("alive")
+    os._exit(0)  # without close(): the reader must see a broken stream
