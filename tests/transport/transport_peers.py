@@ -3,6 +3,7 @@ and forkserver children can import them), and a helper to wait on shared state."
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
@@ -62,10 +63,24 @@ def hold(endpoint: Any) -> None:
     threading.Event().wait()
 
 
+def descriptor_identities(fds: Any = None) -> set[tuple[int, int, int]]:
+    """(device, inode, access mode) of each descriptor: which file, and which end of a pipe."""
+    if fds is None:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    found = set()
+    for fd in fds:
+        try:
+            info = os.fstat(fd)
+            found.add((info.st_dev, info.st_ino, fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE))
+        except OSError:
+            continue  # the listing's own descriptor, closed already
+    return found
+
+
 def list_fds(sender: Any, report: Any) -> None:
     """Report the descriptors this (forked) child holds after dropping foreign endpoints."""
     release_all_except([sender])
-    report.send(sorted(int(name) for name in os.listdir("/proc/self/fd")))
+    report.send(descriptor_identities())
     report.close()
     sender.send("alive")
     os._exit(0)  # without close(): the reader must see a broken stream
