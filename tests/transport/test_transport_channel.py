@@ -21,7 +21,7 @@ from mprs_plus.transport import (
     register_reducer,
     wait_readable,
 )
-from mprs_plus.transport import shm
+from mprs_plus.transport import _ring
 
 FORK = multiprocessing.get_context("fork")
 Point = collections.namedtuple("Point", "x y")
@@ -295,8 +295,8 @@ def test_the_ring_restarts_at_its_beginning_when_the_reader_keeps_up():
         for _ in range(20):
             sender.send(payload)
             assert receiver.recv(timeout=5) == payload
-            assert receiver._ctl[shm._READ_POS] % receiver._size <= 2 << 20
-        assert receiver._ctl[shm._READ_POS] > 2 << 20  # it did go round
+            assert receiver._ctl[_ring.READ_POS] % receiver._size <= 2 << 20
+        assert receiver._ctl[_ring.READ_POS] > 2 << 20  # it did go round
     finally:
         sender.close()
         receiver.close()

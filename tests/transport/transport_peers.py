@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mprs_plus.transport import EndOfStream, release_all_except
-from mprs_plus.transport import shm
+from mprs_plus.transport import _ring
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:
@@ -25,12 +25,12 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:
 
 def sender_sleeps(endpoint: Any) -> bool:
     """The channel's producer is blocked waiting for room (read from shared memory)."""
-    return bool(endpoint._ctl[shm._TX_SLEEPING])
+    return bool(endpoint._ctl[_ring.TX_SLEEPING])
 
 
 def receiver_sleeps(endpoint: Any) -> bool:
     """The channel's consumer is blocked waiting for data (read from shared memory)."""
-    return bool(endpoint._ctl[shm._RX_SLEEPING])
+    return bool(endpoint._ctl[_ring.RX_SLEEPING])
 
 
 def echo(receiver: Any, sender: Any) -> None:
