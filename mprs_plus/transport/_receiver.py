@@ -57,6 +57,12 @@ class ShmReceiver(Endpoint):
         return self._sleeper.check_peer_gone()
 
     def recv(self, timeout: float | None = None) -> Any:
+        """The next message. ``timeout`` (seconds, None: forever) bounds the wait for a
+        message to begin; one larger than the ring that has begun is read to its end.
+
+        Raises ``EndOfStream`` after the last message of a closed stream, ``ChannelBroken``
+        when the sender is gone and nothing is buffered, ``TimeoutError``, or whatever
+        unpickling the message raises (the message is consumed all the same)."""
         if not self._open:
             raise ChannelClosed("receive on a closed channel: this receiver was closed or released")
         ctl = self._ctl

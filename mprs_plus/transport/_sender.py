@@ -46,6 +46,11 @@ class ShmSender(Endpoint):
         return (self._capacity_items,)
 
     def send(self, obj: Any) -> None:
+        """Pickle ``obj`` into the ring; block while ``capacity_items`` messages or the
+        ring's bytes are in flight. An error while pickling sends nothing.
+
+        Raises ``ChannelClosed`` after ``close()`` / ``release()`` here, ``ChannelBroken``
+        when the receiver is gone or closed, or a watched waitable became ready."""
         if not self._open:
             raise ChannelClosed("send on a closed channel: this sender was closed or released")
         ctl = self._ctl

@@ -64,7 +64,7 @@ class Encoder:
     def encode(self, obj: Any) -> tuple[memoryview, list[memoryview]]:
         """The pickle stream and the out-of-band buffers (byte views) of ``obj``. Both stay
         valid until ``release()`` or the next ``encode``."""
-        if self._stream is not None:
+        if self._stream is not None or self._buffers:
             self.release()
         pickler = self._pickler
         # Checked on every message, and cheap: a reducer registered later (by us, or in
@@ -81,6 +81,10 @@ class Encoder:
         file.truncate()
         try:
             pickler.dump(obj)
+        except BaseException:
+            self._pickler = None  # start the next message from a fresh pickler
+            self._buffers.clear()  # buffers of the failed message
+            raise
         finally:
             pickler.clear_memo()  # the memo holds references to parts of obj
         stream = self._stream = file.getbuffer()

@@ -11,7 +11,7 @@ import os
 import threading
 
 import pytest
-from transport_peers import produce, receiver_sleeps, sender_sleeps, wait_until
+from transport_peers import FailsToUnpickle, produce, receiver_sleeps, sender_sleeps, wait_until
 
 from mprs_plus.transport import (
     ChannelBroken,
@@ -204,8 +204,21 @@ def test_a_message_that_fails_to_pickle_leaves_the_channel_usable(channel):
     sender, receiver = channel
     with pytest.raises(Exception):
         sender.send(lambda: None)
-    sender.send("next")
-    assert receiver.recv(timeout=5) == "next"
+    with pytest.raises(Exception):  # fails after a buffer went out of band
+        sender.send([bytearray(10_000), lambda: None])
+    assert not receiver.poll()
+    sender.send(["next", bytearray(b"n" * 5000)])
+    assert receiver.recv(timeout=5) == ["next", bytearray(b"n" * 5000)]
+    assert not receiver.poll()
+
+
+def test_a_message_that_fails_to_unpickle_raises_and_is_consumed(channel):
+    sender, receiver = channel
+    sender.send(FailsToUnpickle())
+    sender.send("after")
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        receiver.recv(timeout=5)
+    assert receiver.recv(timeout=5) == "after"
 
 
 def test_register_reducer_is_used_by_channels_only(channel):

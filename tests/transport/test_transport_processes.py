@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from transport_peers import (
+    ExitsWhilePickling,
     descriptor_identities,
     echo,
     hold,
@@ -158,6 +159,20 @@ def test_a_sender_killed_in_the_middle_of_a_big_message_breaks_the_receiver():
             receiver.recv(timeout=60)
     finally:
         receiver.close()
+
+
+def test_a_sender_that_exits_while_pickling_breaks_the_receiver():
+    sender, receiver = open_channel(FORK, capacity_items=10, capacity_bytes=1 << 20)
+    process = _start(FORK, produce, sender, ["first", ExitsWhilePickling(), "never"])
+    sender.release()
+    try:
+        assert receiver.recv(timeout=30) == "first"
+        with pytest.raises(ChannelBroken, match="sending process is gone"):
+            receiver.recv(timeout=30)
+    finally:
+        receiver.close()
+        process.join(30)
+    assert process.exitcode == 3
 
 
 def test_messages_sent_before_the_sender_died_are_still_delivered():

@@ -84,3 +84,17 @@ def list_fds(sender: Any, report: Any) -> None:
     report.close()
     sender.send("alive")
     os._exit(0)  # without close(): the reader must see a broken stream
+
+
+def _explode(message: str) -> None:
+    raise RuntimeError(message)
+
+
+class FailsToUnpickle:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _explode, ("cannot rebuild this",)
+
+
+class ExitsWhilePickling:
+    def __reduce__(self) -> tuple[Any, ...]:
+        os._exit(3)
