@@ -107,10 +107,10 @@ class ShmSender(Endpoint):
 
     # -- writing -------------------------------------------------------------------------
 
-    def _write_frame(self, stream: memoryview, buffers: list[memoryview]) -> None:
+    def _write_frame(self, stream: bytes | memoryview, buffers: list[memoryview]) -> None:
         ctl, size = self._ctl, self._size
         nbuf = len(buffers)
-        body = HEADER + 8 * nbuf + stream.nbytes + sum(b.nbytes for b in buffers)
+        body = HEADER + 8 * nbuf + len(stream) + sum(b.nbytes for b in buffers)
         frame = (body + HEADER - 1) & -HEADER
         if ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items:
             limit = self._capacity_items
@@ -126,7 +126,7 @@ class ShmSender(Endpoint):
             self._put_header(offset, SKIP, 0, 0, size - offset)
             write += size - offset
             offset = 0
-        self._put_header(offset, MESSAGE, nbuf, stream.nbytes, frame)
+        self._put_header(offset, MESSAGE, nbuf, len(stream), frame)
         position = write + HEADER
         if nbuf:
             position = self._put(position, struct.pack(f"<{nbuf}Q", *(b.nbytes for b in buffers)))
@@ -136,8 +136,9 @@ class ShmSender(Endpoint):
         ctl[WRITE_POS] = write + frame  # publishes the whole frame at once
         ctl[ITEMS_WRITTEN] += 1
 
-    def _write_streamed(self, stream: memoryview, buffers: list[memoryview], frame: int, padding: int) -> None:
+    def _write_streamed(self, stream: bytes | memoryview, buffers: list[memoryview], frame: int, padding: int) -> None:
         """A frame larger than the ring: header first, then pieces as room appears."""
+        stream = memoryview(stream)  # slices of it must not copy
         ctl, size = self._ctl, self._size
         self._torn = True
         self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= HEADER)

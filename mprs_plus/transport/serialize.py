@@ -25,6 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 INLINE_LIMIT = 4096
+# A stream up to this size is returned as bytes (a copy, but cheaper than a view of the
+# pickler's buffer, which must be released); a longer one as a view.
+_COPY_STREAM_LIMIT = 1 << 16
 
 Reducer = Callable[[Any], "str | tuple[Any, ...]"]
 
@@ -61,7 +64,7 @@ class Encoder:
         self._stream: memoryview | None = None
         self._views: list[memoryview] = []
 
-    def encode(self, obj: Any) -> tuple[memoryview, list[memoryview]]:
+    def encode(self, obj: Any) -> tuple[bytes | memoryview, list[memoryview]]:
         """The pickle stream and the out-of-band buffers (byte views) of ``obj``. Both stay
         valid until ``release()`` or the next ``encode``."""
         if self._stream is not None or self._buffers:
@@ -87,7 +90,10 @@ class Encoder:
             raise
         finally:
             pickler.clear_memo()  # the memo holds references to parts of obj
-        stream = self._stream = file.getbuffer()
+        if file.tell() <= _COPY_STREAM_LIMIT:
+            stream: bytes | memoryview = file.getvalue()
+        else:
+            stream = self._stream = file.getbuffer()
         if self._buffers:
             self._views = [buffer.raw() for buffer in self._buffers]
         return stream, self._views
