@@ -36,7 +36,9 @@ Rules
     * A dead peer: end-of-file on the wake-up pipe (its every write end belongs to the
       peer), or a watched waitable. Either ends a wait; what is buffered is still delivered.
     * Stores of aligned 64-bit words are atomic and ordered on x86-64 (TSO); the only
-      reordering it allows, a store with a later load, is closed by ``fence()``.
+      reordering it allows, a store with a later load, is closed by ``fence()``, and so
+      are the non-temporal stores memcpy may use for large buffers.
+    * An endpoint is used by one thread at a time; each has one owner process.
 """
 
 from __future__ import annotations

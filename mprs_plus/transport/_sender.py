@@ -133,6 +133,9 @@ class ShmSender(Endpoint):
         position = self._put(position, stream)
         for buffer in buffers:
             position = self._put(position, buffer)
+        # memcpy may copy large buffers with non-temporal stores, which x86 does not keep
+        # in order with later stores: fence them before the store that publishes them.
+        fence()
         ctl[WRITE_POS] = write + frame  # publishes the whole frame at once
         ctl[ITEMS_WRITTEN] += 1
 
@@ -192,6 +195,7 @@ class ShmSender(Endpoint):
         return position + length
 
     def _publish(self, write: int) -> None:
+        fence()  # as in _write_frame: the copied bytes before the position
         self._ctl[WRITE_POS] = write
         self._wake_receiver()
 
