@@ -141,26 +141,37 @@ def _register_numpy() -> None:
     register_reducer(numpy.ndarray, _reduce_ndarray)
 
 
+# dtype -> its string when our reducer can carry it (None when numpy's own must), and
+# string -> dtype on the way back: a dtype is looked up once, not parsed per array.
+_dtype_strings: dict[Any, str | None] = {}
 _dtypes: dict[str, Any] = {}
 
 
 def _reduce_ndarray(array: Any) -> str | tuple[Any, ...]:
     """An array as (dtype string, shape, order) plus its bytes as one PickleBuffer."""
-    import numpy
-
     dtype = array.dtype
-    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0:
+    try:
+        dtype_str = _dtype_strings[dtype]
+    except KeyError:
+        plain = not (dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0)
+        dtype_str = _dtype_strings[dtype] = dtype.str if plain else None
+    if dtype_str is None:
         return array.__reduce_ex__(5)  # numpy's own way: these need their full dtype
-    if array.flags.c_contiguous:
+    flags = array.flags
+    if flags.c_contiguous:
         order = "C"
-    elif array.flags.f_contiguous:
+    elif flags.f_contiguous:
         order = "F"
     else:
+        import numpy
+
         array = numpy.ascontiguousarray(array)
         order = "C"
-    # As bytes in memory order (a view): some dtypes (datetime64) refuse to export a buffer.
-    raw = array.ravel(order="K").view(numpy.uint8)
-    return _rebuild_ndarray, (pickle.PickleBuffer(raw), dtype.str, array.shape, order)
+    if dtype.kind in "mM":  # datetimes refuse to export a buffer: send their bytes
+        import numpy
+
+        return _rebuild_ndarray, (pickle.PickleBuffer(array.ravel(order="K").view(numpy.uint8)), dtype_str, array.shape, order)
+    return _rebuild_ndarray, (pickle.PickleBuffer(array), dtype_str, array.shape, order)
 
 
 def _rebuild_ndarray(buffer: Any, dtype_str: str, shape: tuple[int, ...], order: str) -> Any:
