@@ -313,3 +313,20 @@ def test_the_ring_restarts_at_its_beginning_when_the_reader_keeps_up():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_the_transport_imports_nothing_from_torch_or_torchdata():
+    import ast
+    from pathlib import Path
+
+    import mprs_plus.transport
+
+    for path in Path(mprs_plus.transport.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not [n for n in names if n.split(".")[0] in ("torch", "torchdata")], (path.name, names)
