@@ -18,7 +18,7 @@ Handing it to another process
 Prefaulting
     The first write to a shmem page costs a fault plus zeroing (under 1 GB/s). The
     creator populates the first pages of the ring, where the traffic of a consumer that
-    keeps up stays (see ``shm.py``: an empty ring restarts at its beginning), so the
+    keeps up stays (see ``_ring.py``: an empty ring restarts at its beginning), so the
     first messages do not pay it; the rest is faulted in if the ring ever fills that far.
 """
 
