@@ -7,14 +7,28 @@
     receiver.watch(sentinel)  # a ready waitable while blocked means: the sender is gone
     endpoint.release()        # drop this process's handle of an endpoint another one owns
     release_all_except(keep)  # in a forked child: drop every inherited endpoint but these
+    register_reducer(cls, fn) # a faster pickling for one type, in this transport only
 
 Both endpoints may be handed to a child process when it is started; each endpoint has
 exactly one owner process after that.
+
+Two implementations keep this interface: shared-memory rings (``shm.py``, the default on
+Linux x86-64, where memfd exists and the ring's memory ordering argument holds) and OS
+pipes (``pipe.py``, everywhere else).
 """
 
+import os
+import platform
+
 from .errors import ChannelBroken, ChannelClosed, ChannelError, EndOfStream
-from .pipe import open_pipe_channel as open_channel
-from .pipe import release_all_except, wait_readable
+from .serialize import register_reducer
+
+if hasattr(os, "memfd_create") and platform.machine() in ("x86_64", "AMD64"):
+    from .shm import open_shm_channel as open_channel
+    from .shm import release_all_except, wait_readable
+else:  # pragma: no cover - exercised on other platforms only
+    from .pipe import open_pipe_channel as open_channel
+    from .pipe import release_all_except, wait_readable
 
 __all__ = [
     "ChannelBroken",
@@ -22,6 +36,7 @@ __all__ = [
     "ChannelError",
     "EndOfStream",
     "open_channel",
+    "register_reducer",
     "release_all_except",
     "wait_readable",
 ]

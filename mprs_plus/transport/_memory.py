@@ -1,0 +1,106 @@
+"""Anonymous shared memory for the channels: a ``memfd`` mapped ``MAP_SHARED``.
+
+Why memfd and not ``multiprocessing.shared_memory``
+    A memfd has no name. It lives exactly as long as some process holds its file
+    descriptor or a mapping of it, so the kernel frees it when the last holder exits,
+    even after SIGKILL: nothing can leak in ``/dev/shm`` and nothing has to be unlinked.
+    A named segment must be unlinked by somebody who is still alive, and in Python 3.11
+    every process that *attaches* one registers it with the resource tracker too, which
+    then warns about, or unlinks, a segment it does not own. Both kinds are shmem pages
+    and cost the same to use; measured on a 2-core machine, 64 MiB: create + map
+    0.02 ms (memfd) vs 0.08 ms (named), first write of every page 0.79 vs 0.53 GB/s.
+
+Handing it to another process
+    fork: the child inherits the mapping. spawn / forkserver: the descriptor travels
+    with the process's start arguments through multiprocessing's descriptor passing
+    (``reduction.DupFd``) and the child maps it again.
+
+Prefaulting
+    The first write to a shmem page costs a fault plus zeroing (under 1 GB/s). The
+    creator populates the first pages of the ring, where the traffic of a consumer that
+    keeps up stays (see ``_ring.py``: an empty ring restarts at its beginning), so the
+    first messages do not pay it; the rest is faulted in if the ring ever fills that far.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from multiprocessing import reduction
+from typing import Any
+
+PAGE = mmap.PAGESIZE
+# Linux >= 5.14; older kernels answer EINVAL and the pages are touched by hand instead.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class SharedRegion:
+    """``[control page][data: data_size bytes]`` shared by the two ends of one channel.
+
+    ``ctl`` is the control page as unsigned 64-bit words, ``data`` the data area as
+    bytes and ``words`` the same area as unsigned 64-bit words. Both endpoints of a
+    channel in the creating process share one region; it is unmapped when the last of
+    them lets go (``acquire`` / ``release`` count them).
+    """
+
+    def __init__(self, fd: int, data_size: int) -> None:
+        self.fd: int | None = fd
+        self.data_size = data_size
+        self._map = mmap.mmap(fd, PAGE + data_size)
+        whole = memoryview(self._map)
+        self.ctl = whole[:PAGE].cast("Q")
+        self.data = whole[PAGE:]
+        self.words = self.data.cast("Q")
+        whole.release()
+        self._users = 0
+
+    @classmethod
+    def create(cls, data_size: int, name: str, prefault: int = 0) -> SharedRegion:
+        """A fresh zeroed region; ``data_size`` must be a multiple of the page size."""
+        if data_size <= 0 or data_size % PAGE:
+            raise ValueError(f"internal error: region size {data_size} is not a positive multiple of {PAGE}")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, PAGE + data_size)
+            region = cls(fd, data_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        region._populate(PAGE + min(prefault, data_size))
+        return region
+
+    def _populate(self, length: int) -> None:
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE, 0, length)
+        except (OSError, ValueError):
+            # Zeroes are what the pages already hold, so writing them changes nothing.
+            self.data[: length - PAGE] = bytes(length - PAGE)
+
+    def acquire(self) -> SharedRegion:
+        self._users += 1
+        return self
+
+    def release(self) -> None:
+        """One user fewer; the last one unmaps the region and closes its descriptor."""
+        self._users -= 1
+        if self._users > 0:
+            return
+        for view in (self.words, self.data, self.ctl):
+            view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a caller still holds a slice; the mapping goes when that slice does
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.fd is None:
+            raise RuntimeError("internal error: pickling a shared-memory region that was already released")
+        return _attach, (reduction.DupFd(self.fd), self.data_size)
+
+
+def _attach(dup: Any, data_size: int) -> SharedRegion:
+    """Map a region received from another process (spawn / forkserver)."""
+    return SharedRegion(dup.detach(), data_size)

@@ -1,0 +1,241 @@
+"""The reading end of a shared-memory channel: frames out of the ring, in order.
+
+See ``_ring.py`` for the layout and the rules both ends follow.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import time
+from typing import Any
+
+from ._memory import SharedRegion
+from ._ring import (
+    HEADER,
+    ITEMS_READ,
+    LOW32,
+    MESSAGE,
+    READ_POS,
+    RECEIVER_CLOSED,
+    RX_SLEEPING,
+    SENDER_CLOSED,
+    SKIP,
+    TX_SLEEPING,
+    WRITE_POS,
+    Endpoint,
+)
+from ._wakeup import Outcome, fence, signal
+from .errors import ChannelBroken, ChannelClosed, EndOfStream
+
+
+class ShmReceiver(Endpoint):
+    """Reading end. ``recv`` blocks until a message, the end of stream, or a dead peer."""
+
+    _sleep_flag = RX_SLEEPING
+
+    def __init__(self, region: SharedRegion, wait_fd: int, signal_fd: int) -> None:
+        super().__init__(region, wait_fd, signal_fd)
+        self._ended = False
+
+    def fileno(self) -> int:
+        """The wake-up pipe. It becomes readable only while this receiver is armed, which
+        ``wait_readable`` does: wait through it, not through ``connection.wait`` alone."""
+        if not self._open:
+            raise ChannelClosed("fileno() of a closed channel")
+        return self._wait_fd
+
+    def poll(self) -> bool:
+        """True when ``recv`` would return (or raise) without blocking."""
+        if not self._open:
+            raise ChannelClosed("poll on a closed channel: this receiver was closed or released")
+        if self._ended:
+            return True
+        ctl = self._ctl
+        if ctl[WRITE_POS] != ctl[READ_POS] or ctl[SENDER_CLOSED]:
+            return True
+        return self._sleeper.check_peer_gone()
+
+    def recv(self, timeout: float | None = None) -> Any:
+        """The next message. ``timeout`` (seconds, None: forever) bounds the wait for a
+        message to begin; one larger than the ring that has begun is read to its end.
+
+        Raises ``EndOfStream`` after the last message of a closed stream, ``ChannelBroken``
+        when the sender is gone and nothing is buffered, ``TimeoutError``, or whatever
+        unpickling the message raises (the message is consumed all the same)."""
+        if not self._open:
+            raise ChannelClosed("receive on a closed channel: this receiver was closed or released")
+        ctl = self._ctl
+        read = ctl[READ_POS]
+        available = ctl[WRITE_POS] - read
+        if available and not self._ended:
+            # The common case inline: a whole frame without out-of-band buffers that
+            # does not wrap, unpickled in place.
+            size, words = self._size, self._words
+            offset = read % size
+            index = offset >> 3
+            frame = words[index + 2]
+            if words[index] == MESSAGE and available >= frame:
+                offset += HEADER
+                end = offset + words[index + 1]
+                if end <= size:
+                    stream = self._data[offset:end]
+                    try:
+                        return pickle.loads(stream)
+                    finally:
+                        stream.release()
+                        ctl[READ_POS] = read + frame
+                        ctl[ITEMS_READ] += 1
+                        fence()
+                        if ctl[TX_SLEEPING]:
+                            ctl[TX_SLEEPING] = 0
+                            signal(self._signal_fd)  # a sender that is gone needs no wake-up
+        return self._recv_frame(timeout)
+
+    def _recv_frame(self, timeout: float | None) -> Any:
+        if self._ended:
+            raise EndOfStream()
+        ctl, words, size = self._ctl, self._words, self._size
+        while True:
+            read = ctl[READ_POS]
+            available = ctl[WRITE_POS] - read
+            if not available:
+                self._await_data(read, timeout)
+                available = ctl[WRITE_POS] - read
+            index = (read % size) >> 3
+            head = words[index]
+            frame = words[index + 2]
+            kind = head & LOW32
+            if kind == MESSAGE:
+                if available >= frame:
+                    return self._take_whole(read, head >> 32, words[index + 1], frame)
+                return self._take_streamed(read, head >> 32, words[index + 1])
+            if kind != SKIP:
+                raise ChannelBroken(f"internal error: corrupt frame header {head:#x} at position {read}")
+            ctl[READ_POS] = read + frame
+
+    def close(self) -> None:
+        """Stop reading: the sender's next ``send`` raises ``ChannelBroken``."""
+        if not self._open:
+            return
+        ctl = self._ctl
+        try:
+            ctl[RECEIVER_CLOSED] = 1
+            self._wake_sender()
+        finally:
+            self.release()
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _take_whole(self, read: int, nbuf: int, pickle_len: int, frame: int) -> Any:
+        size = self._size
+        position = read + HEADER
+        buffers: list[bytearray] = []
+        if nbuf:
+            lengths = struct.unpack(f"<{nbuf}Q", self._copy(position, 8 * nbuf))
+            position += 8 * nbuf
+            at = position + pickle_len
+            for length in lengths:
+                buffers.append(self._copy(at, length))
+                at += length
+        offset = position % size
+        # The stream is unpickled in place when it does not wrap: it needs no copy.
+        stream = self._data[offset : offset + pickle_len] if offset + pickle_len <= size else None
+        try:
+            return pickle.loads(stream if stream is not None else self._copy(position, pickle_len), buffers=buffers)
+        finally:
+            if stream is not None:
+                stream.release()
+            self._ctl[READ_POS] = read + frame
+            self._ctl[ITEMS_READ] += 1
+            self._wake_sender()
+
+    def _take_streamed(self, read: int, nbuf: int, pickle_len: int) -> Any:
+        """A frame larger than the ring: copy it out piece by piece as it arrives."""
+        ctl = self._ctl
+        self._advance(read + HEADER)
+        lengths = struct.unpack(f"<{nbuf}Q", self._stream_in(8 * nbuf)) if nbuf else ()
+        stream = self._stream_in(pickle_len)
+        buffers = [self._stream_in(length) for length in lengths]
+        body = HEADER + 8 * nbuf + pickle_len + sum(lengths)
+        self._stream_in(-body % HEADER, keep=False)
+        ctl[ITEMS_READ] += 1
+        self._wake_sender()
+        return pickle.loads(stream, buffers=buffers)
+
+    def _stream_in(self, length: int, keep: bool = True) -> bytearray:
+        ctl, data, size = self._ctl, self._data, self._size
+        out = bytearray(length if keep else 0)
+        view = memoryview(out)
+        done = 0
+        while done < length:
+            read = ctl[READ_POS]
+            available = ctl[WRITE_POS] - read
+            if not available:
+                self._await_rest(read)
+                continue
+            step = min(available, length - done)
+            if keep:
+                offset = read % size
+                first = min(step, size - offset)
+                view[done : done + first] = data[offset : offset + first]
+                view[done + first : done + step] = data[: step - first]
+            self._advance(read + step)
+            done += step
+        view.release()
+        return out
+
+    def _copy(self, position: int, length: int) -> bytearray:
+        """``length`` bytes from the ring as a new writable buffer (one copy)."""
+        data, size = self._data, self._size
+        offset = position % size
+        if offset + length <= size:
+            return bytearray(data[offset : offset + length])
+        out = bytearray(length)
+        first = size - offset
+        out[:first] = data[offset:]
+        out[first:] = data[: length - first]
+        return out
+
+    def _advance(self, read: int) -> None:
+        self._ctl[READ_POS] = read
+        self._wake_sender()
+
+    def _wake_sender(self) -> None:
+        ctl = self._ctl
+        fence()
+        if ctl[TX_SLEEPING]:
+            ctl[TX_SLEEPING] = 0
+            signal(self._signal_fd)  # a sender that is gone needs no wake-up
+
+    def _await_data(self, read: int, timeout: float | None) -> None:
+        ctl = self._ctl
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outcome = self._sleeper.wait(lambda: ctl[WRITE_POS] != read or ctl[SENDER_CLOSED], deadline)
+        closed = ctl[SENDER_CLOSED]  # read before write_pos: see the module's rules
+        if ctl[WRITE_POS] != read:
+            return
+        if closed:
+            self._ended = True
+            raise EndOfStream()
+        if outcome == Outcome.TIMEOUT:
+            raise TimeoutError(f"no message within {timeout} s")
+        if outcome == Outcome.WATCHED:
+            raise ChannelBroken("a watched process ended while this receiver waited, and nothing is buffered")
+        raise ChannelBroken(
+            "the sending process is gone (it exited or was killed without closing the channel) "
+            "and nothing is buffered"
+        )
+
+    def _await_rest(self, read: int) -> None:
+        ctl = self._ctl
+        self._sleeper.wait(lambda: ctl[WRITE_POS] != read or ctl[SENDER_CLOSED])
+        if ctl[WRITE_POS] != read:
+            return
+        raise ChannelBroken("the sender stopped in the middle of a message (its process ended); the message is lost")
+
+    def _arm(self) -> None:
+        self._ctl[RX_SLEEPING] = 1
+
+    def _disarm(self) -> None:
+        self._ctl[RX_SLEEPING] = 0

@@ -1,0 +1,132 @@
+"""The ring of a shared-memory channel: its layout, its rules, and what both ends share.
+
+Each channel is a bounded single-producer/single-consumer ring. The ring and its
+positions live in one shared region (``_memory.py``); each side spins briefly and then
+sleeps on an OS pipe that the other side writes to only when told that somebody sleeps
+(``_wakeup.py``). A message is pickled with protocol 5 and its large
+buffers are copied straight into the ring (``serialize.py``): one copy in, one copy out.
+
+::
+
+    control page: 64-bit words, one cache line per writer
+    +-----------------------------------------------------------------------+
+    | line 0  write_pos   items_written  sender_closed      (producer)       |
+    | line 1  read_pos    items_read     receiver_closed    (consumer)       |
+    | line 2  rx_sleeping  (set by the consumer, cleared by whoever wakes it) |
+    | line 3  tx_sleeping  (set by the producer, cleared by whoever wakes it) |
+    +-----------------------------------------------------------------------+
+    data ring: positions count bytes forever; offset = position % size
+    +-----------------------------------------------------------------------+
+    |  free  | frame | frame | frame ............ |  free                    |
+    +--------^----------------------------------^----------------------------+
+          read_pos                           write_pos
+    frame: [kind|nbuf  pickle_len  frame_len  0]  32-byte header, never split
+           [nbuf x u64 buffer lengths][pickle stream][buffer 0][buffer 1]...[pad to 32]
+
+Rules
+    * Backpressure: ``send`` waits while ``capacity_items`` messages or ``capacity_bytes``
+      bytes are in flight. A frame up to the ring's size is written whole and published
+      with one store of ``write_pos``; a larger one is streamed through the ring in pieces
+      while the receiver copies them out.
+    * An empty ring whose write offset is past ``recycle_at`` restarts at its beginning
+      (a ``SKIP`` frame pads to the end): while the consumer keeps up, the traffic stays in
+      the first, warm and prefaulted, pages of the ring instead of sweeping all of it.
+    * End of stream: ``sender_closed`` is stored after the last ``write_pos``; the receiver
+      reads it first, then ``write_pos``, so it never misses a last message.
+    * A dead peer: end-of-file on the wake-up pipe (its every write end belongs to the
+      peer), or a watched waitable. Either ends a wait; what is buffered is still delivered.
+    * Stores of aligned 64-bit words are atomic and ordered on x86-64 (TSO); the only
+      reordering it allows, a store with a later load, is closed by ``fence()``, and so
+      are the non-temporal stores memcpy may use for large buffers.
+    * An endpoint is used by one thread at a time; each has one owner process.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterable
+from multiprocessing import reduction
+from typing import Any
+
+from ._memory import PAGE, SharedRegion
+from ._wakeup import Sleeper
+from .errors import ChannelClosed
+
+# Control words (indices of 64-bit words in the control page).
+WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED = 0, 1, 2
+READ_POS, ITEMS_READ, RECEIVER_CLOSED = 8, 9, 10
+RX_SLEEPING = 16
+TX_SLEEPING = 24
+
+HEADER = 32  # bytes; frames start on multiples of it, so a header never wraps
+MESSAGE = 0x4D5347  # "MSG": anything else in a header is corruption, i.e. a bug here
+SKIP = 0x534B50  # "SKP"
+LOW32 = 0xFFFFFFFF
+
+MIN_RING = 16 * PAGE
+RECYCLE_AT = 1 << 20
+PREFAULT = 2 << 20
+
+# Every endpoint alive in this process, so that a forked child can drop the descriptors
+# it inherited but does not own (a dead peer shows only once *every* copy is closed).
+ENDPOINTS: weakref.WeakSet[Endpoint] = weakref.WeakSet()
+
+
+class Endpoint:
+    """What both ends share: the region, two pipe descriptors, release and pickling."""
+
+    _sleep_flag: int
+
+    def __init__(self, region: SharedRegion, wait_fd: int, signal_fd: int) -> None:
+        self._region = region.acquire()
+        self._ctl = region.ctl
+        self._data = region.data
+        self._words = region.words
+        self._size = region.data_size
+        self._wait_fd = wait_fd  # read end: the peer wakes us through it
+        self._signal_fd = signal_fd  # write end: we wake the peer through it
+        self._sleeper = Sleeper(region.ctl, self._sleep_flag, wait_fd)
+        self._open = True
+        # Closes the descriptors when the endpoint is dropped without release(), once.
+        self._finalizer = weakref.finalize(self, _let_go, region, (wait_fd, signal_fd))
+        ENDPOINTS.add(self)
+
+    def watch(self, *waitables: Any) -> None:
+        """While this endpoint blocks, any of these becoming ready means the peer is gone."""
+        self._sleeper.watch(waitables)
+
+    def release(self) -> None:
+        """Drop this process's handle without ending the stream (it belongs to another process)."""
+        if self._open:
+            self._open = False
+            self._finalizer()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if not self._open:
+            raise ChannelClosed(f"cannot hand a closed {type(self).__name__} to another process")
+        state = (self._region, reduction.DupFd(self._wait_fd), reduction.DupFd(self._signal_fd))
+        return _rebuild, (type(self), state, self._extra_state())
+
+    def _extra_state(self) -> tuple[Any, ...]:
+        return ()
+
+
+def _rebuild(cls: type[Endpoint], state: tuple[Any, ...], extra: tuple[Any, ...]) -> Endpoint:
+    region, wait_dup, signal_dup = state
+    return cls(region, wait_dup.detach(), signal_dup.detach(), *extra)  # type: ignore[call-arg]
+
+
+def _let_go(region: SharedRegion, fds: tuple[int, ...]) -> None:
+    close_fds(fds)
+    region.release()
+
+
+def close_fds(fds: Iterable[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+

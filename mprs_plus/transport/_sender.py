@@ -1,0 +1,221 @@
+"""The writing end of a shared-memory channel: frames into the ring, with backpressure.
+
+See ``_ring.py`` for the layout and the rules both ends follow.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from ._memory import SharedRegion
+from ._ring import (
+    HEADER,
+    ITEMS_READ,
+    ITEMS_WRITTEN,
+    MESSAGE,
+    READ_POS,
+    RECEIVER_CLOSED,
+    RECYCLE_AT,
+    RX_SLEEPING,
+    SENDER_CLOSED,
+    SKIP,
+    TX_SLEEPING,
+    WRITE_POS,
+    Endpoint,
+)
+from ._wakeup import Outcome, fence, signal
+from .errors import ChannelBroken, ChannelClosed
+from .serialize import Encoder
+
+
+class ShmSender(Endpoint):
+    """Writing end. ``send`` blocks while the ring is full (backpressure)."""
+
+    _sleep_flag = TX_SLEEPING
+
+    def __init__(self, region: SharedRegion, wait_fd: int, signal_fd: int, capacity_items: int) -> None:
+        super().__init__(region, wait_fd, signal_fd)
+        self._capacity_items = capacity_items
+        self._recycle_at = min(self._size // 2, RECYCLE_AT)
+        self._encoder = Encoder()
+        self._torn = False  # a streamed frame was interrupted half-written
+
+    def _extra_state(self) -> tuple[Any, ...]:
+        return (self._capacity_items,)
+
+    def send(self, obj: Any) -> None:
+        """Pickle ``obj`` into the ring; block while ``capacity_items`` messages or the
+        ring's bytes are in flight. An error while pickling sends nothing.
+
+        Raises ``ChannelClosed`` after ``close()`` / ``release()`` here, ``ChannelBroken``
+        when the receiver is gone or closed, or a watched waitable became ready."""
+        if not self._open:
+            raise ChannelClosed("send on a closed channel: this sender was closed or released")
+        ctl = self._ctl
+        if ctl[RECEIVER_CLOSED] or self._torn:
+            self._refuse()
+        encoder = self._encoder
+        stream, buffers = encoder.encode(obj)
+        try:
+            # The common case inline (small, no out-of-band buffer, room, no wrap);
+            # _write_frame handles everything, this included.
+            length = len(stream)
+            frame = (HEADER + HEADER - 1 + length) & -HEADER
+            write = ctl[WRITE_POS]
+            offset = write % self._size
+            if (
+                buffers
+                or offset + frame > self._recycle_at
+                or self._size - (write - ctl[READ_POS]) < frame
+                or ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items
+            ):
+                self._write_frame(stream, buffers)
+            else:
+                words, index = self._words, offset >> 3
+                words[index] = MESSAGE
+                words[index + 1] = length
+                words[index + 2] = frame
+                offset += HEADER
+                self._data[offset : offset + length] = stream
+                ctl[WRITE_POS] = write + frame  # publishes the frame
+                ctl[ITEMS_WRITTEN] += 1
+        finally:
+            encoder.release()
+        fence()
+        if ctl[RX_SLEEPING]:
+            ctl[RX_SLEEPING] = 0
+            if not signal(self._signal_fd):
+                raise ChannelBroken("the receiving process is gone (it exited or was killed)")
+
+    def _refuse(self) -> None:
+        if self._torn:
+            raise ChannelBroken("an earlier send was interrupted in the middle of a message; the stream is unusable")
+        raise ChannelBroken("the receiver closed the channel; nothing more will be read")
+
+    def close(self) -> None:
+        """End the stream: the receiver gets everything sent so far, then ``EndOfStream``."""
+        if not self._open:
+            return
+        try:
+            if not self._torn:  # a torn frame must read as a broken stream, not a clean end
+                self._ctl[SENDER_CLOSED] = 1
+                self._wake_receiver(strict=False)
+        finally:
+            self.release()
+
+    # -- writing -------------------------------------------------------------------------
+
+    def _write_frame(self, stream: bytes | memoryview, buffers: list[memoryview]) -> None:
+        ctl, size = self._ctl, self._size
+        nbuf = len(buffers)
+        body = HEADER + 8 * nbuf + len(stream) + sum(b.nbytes for b in buffers)
+        frame = (body + HEADER - 1) & -HEADER
+        if ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items:
+            limit = self._capacity_items
+            self._wait_for_room(lambda: ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] < limit)
+        if frame > size:
+            self._write_streamed(stream, buffers, frame, frame - body)
+            return
+        write = ctl[WRITE_POS]
+        if size - (write - ctl[READ_POS]) < frame:
+            self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= frame)
+        offset = write % size
+        if offset >= self._recycle_at and frame <= offset and write == ctl[READ_POS]:
+            self._put_header(offset, SKIP, 0, 0, size - offset)
+            write += size - offset
+            offset = 0
+        self._put_header(offset, MESSAGE, nbuf, len(stream), frame)
+        position = write + HEADER
+        if nbuf:
+            position = self._put(position, struct.pack(f"<{nbuf}Q", *(b.nbytes for b in buffers)))
+        position = self._put(position, stream)
+        for buffer in buffers:
+            position = self._put(position, buffer)
+        # memcpy may copy large buffers with non-temporal stores, which x86 does not keep
+        # in order with later stores: fence them before the store that publishes them.
+        fence()
+        ctl[WRITE_POS] = write + frame  # publishes the whole frame at once
+        ctl[ITEMS_WRITTEN] += 1
+
+    def _write_streamed(self, stream: bytes | memoryview, buffers: list[memoryview], frame: int, padding: int) -> None:
+        """A frame larger than the ring: header first, then pieces as room appears."""
+        stream = memoryview(stream)  # slices of it must not copy
+        ctl, size = self._ctl, self._size
+        self._torn = True
+        self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= HEADER)
+        write = ctl[WRITE_POS]
+        lengths = [b.nbytes for b in buffers]
+        self._put_header(write % size, MESSAGE, len(buffers), stream.nbytes, frame)
+        self._publish(write + HEADER)
+        if buffers:
+            self._stream_out(memoryview(struct.pack(f"<{len(lengths)}Q", *lengths)), len(lengths) * 8)
+        self._stream_out(stream, stream.nbytes)
+        for buffer in buffers:
+            self._stream_out(buffer, buffer.nbytes)
+        self._stream_out(None, padding)
+        ctl[ITEMS_WRITTEN] += 1
+        self._torn = False
+
+    def _stream_out(self, source: memoryview | None, length: int) -> None:
+        ctl, size = self._ctl, self._size
+        # Waiting for a quarter of the ring keeps both sides copying big pieces
+        # instead of waking each other for every few bytes.
+        piece = max(size // 4, HEADER)
+        done = 0
+        while done < length:
+            want = min(length - done, piece)
+            if size - (ctl[WRITE_POS] - ctl[READ_POS]) < want:
+                self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= want)
+            write = ctl[WRITE_POS]
+            step = min(size - (write - ctl[READ_POS]), length - done)
+            if source is not None:
+                self._put(write, source[done : done + step])
+            self._publish(write + step)
+            done += step
+
+    def _put_header(self, offset: int, kind: int, nbuf: int, pickle_len: int, frame: int) -> None:
+        words, index = self._words, offset >> 3
+        words[index] = kind | nbuf << 32
+        words[index + 1] = pickle_len
+        words[index + 2] = frame
+
+    def _put(self, position: int, source: Any) -> int:
+        """Copy ``source`` into the ring at ``position``, wrapping at the end."""
+        data, size = self._data, self._size
+        length = len(source)
+        offset = position % size
+        first = size - offset
+        if length <= first:
+            data[offset : offset + length] = source
+        else:
+            data[offset:] = source[:first]
+            data[: length - first] = source[first:]
+        return position + length
+
+    def _publish(self, write: int) -> None:
+        fence()  # as in _write_frame: the copied bytes before the position
+        self._ctl[WRITE_POS] = write
+        self._wake_receiver()
+
+    def _wake_receiver(self, strict: bool = True) -> None:
+        ctl = self._ctl
+        fence()
+        if ctl[RX_SLEEPING]:
+            ctl[RX_SLEEPING] = 0
+            if not signal(self._signal_fd) and strict:
+                raise ChannelBroken("the receiving process is gone (it exited or was killed)")
+
+    def _wait_for_room(self, room: Callable[[], bool]) -> None:
+        ctl = self._ctl
+        outcome = self._sleeper.wait(lambda: room() or ctl[RECEIVER_CLOSED])
+        if ctl[RECEIVER_CLOSED]:
+            raise ChannelBroken("the receiver closed the channel while this sender waited for room")
+        if outcome == Outcome.READY:
+            return
+        if outcome == Outcome.WATCHED:
+            raise ChannelBroken("a watched process ended while this sender waited for room in the channel")
+        raise ChannelBroken(
+            "the receiving process is gone (it exited or was killed) while this sender waited for room"
+        )

@@ -1,0 +1,87 @@
+"""Channels over shared memory: open one, and the module functions of the interface.
+
+    open_shm_channel(...) -> (ShmSender, ShmReceiver)     _sender.py / _receiver.py
+                             one SharedRegion per channel  _memory.py, layout in _ring.py
+                             wake-ups through two pipes    _wakeup.py
+                             pickling, out-of-band buffers serialize.py
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from multiprocessing import connection
+from typing import Any
+
+from ._memory import PAGE, SharedRegion
+from ._receiver import ShmReceiver
+from ._ring import ENDPOINTS, MIN_RING, PREFAULT, close_fds
+from ._sender import ShmSender
+from ._wakeup import fence, wake_pipe
+
+
+def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> tuple[ShmSender, ShmReceiver]:
+    """A one-way channel holding at most ``capacity_items`` messages and ``capacity_bytes``
+    bytes (rounded up to whole pages). ``ctx`` is not needed: the endpoints travel to
+    children of any start method."""
+    del ctx
+    if isinstance(capacity_items, bool) or not isinstance(capacity_items, int) or capacity_items < 1:
+        raise ValueError(f"capacity_items must be an int >= 1, got {capacity_items!r}")
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+        raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
+    size = max(MIN_RING, -(-capacity_bytes // PAGE) * PAGE)
+    fds: list[int] = []
+    try:
+        data_r, data_w = wake_pipe()  # producer -> consumer: "there is data"
+        fds += [data_r, data_w]
+        space_r, space_w = wake_pipe()  # consumer -> producer: "there is room"
+        fds += [space_r, space_w]
+        region = SharedRegion.create(size, "mprs_plus channel", prefault=PREFAULT)
+    except BaseException:
+        close_fds(fds)
+        raise
+    return ShmSender(region, space_r, data_w, capacity_items), ShmReceiver(region, data_r, space_w)
+
+
+def release_all_except(keep: Iterable[Any]) -> None:
+    """In a freshly forked child: drop every inherited endpoint that is not in ``keep``.
+    Nothing is sent: the stream of each dropped endpoint goes on in its owner."""
+    kept = {id(endpoint) for endpoint in keep}
+    for endpoint in list(ENDPOINTS):
+        if id(endpoint) not in kept:
+            endpoint.release()
+
+
+def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: Iterable[Any] = ()) -> list[Any]:
+    """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout.
+
+    A receiver is ready when ``recv`` would not block: a message, the end of the stream,
+    or a dead sender."""
+    receivers = list(receivers)
+    also = list(also)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        ready = [r for r in receivers if r.poll()]
+        if ready:
+            return ready
+        for receiver in receivers:
+            receiver._arm()  # from now on a sender writes a wake-up byte
+        try:
+            fence()
+            ready = [r for r in receivers if r.poll()]
+            if ready:
+                return ready
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            hits = connection.wait([*receivers, *also], left)
+        finally:
+            for receiver in receivers:
+                receiver._disarm()
+        ready = [r for r in receivers if r.poll()]  # also drains the wake-up bytes
+        others = [h for h in hits if not any(h is r for r in receivers)]
+        if ready or others:
+            return ready + others
+        if deadline is not None and time.monotonic() >= deadline:
+            return []
+
+
+__all__ = ["ShmReceiver", "ShmSender", "open_shm_channel", "release_all_except", "wait_readable"]

@@ -1,0 +1,100 @@
+"""Bodies of the child processes the transport tests start (module level, so that spawn
+and forkserver children can import them), and a helper to wait on shared state."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mprs_plus.transport import EndOfStream, release_all_except
+from mprs_plus.transport import _ring
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:
+    """Spin (yielding the CPU) until ``predicate()`` holds; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout} s")
+        os.sched_yield()
+
+
+def sender_sleeps(endpoint: Any) -> bool:
+    """The channel's producer is blocked waiting for room (read from shared memory)."""
+    return bool(endpoint._ctl[_ring.TX_SLEEPING])
+
+
+def receiver_sleeps(endpoint: Any) -> bool:
+    """The channel's consumer is blocked waiting for data (read from shared memory)."""
+    return bool(endpoint._ctl[_ring.RX_SLEEPING])
+
+
+def echo(receiver: Any, sender: Any) -> None:
+    """Send back everything received; end the stream when the input ends."""
+    release_all_except([receiver, sender])
+    try:
+        while True:
+            sender.send(receiver.recv())
+    except EndOfStream:
+        sender.close()
+
+
+def produce(sender: Any, items: list[Any], counter: Any = None, close: bool = True) -> None:
+    """Send ``items``, counting each accepted one in ``counter`` (a shared Value)."""
+    release_all_except([sender])
+    for item in items:
+        sender.send(item)
+        if counter is not None:
+            with counter.get_lock():
+                counter.value += 1
+    if close:
+        sender.close()
+    else:
+        os._exit(0)  # die without ending the stream
+
+
+def hold(endpoint: Any) -> None:
+    """Own ``endpoint`` and never use it (until killed)."""
+    release_all_except([endpoint])
+    threading.Event().wait()
+
+
+def descriptor_identities(fds: Any = None) -> set[tuple[int, int, int]]:
+    """(device, inode, access mode) of each descriptor: which file, and which end of a pipe."""
+    if fds is None:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    found = set()
+    for fd in fds:
+        try:
+            info = os.fstat(fd)
+            found.add((info.st_dev, info.st_ino, fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE))
+        except OSError:
+            continue  # the listing's own descriptor, closed already
+    return found
+
+
+def list_fds(sender: Any, report: Any) -> None:
+    """Report the descriptors this (forked) child holds after dropping foreign endpoints."""
+    release_all_except([sender])
+    report.send(descriptor_identities())
+    report.close()
+    sender.send("alive")
+    os._exit(0)  # without close(): the reader must see a broken stream
+
+
+def _explode(message: str) -> None:
+    raise RuntimeError(message)
+
+
+class FailsToUnpickle:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _explode, ("cannot rebuild this",)
+
+
+class ExitsWhilePickling:
+    def __reduce__(self) -> tuple[Any, ...]:
+        os._exit(3)
