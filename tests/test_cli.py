@@ -124,7 +124,8 @@ def test_explain_without_graphviz_says_how_to_get_it(tmp_path, monkeypatch, isol
     assert "needs Graphviz's dot program" in err or "needs the graphviz Python package" in err
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["explain"], ["bench"]])
+# "bench --help" is forwarded to benchmarks/run.py and tested in test_bench.py.
+@pytest.mark.parametrize("command", [[], ["demo"], ["explain"]])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
