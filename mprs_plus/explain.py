@@ -48,11 +48,7 @@ def explain_text(plan: Plan) -> str:
     )
     lines = [f"Plan: {len(graph.nodes)} DataPipes, {processes}"]
     width = max(len(describe(dp)) for dp in graph.datapipes) + 6
-    boundary_after = {index: "worker outputs -> main (queue per worker, round-robin)" for index in plan.worker_outputs}
-    for index in plan.dispatchers:
-        boundary_after.setdefault(index, "")
-        text = f"dispatch -> {plan.num_workers} workers (queue per worker, round-robin)"
-        boundary_after[index] = f"{boundary_after[index]}; {text}" if boundary_after[index] else text
+    boundary_after = _boundary_texts(plan)
     for index in order:
         node = graph.nodes[index]
         segment = plan.segments[index]
@@ -66,6 +62,23 @@ def explain_text(plan: Plan) -> str:
     for warning in plan.warnings:
         lines.append(f"WARNING: {warning}")
     return "\n".join(lines)
+
+
+def _boundary_texts(plan: Plan) -> dict[int, str]:
+    """The queue line after each boundary node; with several outputs (or dispatchers),
+    which one it is: each has its own queues and its own thread in its process."""
+    found: dict[int, str] = {}
+    outputs, dispatchers = plan.worker_outputs, plan.dispatchers
+    for k, index in enumerate(outputs):
+        which = f"worker output {k + 1} of {len(outputs)}" if len(outputs) > 1 else "worker outputs"
+        lane = "; a thread per output in each worker" if len(outputs) > 1 else ""
+        found[index] = f"{which} -> main (queue per worker, round-robin{lane})"
+    for d, index in enumerate(dispatchers):
+        which = f"dispatcher {d + 1} of {len(dispatchers)}" if len(dispatchers) > 1 else "dispatch"
+        lane = "; a thread per dispatcher in the dispatch process" if len(dispatchers) > 1 else ""
+        text = f"{which} -> {plan.num_workers} workers (queue per worker, round-robin{lane})"
+        found[index] = f"{found[index]}; {text}" if index in found else text
+    return found
 
 
 _COLOURS = {"main": "#dbe9ff", "worker": "#dff5d8", "dispatch": "#ffe9cc"}

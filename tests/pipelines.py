@@ -172,3 +172,100 @@ def counting_reset_fn(datapipe: Any, worker_info: Any, seed_generator: Any) -> A
 
 
 fail_on_5 = fail_on
+
+
+# -- pause, resume, limit: hooks that count in the process that ran them ---------------------
+
+COUNTS: dict[str, int] = {}
+
+
+def _bump(name: str) -> None:
+    COUNTS[name] = COUNTS.get(name, 0) + 1
+
+
+class PauseAware(IterDataPipe):
+    """Counts the pause() / resume() calls it gets, in the process that runs it."""
+
+    def __init__(self, dp: Any, label: str, replicable: bool = True) -> None:
+        self.dp = dp
+        self.label = label
+        self.replicable = replicable
+
+    def __iter__(self) -> Any:
+        return iter(self.dp)
+
+    def is_replicable(self) -> bool:
+        return self.replicable
+
+    def pause(self) -> None:
+        _bump(f"{self.label}.pause")
+
+    def resume(self) -> None:
+        _bump(f"{self.label}.resume")
+
+
+def with_process_counts(item: Any, label: str) -> Any:
+    """Attach this process's counts, under ``label``, to the item."""
+    value, counts = item if isinstance(item, tuple) else (item, {})
+    return value, {**counts, label: dict(COUNTS)}
+
+
+def pause_fn(datapipe: Any) -> Any:
+    _bump("pause_fn")
+    return datapipe
+
+
+def resume_fn(datapipe: Any) -> Any:
+    _bump("resume_fn")
+    return datapipe
+
+
+def limit_fn(datapipe: Any, num_batches: Any) -> Any:
+    _bump(f"limit_fn({num_batches})")
+    return datapipe
+
+
+def pause_aware_pipe(n: int, dispatch: bool) -> IterDataPipe:
+    """A PauseAware DataPipe in every segment; items carry the counts of the processes that
+    made them: ("dispatch", "worker")."""
+    pipe = IterableWrapper(range(n))
+    if dispatch:
+        pipe = PauseAware(pipe, "dispatch").map(functools.partial(with_process_counts, label="dispatch"))
+        pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    else:
+        pipe = pipe.sharding_filter()
+    pipe = PauseAware(pipe, "worker").map(functools.partial(with_process_counts, label="worker"))
+    return PauseAware(pipe, "main", replicable=False)
+
+
+# -- several branches --------------------------------------------------------------------------
+
+
+class JoinInMain(IterDataPipe):
+    """A non-replicable zip: its inputs are separate worker outputs."""
+
+    def __init__(self, *dps: Any) -> None:
+        self.dps = list(dps)
+
+    def __iter__(self) -> Any:
+        return zip(*self.dps)
+
+    def is_replicable(self) -> bool:
+        return False
+
+
+def tag(item: Any, label: str) -> Any:
+    return label, item, os.getpid()
+
+
+def big(item: Any, size: int = 200_000) -> Any:
+    """An item large enough to fill a channel on its own."""
+    return item, bytes(size)
+
+
+def value_of(item: Any) -> Any:
+    return item[0] if isinstance(item, tuple) else item
+
+
+def double(x: Any) -> Any:
+    return 2 * x
