@@ -98,6 +98,14 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         self._plan = plan(datapipe, self.options.num_workers)
         for message in self._plan.warnings:
             warnings.warn(message, UserWarning, stacklevel=3)
+        if not self.options.in_order and len(self._plan.worker_outputs) > 1 and self._plan.uses_processes:
+            warnings.warn(
+                f"in_order=False with {len(self._plan.worker_outputs)} worker outputs: each output is read as "
+                "its items arrive, so a main-process DataPipe that joins outputs by position (zip) pairs items "
+                "by arrival, not by index. Keep in_order=True for such joins.",
+                UserWarning,
+                stacklevel=3,
+            )
         if not self._plan.uses_processes:
             # In-process, as torchdata does: worker 0 of 1 runs the whole graph.
             self._main = process_init_fn(datapipe, WorkerInfo(1, 0), self.options.worker_init_fn)

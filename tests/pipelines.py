@@ -269,3 +269,49 @@ def value_of(item: Any) -> Any:
 
 def double(x: Any) -> Any:
     return 2 * x
+
+
+def first_and_size(pair: Any) -> Any:
+    """(small, (value, payload)) -> (small, value, len(payload)): keeps the main process light."""
+    small, (value, payload) = pair
+    return small, value, len(payload)
+
+
+def branch_pipes(n: int = 10) -> IterDataPipe:
+    """Two sharded branches joined by a non-replicable zip: two worker outputs."""
+    left = IterableWrapper(range(n)).sharding_filter().map(functools.partial(tag, label="a"))
+    right = IterableWrapper(range(100, 100 + n)).sharding_filter().map(functools.partial(tag, label="b"))
+    return JoinInMain(left, right)
+
+
+def two_dispatchers(n: int = 10) -> IterDataPipe:
+    """Two dispatchers feeding one worker segment (zipped there)."""
+    first = IterableWrapper(range(n)).map(functools.partial(stamp, stage="pre"))
+    first = first.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    second = IterableWrapper(range(100, 100 + n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    return NonReplicable(first.zip(second).map(functools.partial(tag, label="w")))
+
+
+def shared_in_workers(n: int = 10) -> IterDataPipe:
+    """Two worker outputs that share their upstream (a fork inside the worker segment)."""
+    left, right = IterableWrapper(range(n)).sharding_filter().fork(2)
+    return JoinInMain(left.map(functools.partial(tag, label="a")), right.map(double))
+
+
+def shared_in_dispatch(n: int = 10) -> IterDataPipe:
+    """Two dispatchers that share their upstream (a fork in the dispatch process), each
+    read by its own worker output."""
+    left, right = IterableWrapper(range(n)).fork(2)
+    left = left.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    right = right.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    return JoinInMain(left.map(functools.partial(tag, label="a")), right.map(double))
+
+
+def map_outputs(datapipe: Any, worker_info: Any) -> Any:
+    """A worker_init_fn for a segment with several outputs."""
+    datapipe.outputs = [output.map(functools.partial(tag, label=f"init{worker_info.worker_id}")) for output in datapipe.outputs]
+    return datapipe
+
+
+def wrong_init(datapipe: Any, worker_info: Any) -> Any:
+    return datapipe.outputs[0]

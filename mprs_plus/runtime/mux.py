@@ -123,10 +123,14 @@ class ChannelMux:
             self._cv.wait()
             return
         self._pumping = True
+        held = self._held
+        for index, message in enumerate(held):
+            if message is not None and message[1] < self.epoch:
+                held[index] = None  # held when it was current; its producer may be blocked behind it
+        idle = [i for i, message in enumerate(held) if message is None]
         self._cv.release()
         got: list[tuple[int, Message]] = []
         try:
-            idle = [i for i, message in enumerate(self._held) if message is None]
             for index in self._wait(idle):
                 message = self._recv(index)
                 # Drain a run of stale messages at once: their producer is waiting on them.
