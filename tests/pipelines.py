@@ -315,3 +315,48 @@ def map_outputs(datapipe: Any, worker_info: Any) -> Any:
 
 def wrong_init(datapipe: Any, worker_info: Any) -> Any:
     return datapipe.outputs[0]
+
+
+# -- order modes, hooks of the dispatch process, the test matrix ------------------------------
+
+
+RELEASE: Any = None  # a multiprocessing Event, inherited by forked workers
+
+
+def held_back(item: Any, value: int = 0) -> Any:
+    """Item ``value`` waits for ``RELEASE``: its worker is stuck until the main process
+    sets it (fork only: the Event reaches the workers by inheritance)."""
+    if item == value:
+        RELEASE.wait(60)
+    return item
+
+
+def dispatch_init(datapipe: Any, worker_info: Any) -> Any:
+    _bump("dispatch_init")
+    info = (worker_info.num_workers, worker_info.worker_id)
+    return datapipe.map(functools.partial(_mark_dispatch, info=info))
+
+
+def _mark_dispatch(item: Any, info: Any) -> Any:
+    return item, os.getpid(), COUNTS.get("dispatch_init", 0), info
+
+
+def matrix_pipe(n: int, dispatch: bool) -> IterDataPipe:
+    """Random in every segment: a shared-seed shuffle before the split, a per-worker one after."""
+    pipe = IterableWrapper(range(n)).shuffle()
+    if dispatch:
+        pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    else:
+        pipe = pipe.sharding_filter()
+    return pipe.shuffle(buffer_size=4).map(double)
+
+
+def plain_pipe(items: Any, dispatch: bool) -> IterDataPipe:
+    pipe = IterableWrapper(list(items))
+    if dispatch:
+        return pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(double)
+    return pipe.sharding_filter().map(double)
+
+
+def identity(item: Any) -> Any:
+    return item

@@ -178,7 +178,7 @@ class ChildLoop:
         self.stopping = False
         self._inbox: deque[tuple[int, int, Any]] = deque()
         self._cv = threading.Condition(threading.Lock())
-        self._parked = 0
+        self._parked = 0  # lanes parked since the last generation change
         self._gone = 0
         self._generation = 0
 
@@ -299,11 +299,10 @@ class ChildLoop:
     def _park(self) -> bool:
         with self._cv:
             generation = self._generation
-            self._parked += 1
+            self._parked += 1  # counts for this generation only: lane 0 resets it when it moves on
             self._cv.notify_all()
             while self._generation == generation and not self.stopping:
                 self._cv.wait()
-            self._parked -= 1
             return not self.stopping
 
     def _apply_inbox(self) -> bool:
@@ -322,6 +321,8 @@ class ChildLoop:
         finally:
             with self._cv:
                 self.interrupt = bool(self._inbox) or self.stopping
+                # A lane woken by this change is no longer parked, even before it runs again.
                 self._generation += 1
+                self._parked = 0
                 self._cv.notify_all()
         return not self.stopping
