@@ -26,7 +26,8 @@ process waits for worker w's turn, w waits for its dispatched items, the dispatc
 for room at worker w', and w' waits for the main process to read it. The cycle closes only
 when the per-worker item counts drift apart by more than the channels hold (a filter or a
 flat-map after a dispatcher that keeps far more items on some workers than on others).
-``in_order=False`` reads whatever is ready and never closes it.
+With one worker output, ``in_order=False`` reads whichever worker is ready, so w' is
+always read and the cycle cannot close.
 """
 
 from __future__ import annotations

@@ -85,10 +85,6 @@ class WorkerProgram:
     sharding_roots: tuple[Any, ...]
     groups: tuple[int, ...] = (0,)  # outputs with the same group share DataPipes (and a lock)
 
-    @property
-    def output(self) -> Any:
-        return self.outputs[0]
-
 
 @dataclass
 class WorkerSetup:
