@@ -360,3 +360,19 @@ def plain_pipe(items: Any, dispatch: bool) -> IterDataPipe:
 
 def identity(item: Any) -> Any:
     return item
+
+
+def mixed_pipe(n: int = 8) -> IterDataPipe:
+    """Two worker outputs joined in the main process: one fed by two dispatchers that share
+    their source, one sharded in the workers."""
+    first, second = IterableWrapper(range(n)).fork(2)
+    first = first.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    second = second.map(double).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    dealt = first.zip(second).map(functools.partial(tag, label="dealt"))
+    sharded = IterableWrapper(range(100, 100 + n)).sharding_filter()
+    return JoinInMain(dealt, sharded)
+
+
+def unpicklable(item: Any) -> Any:
+    """An item that cannot travel between processes (a generator)."""
+    return (x for x in [item])

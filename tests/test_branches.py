@@ -163,3 +163,9 @@ def test_as_ready_with_a_slow_branch_still_yields_every_pair():
         warnings.simplefilter("ignore")
         (rows,) = run(pipelines.JoinInMain(slow, fast), in_order=False, num_workers=3)
     assert sorted(a[1] for a, _ in rows) == sorted(b for _, b in rows) == list(range(16))
+
+
+def test_several_outputs_and_dispatchers_under_every_start_method(start_method):
+    epochs = run(pipelines.mixed_pipe(8), epochs=2, multiprocessing_context=start_method)
+    for rows in epochs:
+        assert [(dealt[1], sharded) for dealt, sharded in rows] == [((i, 2 * i), 100 + i) for i in range(8)]

@@ -58,7 +58,7 @@ def dispatch_main(setup: DispatchSetup) -> None:
         return process_reset_fn(root, info, seed_generator, distributed_shared_seed=True, iter_reset_fn=iter_reset_fn)
 
     locks = make_locks(setup.groups)
-    lanes = [DealLane(setup.outputs[d], locks[d], setup.max_items) for d in range(count)]
+    lanes = [DealLane(setup.outputs[d], locks[d], where, setup.max_items) for d in range(count)]
     control = SegmentControl(root, count, reset, where, failure)
     loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where)
     loop.run()

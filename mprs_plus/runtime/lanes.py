@@ -30,6 +30,9 @@ Rules that keep a child free of deadlocks:
   while writing a channel; lanes that share nothing have no lock at all;
 * nothing waits for the listener, and the listener waits only on its channel.
 
+A message that cannot be sent (an item that does not pickle) ends that lane's epoch with
+an ERROR carrying the reason (``GuardedSender``), instead of killing the child.
+
 What is left is the one wait a deterministic round-robin cannot avoid (a worker waiting for
 its turn of dispatched items while the dispatcher waits for another worker to make room);
 ``service.py`` states when that cycle cannot close.
@@ -71,18 +74,44 @@ class Lane(Protocol):
     def begin(self, epoch: int, datapipe: Any) -> None: ...
     def set_epoch(self, epoch: int) -> None: ...
     def finish(self) -> None: ...
-    def fail(self, error: RemoteError, unsendable: bool = False) -> None: ...
+    def fail(self, error: RemoteError) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
+
+
+class GuardedSender:
+    """Sends one lane's messages on one channel. A message that cannot be sent (one of its
+    items does not pickle) becomes that epoch's ERROR, and the rest of that epoch is dropped:
+    the reader raises the error instead of losing the items silently."""
+
+    def __init__(self, sender: Any, where: str) -> None:
+        self._sender = sender
+        self._where = where
+        self._failed_epoch: int | None = None
+
+    def send(self, message: tuple[int, int, Any]) -> None:
+        epoch = message[1]
+        if epoch == self._failed_epoch:
+            return
+        try:
+            self._sender.send(message)
+        except ChannelError:
+            raise
+        except Exception as exc:
+            self._failed_epoch = epoch
+            self._sender.send((Kind.ERROR, epoch, RemoteError.capture(exc, self._where)))
+
+    def close(self) -> None:
+        self._sender.close()
 
 
 class OutputLane:
     """A worker's lane: items of one output go to one channel, in batches."""
 
-    def __init__(self, sender: Any, lock: threading.Lock | None, max_items: int = 64) -> None:
+    def __init__(self, sender: Any, lock: threading.Lock | None, where: str, max_items: int = 64) -> None:
         self.lock = lock
-        self._sender = sender
-        self._batcher = Batcher(sender.send, 0, max_items=max_items)
+        self._sender = GuardedSender(sender, where)
+        self._batcher = Batcher(self._sender.send, 0, max_items=max_items)
         self.emit = self._batcher.add
         self.next_item = _exhausted
 
@@ -97,9 +126,7 @@ class OutputLane:
     def finish(self) -> None:
         self._batcher.finish(Kind.END)
 
-    def fail(self, error: RemoteError, unsendable: bool = False) -> None:
-        if unsendable:
-            self._batcher.discard()
+    def fail(self, error: RemoteError) -> None:
         self._batcher.finish(Kind.ERROR, error)
 
     def flush(self) -> None:
@@ -112,9 +139,9 @@ class OutputLane:
 class DealLane:
     """A dispatch lane: items of one dispatcher go round-robin to one channel per worker."""
 
-    def __init__(self, senders: Sequence[Any], lock: threading.Lock | None, max_items: int = 64) -> None:
+    def __init__(self, senders: Sequence[Any], lock: threading.Lock | None, where: str, max_items: int = 64) -> None:
         self.lock = lock
-        self._senders = tuple(senders)
+        self._senders = tuple(GuardedSender(sender, where) for sender in senders)
         self._batchers = [Batcher(sender.send, 0, max_items=max_items) for sender in self._senders]
         self._adds = [batcher.add for batcher in self._batchers]
         self._count = len(self._adds)
@@ -140,13 +167,11 @@ class DealLane:
         for batcher in self._batchers:
             batcher.finish(Kind.END)
 
-    def fail(self, error: RemoteError, unsendable: bool = False) -> None:
+    def fail(self, error: RemoteError) -> None:
         """The error takes the failing item's place in the deal; the other workers end."""
         for offset in range(self._count):
             batcher = self._batchers[(self._turn + offset) % self._count]
             if offset == 0:
-                if unsendable:
-                    batcher.discard()
                 batcher.finish(Kind.ERROR, error)
             else:
                 batcher.finish(Kind.END)
@@ -287,14 +312,7 @@ class ChildLoop:
                 else:
                     lane.fail(RemoteError.capture(failure, self.where))
                 return
-            try:
-                emit(item)
-            except ChannelError:
-                raise
-            except Exception as exc:  # the item (or its batch) cannot be sent
-                self.active[k] = False
-                lane.fail(RemoteError.capture(exc, self.where), unsendable=True)
-                return
+            emit(item)  # an item that cannot be sent becomes an ERROR (GuardedSender)
 
     def _park(self) -> bool:
         with self._cv:

@@ -87,10 +87,6 @@ class Batcher:
             items, self._items = self._items, []
             self._send((Kind.ITEMS, self.epoch, items))
 
-    def discard(self) -> None:
-        """Drop the items held (they could not be sent, e.g. one of them does not pickle)."""
-        self._items = []
-
     def finish(self, kind: Kind, payload: Any = None) -> None:
         """Flush, then send the epoch's last message (END or ERROR)."""
         self.flush()

@@ -129,7 +129,7 @@ def worker_main(setup: WorkerSetup) -> None:
         )
 
     locks = make_locks(program.groups)
-    lanes = [OutputLane(sender, locks[k]) for k, sender in enumerate(setup.data)]
+    lanes = [OutputLane(sender, locks[k], where) for k, sender in enumerate(setup.data)]
     control = SegmentControl(root, count, reset, where, failure)
     loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where)
     loop.run()
