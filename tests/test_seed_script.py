@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -26,8 +27,11 @@ def test_seed_script(nograph, tmp_path):
         script = script.replace("NoGraph(IterableWrapper(range(4)))", "IterableWrapper(range(4))")
     path = tmp_path / "seed.py"
     path.write_text(script)
+    # Unbuffered output would write each piece of a print() on its own, and lines of
+    # different processes would interleave; buffered, each print is one write.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", str(path)], capture_output=True, text=True, timeout=90
+        [sys.executable, "-W", "ignore", str(path)], capture_output=True, text=True, timeout=90, env=env
     )
     main_pid = int(re.search(r"Main Process:\s+(\d+)", done.stdout).group(1))
     blocks = done.stdout.split("-------------------------------------")
