@@ -2,6 +2,7 @@ from setuptools import find_packages, setup
 
 # MkDocs: the docs are Markdown, the format of the README and of the pages' examples that
 # the tests run; mkdocstrings renders the API reference from the docstrings.
+BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60"]
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0"]
 # Plan.render() and `explain --format svg|png` draw with Graphviz's dot through this package.
 RENDER = ["graphviz>=0.20"]
@@ -27,16 +28,17 @@ setup(
         # The suite also builds the docs and checks the explain command's rendering
         # messages, so it needs the docs tools and the graphviz package (not Graphviz's
         # dot program: the tests that draw images skip without it).
+        # It also runs the benchmark suite once (--quick), plot included.
         "test": [
             "pytest>=7.4",
             "pytest-timeout>=2.2",
-            "numpy>=1.24",
+            *BENCH,
             *DOCS,
             *RENDER,
         ],
         "docs": DOCS,
         "render": RENDER,
-        "bench": ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60"],
+        "bench": BENCH,
     },
     entry_points={"console_scripts": ["mprs-plus=mprs_plus.__main__:main"]},
     classifiers=[

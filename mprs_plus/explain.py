@@ -104,10 +104,13 @@ def _queue_text(plan: Plan, index: int) -> list[str]:
     if not plan.uses_processes:
         return []
     found = []
-    if index in plan.dispatchers:
-        found.append(f"queue to each of the {plan.num_workers} workers, items dealt round-robin")
-    if index in plan.worker_outputs:
-        found.append("queue from each worker to the main process, read round-robin")
+    dispatchers, outputs = plan.dispatchers, plan.worker_outputs
+    if index in dispatchers:
+        which = f" (dispatcher {dispatchers.index(index) + 1} of {len(dispatchers)}, its own thread)" if len(dispatchers) > 1 else ""
+        found.append(f"queue to each of the {plan.num_workers} workers, items dealt round-robin{which}")
+    if index in outputs:
+        which = f" (worker output {outputs.index(index) + 1} of {len(outputs)}, a thread per output in each worker)" if len(outputs) > 1 else ""
+        found.append(f"queue from each worker to the main process, read round-robin{which}")
     return found
 
 

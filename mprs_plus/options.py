@@ -20,6 +20,10 @@ class Options:
     main_prefetch_cnt: int = 10
     worker_init_fn: Callable[..., Any] | None = None
     worker_reset_fn: Callable[..., Any] | None = None
+    # Beyond torchdata's arguments:
+    dispatch_init_fn: Callable[..., Any] | None = None
+    dispatch_buffer_size: int | None = None
+    in_order: bool = True
     timeout: float | None = None
 
     def __post_init__(self) -> None:
@@ -30,13 +34,22 @@ class Options:
         _non_negative_int("num_workers", self.num_workers)
         _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
         _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)
+        if self.dispatch_buffer_size is not None:
+            _non_negative_int("dispatch_buffer_size", self.dispatch_buffer_size)
+            if self.dispatch_buffer_size == 0:
+                raise ValueError(
+                    "dispatch_buffer_size must be >= 1 (items each worker may hold from the dispatch "
+                    "process), or None to follow worker_prefetch_cnt"
+                )
+        if not isinstance(self.in_order, bool):
+            raise TypeError(f"in_order must be True or False, got {type(self.in_order).__name__}")
         methods = multiprocessing.get_all_start_methods()
         if self.multiprocessing_context is not None and self.multiprocessing_context not in methods:
             raise ValueError(
                 f"multiprocessing_context={self.multiprocessing_context!r} is not a start method of this "
                 f"platform; choose one of {methods} or None for the default"
             )
-        for name in ("worker_init_fn", "worker_reset_fn"):
+        for name in ("worker_init_fn", "worker_reset_fn", "dispatch_init_fn"):
             hook = getattr(self, name)
             if hook is not None and not callable(hook):
                 raise TypeError(f"{name} must be callable or None, got {type(hook).__name__}")
@@ -51,6 +64,14 @@ class Options:
         """
         share = -(-self.main_prefetch_cnt // max(self.num_workers, 1))
         return max(1, self.worker_prefetch_cnt + share)
+
+    @property
+    def dispatch_channel_items(self) -> int:
+        """Capacity, in items, of each channel from the dispatch process to a worker:
+        ``dispatch_buffer_size``, or by default ``worker_prefetch_cnt`` (at least 1)."""
+        if self.dispatch_buffer_size is not None:
+            return self.dispatch_buffer_size
+        return max(1, self.worker_prefetch_cnt)
 
 
 def _non_negative_int(name: str, value: Any) -> None:

@@ -42,7 +42,10 @@ class Plan:
         segments: the segment of every node, by index.
         dispatchers: the nodes whose items travel from the dispatch process to the workers.
         worker_outputs: the nodes whose items travel from the workers to the main
-            process (or the output itself when it runs in the workers).
+            process (or the output itself when it runs in the workers). Either this or
+            ``dispatchers`` may hold several nodes: each worker then runs one lane per
+            worker output, and the dispatch process one per dispatcher, each with its
+            own channels.
         sharding_points: worker-segment nodes with ``apply_sharding``, such as
             ``sharding_filter``.
         warnings: footguns found, such as no sharding point; the reading service issues
@@ -120,7 +123,7 @@ def plan(datapipe: Any, num_workers: int) -> Plan:
         return Plan(graph, 0, (Segment.MAIN,) * len(graph.nodes), (), (), (), ())
     segments = _assign_segments(graph)
     _check_references(graph, segments)
-    dispatchers = tuple(i for i, dp in enumerate(graph.datapipes) if _is_dispatcher(dp))
+    dispatchers = _boundary_dispatchers(graph, segments)
     worker_outputs = _worker_outputs(graph, segments)
     sharding_points = tuple(
         i for i, dp in enumerate(graph.datapipes) if segments[i] is Segment.WORKER and _is_sharding(dp)
@@ -135,6 +138,18 @@ def _is_dispatcher(datapipe: Any) -> bool:
 
 def _is_sharding(datapipe: Any) -> bool:
     return callable(getattr(datapipe, "apply_sharding", None)) and not _is_dispatcher(datapipe)
+
+
+def _boundary_dispatchers(graph: Graph, segments: tuple[Segment, ...]) -> tuple[int, ...]:
+    """Dispatchers whose items leave the dispatch process (one nested inside the dispatch
+    segment just passes its items on, in that process)."""
+    children = graph.children()
+    return tuple(
+        i
+        for i, dp in enumerate(graph.datapipes)
+        if _is_dispatcher(dp)
+        and (i == graph.output or any(segments[child] is not Segment.DISPATCH for child in children[i]))
+    )
 
 
 def _is_replicable(datapipe: Any) -> bool:
@@ -257,5 +272,13 @@ def _footguns(
             ".sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING) where items should be "
             "handed out."
         )
-    del worker_outputs
+    elif num_workers > 1 and len(worker_outputs) > 1:
+        for output in worker_outputs:
+            upstream = graph.ancestors(output) | {output}
+            if not upstream & (set(dispatchers) | set(sharding_points)):
+                found.append(
+                    f"No sharding point on the branch ending at #{output} {graph.nodes[output].name}: with "
+                    f"num_workers={num_workers} every worker yields all of its items, so each arrives "
+                    f"{num_workers} times. Add .sharding_filter() after that branch's source."
+                )
     return tuple(found)

@@ -1,7 +1,10 @@
-"""Thin adapter to torchdata's ``ReadingServiceInterface``: plan, start, seed, stop.
+"""Thin adapter to torchdata's ``ReadingServiceInterface``: plan, start, seed, pause, stop.
 
     DataLoader2 --initialize(dp)--------> plan(dp) -> ServiceRuntime.start() -> main segment
                 --initialize_iteration--> seed the main segment; RESET every child
+                --_pause / _resume------> pause()/resume() the main segment's DataPipes;
+                                          PAUSE / RESUME every child
+                --_limit----------------> limit_fn to the children and the main segment
                 --finalize--------------> ServiceRuntime.stop()
 """
 
@@ -11,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from torchdata.dataloader2.graph import set_graph_random_seed
+from torchdata.dataloader2.graph import list_dps, set_graph_random_seed, traverse_dps
 from torchdata.dataloader2.reading_service import ReadingServiceInterface
 from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 
@@ -36,8 +39,20 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         worker_init_fn: ``fn(datapipe, WorkerInfo) -> datapipe``, once in each worker.
         worker_reset_fn: ``fn(datapipe, WorkerInfo, SeedGenerator) -> datapipe``, every
             epoch in each worker.
+
+    Beyond torchdata's arguments (keyword only):
+        dispatch_init_fn: ``fn(datapipe, WorkerInfo) -> datapipe``, once in the dispatch
+            process, on its copy of the dispatcher (``WorkerInfo(num_workers, 0)``).
+        dispatch_buffer_size: items the dispatch process may deal ahead to each worker;
+            None follows ``worker_prefetch_cnt``.
+        in_order: True (default) yields items round-robin over the workers, reproducibly;
+            False yields them as the workers produce them, which hides imbalanced per-item
+            costs but makes the order depend on timing.
         timeout: seconds to wait for the next item before raising ``TimeoutError``;
             None waits as long as the workers are alive (a dead one is an error at once).
+
+    A worker segment with several outputs (several branches joined in the main process)
+    or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
     """
 
     def __init__(
@@ -49,6 +64,9 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         worker_init_fn: Callable[..., Any] | None = None,
         worker_reset_fn: Callable[..., Any] | None = None,
         *,
+        dispatch_init_fn: Callable[..., Any] | None = None,
+        dispatch_buffer_size: int | None = None,
+        in_order: bool = True,
         timeout: float | None = None,
     ) -> None:
         self.options = Options(
@@ -58,6 +76,9 @@ class MultiProcessingReadingService(ReadingServiceInterface):
             main_prefetch_cnt=main_prefetch_cnt,
             worker_init_fn=worker_init_fn,
             worker_reset_fn=worker_reset_fn,
+            dispatch_init_fn=dispatch_init_fn,
+            dispatch_buffer_size=dispatch_buffer_size,
+            in_order=in_order,
             timeout=timeout,
         )
         self._plan: Plan | None = None
@@ -81,6 +102,14 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         self._plan = plan(datapipe, self.options.num_workers)
         for message in self._plan.warnings:
             warnings.warn(message, UserWarning, stacklevel=3)
+        if not self.options.in_order and len(self._plan.worker_outputs) > 1 and self._plan.uses_processes:
+            warnings.warn(
+                f"in_order=False with {len(self._plan.worker_outputs)} worker outputs: each output is read as "
+                "its items arrive, so a main-process DataPipe that joins outputs by position (zip) pairs items "
+                "by arrival, not by index. Keep in_order=True for such joins.",
+                UserWarning,
+                stacklevel=3,
+            )
         if not self._plan.uses_processes:
             # In-process, as torchdata does: worker 0 of 1 runs the whole graph.
             self._main = process_init_fn(datapipe, WorkerInfo(1, 0), self.options.worker_init_fn)
@@ -106,3 +135,44 @@ class MultiProcessingReadingService(ReadingServiceInterface):
     def finalize(self) -> None:
         if self._runtime is not None:
             self._runtime.stop()
+
+    # -- pause, resume, limit: called by DataLoader2 (its iterator's limit() and resume()) --
+
+    def _pause(self, pause_fn: Callable[[Any], Any] | None = None) -> None:
+        """Stop producing: pause() the main segment's DataPipes (e.g. fullsync, prefetch),
+        then ask every child to stop at its next item and run ``pause_fn`` on its segment.
+
+        Nothing is lost: items already produced wait in the channels and in the main
+        process's readers, in order, until ``_resume``.
+        """
+        self._require_main("_pause")
+        for datapipe in list_dps(traverse_dps(self._main)):
+            if callable(getattr(datapipe, "pause", None)):
+                datapipe.pause()
+        if self._runtime is not None:
+            self._runtime.pause(pause_fn)
+        return None
+
+    def _resume(self, resume_fn: Callable[[Any], Any] | None = None) -> None:
+        self._require_main("_resume")
+        if self._runtime is not None:
+            self._runtime.resume(resume_fn)
+        for datapipe in reversed(list_dps(traverse_dps(self._main))):
+            if callable(getattr(datapipe, "resume", None)):
+                datapipe.resume()
+        return None
+
+    def _limit(self, num_batches: int | None, limit_fn: Callable[[Any, int | None], Any] | None = None) -> None:
+        """With a ``limit_fn`` (from a reading service chained before this one), apply it in
+        the children and to the main segment, as torchdata does; the count of items itself
+        is kept by DataLoader2's iterator."""
+        self._require_main("_limit")
+        if limit_fn is not None:
+            if self._runtime is not None:
+                num_batches = self._runtime.limit(num_batches, limit_fn)
+            limit_fn(self._main, num_batches)
+        return None
+
+    def _require_main(self, what: str) -> None:
+        if self._main is None:
+            raise RuntimeError(f"{what}() called before initialize(): use the service through DataLoader2")

@@ -237,3 +237,207 @@ def pid_of(item: Any) -> Any:
 
 def broken_init_fn(datapipe: Any, worker_info: Any) -> Any:
     raise RuntimeError(f"init failed in worker {worker_info.worker_id}")
+
+
+# -- pause, resume, limit: hooks that count in the process that ran them ---------------------
+
+COUNTS: dict[str, int] = {}
+
+
+def _bump(name: str) -> None:
+    COUNTS[name] = COUNTS.get(name, 0) + 1
+
+
+class PauseAware(IterDataPipe):
+    """Counts the pause() / resume() calls it gets, in the process that runs it."""
+
+    def __init__(self, dp: Any, label: str, replicable: bool = True) -> None:
+        self.dp = dp
+        self.label = label
+        self.replicable = replicable
+
+    def __iter__(self) -> Any:
+        return iter(self.dp)
+
+    def is_replicable(self) -> bool:
+        return self.replicable
+
+    def pause(self) -> None:
+        _bump(f"{self.label}.pause")
+
+    def resume(self) -> None:
+        _bump(f"{self.label}.resume")
+
+
+def with_process_counts(item: Any, label: str) -> Any:
+    """Attach this process's counts, under ``label``, to the item."""
+    value, counts = item if isinstance(item, tuple) else (item, {})
+    return value, {**counts, label: dict(COUNTS)}
+
+
+def pause_fn(datapipe: Any) -> Any:
+    _bump("pause_fn")
+    return datapipe
+
+
+def resume_fn(datapipe: Any) -> Any:
+    _bump("resume_fn")
+    return datapipe
+
+
+def limit_fn(datapipe: Any, num_batches: Any) -> Any:
+    _bump(f"limit_fn({num_batches})")
+    return datapipe
+
+
+def pause_aware_pipe(n: int, dispatch: bool) -> IterDataPipe:
+    """A PauseAware DataPipe in every segment; items carry the counts of the processes that
+    made them: ("dispatch", "worker")."""
+    pipe = IterableWrapper(range(n))
+    if dispatch:
+        pipe = PauseAware(pipe, "dispatch").map(functools.partial(with_process_counts, label="dispatch"))
+        pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    else:
+        pipe = pipe.sharding_filter()
+    pipe = PauseAware(pipe, "worker").map(functools.partial(with_process_counts, label="worker"))
+    return PauseAware(pipe, "main", replicable=False)
+
+
+# -- several branches --------------------------------------------------------------------------
+
+
+class JoinInMain(IterDataPipe):
+    """A non-replicable zip: its inputs are separate worker outputs."""
+
+    def __init__(self, *dps: Any) -> None:
+        self.dps = list(dps)
+
+    def __iter__(self) -> Any:
+        return zip(*self.dps)
+
+    def is_replicable(self) -> bool:
+        return False
+
+
+def tag(item: Any, label: str) -> Any:
+    return label, item, os.getpid()
+
+
+def big(item: Any, size: int = 200_000) -> Any:
+    """An item large enough to fill a channel on its own."""
+    return item, bytes(size)
+
+
+def value_of(item: Any) -> Any:
+    return item[0] if isinstance(item, tuple) else item
+
+
+def double(x: Any) -> Any:
+    return 2 * x
+
+
+def first_and_size(pair: Any) -> Any:
+    """(small, (value, payload)) -> (small, value, len(payload)): keeps the main process light."""
+    small, (value, payload) = pair
+    return small, value, len(payload)
+
+
+def branch_pipes(n: int = 10) -> IterDataPipe:
+    """Two sharded branches joined by a non-replicable zip: two worker outputs."""
+    left = IterableWrapper(range(n)).sharding_filter().map(functools.partial(tag, label="a"))
+    right = IterableWrapper(range(100, 100 + n)).sharding_filter().map(functools.partial(tag, label="b"))
+    return JoinInMain(left, right)
+
+
+def two_dispatchers(n: int = 10) -> IterDataPipe:
+    """Two dispatchers feeding one worker segment (zipped there)."""
+    first = IterableWrapper(range(n)).map(functools.partial(stamp, stage="pre"))
+    first = first.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    second = IterableWrapper(range(100, 100 + n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    return NonReplicable(first.zip(second).map(functools.partial(tag, label="w")))
+
+
+def shared_in_workers(n: int = 10) -> IterDataPipe:
+    """Two worker outputs that share their upstream (a fork inside the worker segment)."""
+    left, right = IterableWrapper(range(n)).sharding_filter().fork(2)
+    return JoinInMain(left.map(functools.partial(tag, label="a")), right.map(double))
+
+
+def shared_in_dispatch(n: int = 10) -> IterDataPipe:
+    """Two dispatchers that share their upstream (a fork in the dispatch process), each
+    read by its own worker output."""
+    left, right = IterableWrapper(range(n)).fork(2)
+    left = left.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    right = right.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    return JoinInMain(left.map(functools.partial(tag, label="a")), right.map(double))
+
+
+def map_outputs(datapipe: Any, worker_info: Any) -> Any:
+    """A worker_init_fn for a segment with several outputs."""
+    datapipe.outputs = [output.map(functools.partial(tag, label=f"init{worker_info.worker_id}")) for output in datapipe.outputs]
+    return datapipe
+
+
+def wrong_init(datapipe: Any, worker_info: Any) -> Any:
+    return datapipe.outputs[0]
+
+
+# -- order modes, hooks of the dispatch process, the test matrix ------------------------------
+
+
+RELEASE: Any = None  # a multiprocessing Event, inherited by forked workers
+
+
+def held_back(item: Any, value: int = 0) -> Any:
+    """Item ``value`` waits for ``RELEASE``: its worker is stuck until the main process
+    sets it (fork only: the Event reaches the workers by inheritance)."""
+    if item == value:
+        RELEASE.wait(60)
+    return item
+
+
+def dispatch_init(datapipe: Any, worker_info: Any) -> Any:
+    _bump("dispatch_init")
+    info = (worker_info.num_workers, worker_info.worker_id)
+    return datapipe.map(functools.partial(_mark_dispatch, info=info))
+
+
+def _mark_dispatch(item: Any, info: Any) -> Any:
+    return item, os.getpid(), COUNTS.get("dispatch_init", 0), info
+
+
+def matrix_pipe(n: int, dispatch: bool) -> IterDataPipe:
+    """Random in every segment: a shared-seed shuffle before the split, a per-worker one after."""
+    pipe = IterableWrapper(range(n)).shuffle()
+    if dispatch:
+        pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    else:
+        pipe = pipe.sharding_filter()
+    return pipe.shuffle(buffer_size=4).map(double)
+
+
+def plain_pipe(items: Any, dispatch: bool) -> IterDataPipe:
+    pipe = IterableWrapper(list(items))
+    if dispatch:
+        return pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(double)
+    return pipe.sharding_filter().map(double)
+
+
+def identity(item: Any) -> Any:
+    return item
+
+
+def mixed_pipe(n: int = 8) -> IterDataPipe:
+    """Two worker outputs joined in the main process: one fed by two dispatchers that share
+    their source, one sharded in the workers."""
+    first, second = IterableWrapper(range(n)).fork(2)
+    first = first.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    second = second.map(double).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    dealt = first.zip(second).map(functools.partial(tag, label="dealt"))
+    sharded = IterableWrapper(range(100, 100 + n)).sharding_filter()
+    return JoinInMain(dealt, sharded)
+
+
+def unpicklable(item: Any) -> Any:
+    """An item that cannot travel between processes (a generator)."""
+    return (x for x in [item])

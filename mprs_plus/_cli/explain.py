@@ -110,26 +110,7 @@ def run(args: argparse.Namespace) -> int:
         # The warnings are inside the rendering; say them where the user is looking too.
         for warning in planned.warnings:
             print(textwrap.fill(f"warning: {warning}", 100), file=sys.stderr)
-    problem = _runtime_refusal(planned)
-    if problem is not None:
-        return _fail(f"{type(problem).__name__}: {problem}", CANNOT_PLAN)
     return 0
-
-
-def _runtime_refusal(planned: Plan) -> PlanError | None:
-    """What the reading service would refuse at start that the planner allows (today: more
-    than one branch leaving the workers, or more than one dispatcher). Asked of the runtime
-    itself so that this command never disagrees with it; nothing starts."""
-    if not planned.uses_processes:
-        return None
-    from ..runtime.segments import dispatcher, worker_output
-
-    try:
-        worker_output(planned)
-        dispatcher(planned)
-    except PlanError as exc:
-        return exc
-    return None
 
 
 def _write(planned: Plan, fmt: str, output: str | None) -> None:

@@ -4,8 +4,14 @@ Every message is a tuple ``(kind, epoch, payload)``; tuples pickle fastest.
 
     main --control--> dispatch     RESET(epoch, (seed_generator, iter_reset_fn)) | STOP
     main --control--> worker w     RESET(epoch, (seed_generator, iter_reset_fn)) | STOP
-    dispatch --data--> worker w    ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
-    worker w --data--> main        ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
+    main --control--> any child    PAUSE(epoch, pause_fn | None) | RESUME(epoch, resume_fn | None)
+                                   | LIMIT(epoch, (num_batches | None, limit_fn))
+    dispatcher d --data--> worker w   ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
+    worker w, output k --data--> main ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
+
+There is one data channel per (dispatcher, worker) and per (worker, worker output), each
+with exactly one writing thread; see ``lanes.py`` for why that keeps the service free of
+deadlocks.
 
 Items travel in batches (see ``Batcher``): a reader takes them one by one, so order and
 round-robin are per item, whatever the batch sizes.
@@ -33,6 +39,9 @@ from ..errors import WorkerError
 class Kind(enum.IntEnum):
     RESET = 1
     STOP = 2
+    PAUSE = 3
+    RESUME = 4
+    LIMIT = 5
     ITEMS = 10
     END = 11
     ERROR = 12

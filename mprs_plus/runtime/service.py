@@ -1,19 +1,41 @@
 """The main-process side of a running service: starts the processes, opens each epoch,
-reads the workers' output in round-robin order, and stops everything.
+reads the workers' outputs, pauses and resumes them, and stops everything.
 
-    main segment <- WorkerReader <- [data channel per worker] <- worker w
-                                   [control channel per child] -> dispatch, workers
+    main segment <- WorkerReader k <- [data channel per (worker, output k)] <- worker w, lane k
+                                       [control channel per child] -> dispatch, workers
+    worker w <- [data channel per (dispatcher d, worker w)] <- dispatch process, lane d
 
 Every blocking read also watches every child's sentinel, so a dead child is an error
 at once, never a hang.
+
+Why this cannot deadlock. Every channel has one writing thread and one reader, and every
+wait is on a channel, a lock held only inside ``next()``, or a child's sentinel:
+
+* control messages are drained by a listener thread in each child, so the main process
+  never waits to send one;
+* a child thread never waits while holding unsent items, nor writes a channel while
+  holding a lock (``lanes.py``); several outputs of a worker, or several dispatchers,
+  write separate channels from separate threads, so a consumer that wants one output never
+  waits behind another output's full channel;
+* a reader about to block also drops stale messages from every channel it reads
+  (``mux.py``), so no producer stays blocked on data of an abandoned epoch;
+* pausing sends messages and waits for nothing.
+
+What remains is inherent to a deterministic round-robin with bounded channels: the main
+process waits for worker w's turn, w waits for its dispatched items, the dispatcher waits
+for room at worker w', and w' waits for the main process to read it. The cycle closes only
+when the per-worker item counts drift apart by more than the channels hold (a filter or a
+flat-map after a dispatcher that keeps far more items on some workers than on others).
+With one worker output, ``in_order=False`` reads whichever worker is ready, so w' is
+always read and the cycle cannot close.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,11 +45,13 @@ from ..errors import ProcessDiedError, ServiceClosedError
 from ..options import Options
 from ..plan import Plan
 from ..transport import ChannelBroken, ChannelError, EndOfStream, open_channel, wait_readable
-from .dispatch import DispatchSetup, dispatch_main
 from .diagnose import unpicklable_error
+from .dispatch import DispatchSetup, dispatch_main
 from .lifecycle import exit_description, stop_at_exit, stop_processes
 from .messages import Kind
-from .segments import build_dispatch_source, build_main_pipeline, build_worker_program
+from .mux import ChannelMux
+from .reader import read_as_ready, read_in_order
+from .segments import build_dispatch_sources, build_main_pipeline, build_worker_program
 from .worker import WorkerSetup, worker_main
 
 # Control messages are small and rare; a few in flight is plenty.
@@ -38,14 +62,16 @@ _DEATH_GRACE = 2.0  # seconds a broken channel's process may take to be reaped
 
 
 class WorkerReader(IterDataPipe):
-    """The main segment's input: the workers' items for the current epoch, round-robin.
+    """The main segment's input for one worker output: the workers' items for the current
+    epoch, round-robin (or as they are ready, with ``in_order=False``).
 
     An ``IterDataPipe`` so that DataLoader2 and torch's graph tools accept it as the
     root of the main segment; graph traversal finds nothing behind it.
     """
 
-    def __init__(self, service: ServiceRuntime) -> None:
+    def __init__(self, service: ServiceRuntime, branch: int = 0) -> None:
         self._service = service
+        self._branch = branch
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -54,9 +80,8 @@ class WorkerReader(IterDataPipe):
         return self  # one reader per service, whatever copies the main segment
 
 
-
 def _iterate_reader(reader: WorkerReader) -> Iterator[Any]:
-    return reader._service.iterate()
+    return reader._service.iterate(reader._branch)
 
 
 # Assigned after the class is made, on purpose: torch's DataPipe metaclass wraps an
@@ -78,7 +103,7 @@ class ServiceResources:
         self.dispatch: Any = None
         self.workers: list[Any] = []
         self.controls: list[Any] = []  # senders to the dispatch process (first, if any) and workers
-        self.data: list[Any] = []  # receivers from worker w
+        self.data: list[Any] = []  # receivers from (worker w, output k), at w * outputs + k
         self.epoch = 0
         self._drained: set[int] = set()  # data channels found closed while stopping
 
@@ -131,6 +156,8 @@ class ServiceRuntime:
         self.options = options
         self._ctx = multiprocessing.get_context(options.multiprocessing_context)
         self._res = ServiceResources()
+        self._outputs = 1
+        self._mux: ChannelMux | None = None
         self._finalizer = weakref.finalize(self, self._res.stop)
         stop_at_exit(self._res)
 
@@ -140,35 +167,48 @@ class ServiceRuntime:
         """Start every process; return the main segment, ready to iterate."""
         res, n = self._res, self.options.num_workers
         program = build_worker_program(self.plan)
-        source = build_dispatch_source(self.plan)
-        main_pipeline = build_main_pipeline(self.plan, WorkerReader(self))
+        dispatch = build_dispatch_sources(self.plan)
+        self._outputs = len(program.outputs)
+        readers = [WorkerReader(self, k) for k in range(self._outputs)]
+        main_pipeline = build_main_pipeline(self.plan, readers)
         child_ends: list[Any] = []
         try:
-            worker_inputs: list[tuple[Any, ...]] = [() for _ in range(n)]
-            if source is not None:
+            worker_inputs: list[list[Any]] = [[] for _ in range(n)]
+            if dispatch is not None:
+                sources, groups = dispatch
+                buffer = self.options.dispatch_channel_items
                 control_tx, control_rx = self._channel(_CONTROL_ITEMS, _CONTROL_BYTES)
-                pairs = [self._channel(max(1, self.options.worker_prefetch_cnt), _DATA_BYTES) for _ in range(n)]
-                worker_inputs = [(rx,) for _, rx in pairs]
-                setup = DispatchSetup(source, n, control_rx, tuple(tx for tx, _ in pairs))
-                child_ends += [control_rx, *(tx for tx, _ in pairs), *(rx for _, rx in pairs)]
+                rows = []
+                for _ in sources:
+                    pairs = [self._channel(buffer, _DATA_BYTES) for _ in range(n)]
+                    rows.append(tuple(tx for tx, _ in pairs))
+                    for worker_id, (_, rx) in enumerate(pairs):
+                        worker_inputs[worker_id].append(rx)
+                setup = DispatchSetup(
+                    sources, n, control_rx, tuple(rows), self.options.dispatch_init_fn, groups, min(64, buffer)
+                )
+                child_ends += [control_rx, *(tx for row in rows for tx in row)]
+                child_ends += [rx for inputs in worker_inputs for rx in inputs]
                 res.controls.append(control_tx)
                 res.dispatch = self._start("mprs_plus dispatch process", dispatch_main, setup)
             for worker_id in range(n):
                 control_tx, control_rx = self._channel(_CONTROL_ITEMS, _CONTROL_BYTES)
-                data_tx, data_rx = self._channel(self.options.items_in_flight_per_worker, _DATA_BYTES)
+                pairs = [
+                    self._channel(self.options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(self._outputs)
+                ]
                 setup = WorkerSetup(
                     worker_id=worker_id,
                     num_workers=n,
                     program=program,
                     control=control_rx,
-                    data=data_tx,
-                    inputs=worker_inputs[worker_id],
+                    data=tuple(tx for tx, _ in pairs),
+                    inputs=tuple(worker_inputs[worker_id]),
                     init_fn=self.options.worker_init_fn,
                     reset_fn=self.options.worker_reset_fn,
                 )
-                child_ends += [control_rx, data_tx]
+                child_ends += [control_rx, *(tx for tx, _ in pairs)]
                 res.controls.append(control_tx)
-                res.data.append(data_rx)
+                res.data.extend(rx for _, rx in pairs)
                 res.workers.append(self._start(f"mprs_plus worker {worker_id}", worker_main, setup))
         except BaseException:
             res.stop()
@@ -179,6 +219,7 @@ class ServiceRuntime:
         sentinels = [p.sentinel for p in res.processes()]
         for receiver in res.data:
             receiver.watch(*sentinels)
+        self._mux = ChannelMux(res.data, self._recv, self._wait_data)
         return main_pipeline
 
     def _channel(self, items: int, size: int) -> tuple[Any, Any]:
@@ -200,55 +241,87 @@ class ServiceRuntime:
         """Open a new epoch everywhere; items of earlier epochs still in flight are dropped."""
         res = self._check_open()
         res.epoch += 1
+        if self._mux is not None:
+            self._mux.epoch = res.epoch  # readers of the previous epoch end; its leftovers are dropped
         controls = list(res.controls)
         try:
             if res.dispatch is not None:
-                controls.pop(0).send((Kind.RESET, res.epoch, (seed_generator, iter_reset_fn)))
+                controls.pop(0).send(_control(Kind.RESET, res.epoch, (seed_generator, iter_reset_fn)))
             for worker_id, control in enumerate(controls):
-                control.send((Kind.RESET, res.epoch, (seed_generator.spawn(worker_id), iter_reset_fn)))
+                control.send(_control(Kind.RESET, res.epoch, (seed_generator.spawn(worker_id), iter_reset_fn)))
         except ChannelError as exc:
             raise self._death_error() from exc
 
-    def iterate(self) -> Iterator[Any]:
-        """The current epoch's items: worker 0, 1, ..., N-1, 0, ...; exhausted workers skipped."""
+    def iterate(self, branch: int = 0) -> Iterator[Any]:
+        """The current epoch's items of worker output ``branch``: in order, worker 0, 1, ...,
+        N-1, 0, ... with exhausted workers skipped; or as ready with ``in_order=False``."""
         res = self._check_open()
-        epoch = res.epoch
-        pending: list[deque[Any]] = [deque() for _ in res.data]
-        active = list(range(len(res.data)))
-        position = 0
+        if self._mux is None:
+            raise RuntimeError("internal error: iterate() before start()")
+        channels = [w * self._outputs + branch for w in range(len(res.workers))]
+        read = read_in_order if self.options.in_order else read_as_ready
+        return self._stop_on_interrupt(read(self._mux, channels, res.epoch))
+
+    def _stop_on_interrupt(self, items: Iterator[Any]) -> Iterator[Any]:
         try:
-            while active:
-                worker_id = active[position]
-                queue = pending[worker_id]
-                if queue:
-                    yield queue.popleft()
-                    position = position + 1 if position + 1 < len(active) else 0
-                    continue
-                kind, message_epoch, payload = self._recv(worker_id)
-                if message_epoch != epoch:
-                    continue
-                if kind == Kind.ITEMS:
-                    queue.extend(payload)
-                elif kind == Kind.END:
-                    active.pop(position)
-                    if position >= len(active):
-                        position = 0
-                else:
-                    raise payload.rebuild()
+            yield from items
         except KeyboardInterrupt:
             # Ctrl-C: the children ignore SIGINT and wait for us; end them before unwinding.
             self.stop()
             raise
 
-    def _recv(self, worker_id: int) -> tuple[int, int, Any]:
-        timeout = self.options.timeout
-        try:
-            return self._res.data[worker_id].recv(timeout)
-        except TimeoutError:
+    def _wait_data(self, indices: list[int]) -> list[int]:
+        """Block until some of the data channels ``indices`` are readable; a child that
+        died meanwhile is an error, and so is a wait longer than ``timeout``."""
+        res, timeout = self._res, self.options.timeout
+        index_of = {id(res.data[i]): i for i in indices}
+        ready = wait_readable([res.data[i] for i in indices], timeout, also=[p.sentinel for p in res.processes()])
+        if not ready:
+            workers = sorted({i // self._outputs for i in indices})
             raise TimeoutError(
-                f"no item from worker {worker_id} within timeout={timeout} s; the workers are alive. "
-                "Raise the timeout if items are this slow, or look for a stuck read in the pipeline."
-            ) from None
+                f"no item from worker {', '.join(map(str, workers))} within timeout={timeout} s; the workers are "
+                "alive. Raise the timeout if items are this slow, or look for a stuck read in the pipeline."
+            )
+        found = [index_of[id(r)] for r in ready if id(r) in index_of]
+        if not found:
+            raise self._death_error()
+        return found
+
+    # -- pause, resume, limit ---------------------------------------------------------------
+
+    def pause(self, pause_fn: Any = None) -> None:
+        """Ask every child to stop producing at its next item boundary, pause() its DataPipes
+        and run ``pause_fn`` on its segment. Waits for nothing: what the children already
+        produced stays in their channels, in order."""
+        self._broadcast(Kind.PAUSE, [pause_fn] * len(self._res.controls))
+
+    def resume(self, resume_fn: Any = None) -> None:
+        self._broadcast(Kind.RESUME, [resume_fn] * len(self._res.controls))
+
+    def limit(self, num_batches: int | None, limit_fn: Any) -> int | None:
+        """Send ``limit_fn`` to the children as torchdata does: with a dispatch process, it
+        gets ``num_batches`` and each worker its share; without one, ``None`` everywhere.
+        Returns what the main segment's ``limit_fn`` receives."""
+        res = self._res
+        if res.dispatch is None:
+            self._broadcast(Kind.LIMIT, [(None, limit_fn)] * len(res.controls))
+            return None
+        n = len(res.workers)
+        shares = [None if num_batches is None else num_batches // n + (w < num_batches % n) for w in range(n)]
+        self._broadcast(Kind.LIMIT, [(num_batches, limit_fn)] + [(share, limit_fn) for share in shares])
+        return num_batches
+
+    def _broadcast(self, kind: Kind, payloads: list[Any]) -> None:
+        res = self._check_open()
+        try:
+            for control, payload in zip(res.controls, payloads):
+                control.send(_control(kind, res.epoch, payload))
+        except ChannelError as exc:
+            raise self._death_error() from exc
+
+    def _recv(self, index: int) -> tuple[int, int, Any]:
+        try:
+            return self._res.data[index].recv()
         except (ChannelBroken, EndOfStream) as exc:
             raise self._death_error() from exc
         except ChannelError as exc:
@@ -293,3 +366,9 @@ class ServiceRuntime:
 
     def stop(self) -> None:
         self._finalizer()
+
+
+def _control(kind: Kind, epoch: int, payload: Any) -> tuple[int, int, bytes]:
+    """A control message; its payload travels pickled on its own, so that a child that
+    cannot unpickle it still knows which epoch fails (see ``control.py``)."""
+    return (kind, epoch, pickle.dumps(payload, protocol=5))

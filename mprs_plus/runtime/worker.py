@@ -1,21 +1,24 @@
-"""The worker process: runs one replica of the worker segment and streams its output.
+"""The worker process: runs one replica of the worker segment and streams its outputs.
 
-States (driven by the control channel from the main process)::
+    dispatcher d --channel (d, w)--> ChannelMux --> DispatchedInput d --+
+                                                                        v
+                                  worker segment --> output k --> lane k --channel (w, k)--> main
 
-    IDLE --RESET(e)--> RUNNING(e) --last item--> send END(e) --> IDLE
-                        |---exception--> send ERROR(e) --> IDLE
-                        +---control message waiting--> IDLE (the message is handled next)
-    IDLE/RUNNING --STOP or control closed--> exit
+One lane per worker output (branch), each the only writer of its channel to the main
+process; a worker segment with one output runs its single lane in the process's main
+thread, as torchdata's workers do. The lanes and the control messages are described in
+``lanes.py`` and ``control.py``.
 
-Between two items the worker looks at its control channel, so a new epoch or a stop
-is seen within one item. The worker never rediscovers the graph: it receives its
-segment ready to run, with ``DispatchedInput`` placeholders where the dispatch
-process feeds it.
+A worker never rediscovers the graph: it receives its segment ready to run, with
+``DispatchedInput`` placeholders where the dispatch process feeds it. All its dispatched
+inputs are read through one ``ChannelMux``, so stale items of an abandoned epoch are
+dropped from every input whenever one of them would block, and a dispatcher blocked on
+them moves on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,69 +27,63 @@ from torch.utils.data import IterDataPipe
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
-from ..transport import ChannelBroken, ChannelError, EndOfStream
+from ..transport import ChannelBroken, EndOfStream, wait_readable
+from .control import SegmentControl, make_locks, outputs_of, segment_root
+from .lanes import ChildLoop, OutputLane, flush_current_lane
 from .lifecycle import child_setup
-from .messages import Batcher, Kind, RemoteError, describe_process
-
-
-def _nothing() -> None:
-    return None
+from .messages import Kind, RemoteError, describe_process
+from .mux import CLOSED_EPOCH, ChannelMux
 
 
 class DispatchedInput(IterDataPipe):
     """Stands in the worker's copy of the graph where a dispatcher was: yields the items
-    the dispatch process hands to this worker for the current epoch."""
+    that dispatcher hands to this worker for the current epoch."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, position: int = 0) -> None:
         self.name = name
-        self.receiver: Any = None
+        self.position = position  # index of this input's channel in the worker's mux
+        self.mux: ChannelMux | None = None
         self.epoch = 0
-        # Called before blocking on the dispatch process: the worker flushes the items it
-        # holds, so that nobody waits on items stuck in a batch.
-        self.before_wait: Callable[[], None] = _nothing
-        self._pushed_back: tuple[int, int, Any] | None = None
 
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            message = self._next_message()
-            if message is None:
-                return
-            kind, epoch, payload = message
-            if epoch < self.epoch:
-                continue  # left over from an abandoned epoch
-            if epoch > self.epoch:
-                # The dispatch process is already in the next epoch: keep the message
-                # for it and end this one; the worker loop picks up the RESET next.
-                self._pushed_back = message
-                return
-            if kind == Kind.ITEMS:
-                yield from payload
-            elif kind == Kind.END:
-                return
-            else:
-                raise payload.rebuild()
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "position": self.position}
 
-    def _next_message(self) -> tuple[int, int, Any] | None:
-        if self._pushed_back is not None:
-            message, self._pushed_back = self._pushed_back, None
-            return message
-        try:
-            if not self.receiver.poll():
-                self.before_wait()
-            return self.receiver.recv()
-        except EndOfStream:
-            return None  # the dispatch process stopped: the service is shutting down
-        except ChannelBroken as exc:
-            raise RuntimeError(f"{self.name}: the dispatch process is gone") from exc
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["name"], state["position"])  # type: ignore[misc]
+
+
+def _iterate_dispatched(self: DispatchedInput) -> Iterator[Any]:
+    mux = self.mux
+    if mux is None:
+        raise RuntimeError(f"internal error: {self.name} iterated outside a worker process")
+    take, position, epoch = mux.take, self.position, self.epoch
+    while True:
+        # Before blocking, the lane sends what it holds: nobody waits on items stuck in a batch.
+        message = take(position, epoch, flush_current_lane)
+        if message is None:
+            return  # a newer epoch began, or the dispatch process stopped
+        kind, _, payload = message
+        if kind == Kind.ITEMS:
+            yield from payload
+        elif kind == Kind.END:
+            return
+        else:
+            raise payload.rebuild()
+
+
+# Assigned after the class is made, like the main process's reader: torch's DataPipe
+# metaclass would wrap an ``__iter__`` of the class body with per-item bookkeeping.
+DispatchedInput.__iter__ = _iterate_dispatched  # type: ignore[method-assign]
 
 
 @dataclass
 class WorkerProgram:
     """What a worker runs: its copy of the segment, built once in the main process."""
 
-    output: Any
-    inputs: tuple[DispatchedInput, ...]
+    outputs: tuple[Any, ...]  # one per worker output (lane)
+    inputs: tuple[DispatchedInput, ...]  # one per dispatcher, in the plan's order
     sharding_roots: tuple[Any, ...]
+    groups: tuple[int, ...] = (0,)  # outputs with the same group share DataPipes (and a lock)
 
 
 @dataclass
@@ -95,90 +92,62 @@ class WorkerSetup:
     num_workers: int
     program: WorkerProgram
     control: Any  # receiver: main -> this worker
-    data: Any  # sender: this worker -> main
+    data: tuple[Any, ...]  # senders: this worker -> main, one per output
     inputs: tuple[Any, ...]  # receivers: dispatch -> this worker, one per DispatchedInput
     init_fn: Callable[..., Any] | None
     reset_fn: Callable[..., Any] | None
 
 
 def worker_main(setup: WorkerSetup) -> None:
-    child_setup([setup.control, setup.data, *setup.inputs])
+    child_setup([setup.control, *setup.data, *setup.inputs])
     where = describe_process("worker", setup.worker_id)
     info = WorkerInfo(setup.num_workers, setup.worker_id)
     program = setup.program
-    for placeholder, receiver in zip(program.inputs, setup.inputs):
-        placeholder.receiver = receiver
+    mux = _input_mux(setup.inputs, [placeholder.name for placeholder in program.inputs])
+    for placeholder in program.inputs:
+        placeholder.mux = mux
+    count = len(program.outputs)
+    root = segment_root(program.outputs)
+    failure: RemoteError | None = None
     try:
-        for root in program.sharding_roots:
+        for sharding_root in program.sharding_roots:
             torch.utils.data.graph_settings.apply_sharding(
-                root, setup.num_workers, setup.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
+                sharding_root, setup.num_workers, setup.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
             )
-        datapipe = program.output
         if setup.init_fn is not None:
-            datapipe = setup.init_fn(datapipe, info)
+            root = setup.init_fn(root, info)
+            outputs_of(root, count)
     except Exception as exc:
-        _report_setup_failure(setup, RemoteError.capture(exc, where))
-        return
-    _serve(setup, datapipe, info, where)
+        failure = RemoteError.capture(exc, where)
+
+    def reset(root: Any, epoch: int, seed_generator: Any, iter_reset_fn: Any) -> Any:
+        mux.epoch = epoch
+        for placeholder in program.inputs:
+            placeholder.epoch = epoch
+        return process_reset_fn(
+            root, info, seed_generator, iter_reset_fn=iter_reset_fn, custom_reset_fn=setup.reset_fn
+        )
+
+    locks = make_locks(program.groups)
+    lanes = [OutputLane(sender, locks[k], where) for k, sender in enumerate(setup.data)]
+    control = SegmentControl(root, count, reset, where, failure)
+    loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where)
+    loop.run()
 
 
-def _serve(setup: WorkerSetup, datapipe: Any, info: WorkerInfo, where: str) -> None:
-    control, data = setup.control, setup.data
-    try:
-        while True:
-            try:
-                kind, epoch, payload = control.recv()
-            except (EndOfStream, ChannelBroken):
-                return
-            if kind == Kind.STOP:
-                return
-            try:
-                seed_generator, iter_reset_fn = payload
-                for placeholder in setup.program.inputs:
-                    placeholder.epoch = epoch
-                datapipe = process_reset_fn(
-                    datapipe, info, seed_generator, iter_reset_fn=iter_reset_fn, custom_reset_fn=setup.reset_fn
-                )
-                iterator = iter(datapipe)
-            except Exception as exc:
-                data.send((Kind.ERROR, epoch, RemoteError.capture(exc, where)))
-                continue
-            _run_epoch(iterator, Batcher(data.send, epoch), control, setup.program.inputs, where)
-    except ChannelError:
-        return  # the main process closed its end: it is stopping or gone
-    finally:
-        data.close()
+def _input_mux(receivers: Sequence[Any], names: Sequence[str]) -> ChannelMux:
+    index_of = {id(receiver): i for i, receiver in enumerate(receivers)}
 
-
-def _run_epoch(
-    iterator: Iterator[Any], batcher: Batcher, control: Any, inputs: tuple[DispatchedInput, ...], where: str
-) -> None:
-    for placeholder in inputs:
-        placeholder.before_wait = batcher.flush
-    add = batcher.add
-    poll = control.poll
-    while not poll():
+    def recv(index: int) -> tuple[int, int, Any]:
         try:
-            item = next(iterator)
-        except StopIteration:
-            batcher.finish(Kind.END)
-            return
-        except Exception as exc:
-            batcher.finish(Kind.ERROR, RemoteError.capture(exc, where))
-            return
-        add(item)
-    batcher.flush()
+            return receivers[index].recv()
+        except EndOfStream:
+            return (Kind.END, CLOSED_EPOCH, None)  # the dispatch process stopped: the service is stopping
+        except ChannelBroken as exc:
+            raise RuntimeError(f"{names[index]}: the dispatch process is gone") from exc
 
+    def wait(indices: list[int]) -> list[int]:
+        ready = wait_readable([receivers[i] for i in indices])
+        return [index_of[id(r)] for r in ready if id(r) in index_of]
 
-def _report_setup_failure(setup: WorkerSetup, error: RemoteError) -> None:
-    """A worker that cannot start answers every RESET with the error until STOP."""
-    try:
-        while True:
-            kind, epoch, _ = setup.control.recv()
-            if kind == Kind.STOP:
-                return
-            setup.data.send((Kind.ERROR, epoch, error))
-    except ChannelError:
-        return
-    finally:
-        setup.data.close()
+    return ChannelMux(receivers, recv, wait)

@@ -1,0 +1,155 @@
+"""How a child applies control messages to its copy of a segment.
+
+Lane 0 of a child (see ``lanes.py``) calls ``SegmentControl.apply`` with every lane parked:
+
+    RESET(e)   reseed and reset the segment, then start every lane's stream for epoch e
+    PAUSE      pause() every DataPipe of the segment (graph order), then run pause_fn
+    RESUME     run resume_fn, then resume() every DataPipe (reverse graph order)
+    LIMIT      run limit_fn(segment, num_batches)
+
+as torchdata's worker and dispatching loops do. Payloads travel pickled on their own, so a
+payload that does not unpickle here fails that epoch's streams instead of the whole child.
+
+A child with several outputs hands its hooks one ``SegmentOutputs`` DataPipe holding them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.utils.data import IterDataPipe
+from torchdata.dataloader2.graph import list_dps, traverse_dps
+
+from .lanes import ChildLoop
+from .messages import Kind, RemoteError
+
+
+class SegmentOutputs(IterDataPipe):
+    """The outputs of a segment that has several, as one DataPipe for hooks and graph tools.
+
+    ``worker_init_fn`` / ``worker_reset_fn`` (and ``dispatch_init_fn``) receive this object
+    when the worker segment has several outputs (several dispatchers); they may change the
+    DataPipes in ``outputs`` (same length, same order) and must return this object.
+    """
+
+    def __init__(self, outputs: Sequence[Any]) -> None:
+        self.outputs = list(outputs)
+
+    def __iter__(self) -> Any:
+        raise TypeError("SegmentOutputs is not iterated: each of its outputs is, by its own lane")
+
+    def __repr__(self) -> str:
+        return f"SegmentOutputs({', '.join(type(dp).__name__ for dp in self.outputs)})"
+
+
+def segment_root(outputs: Sequence[Any]) -> Any:
+    """What hooks receive: the output itself when there is one, else ``SegmentOutputs``."""
+    return outputs[0] if len(outputs) == 1 else SegmentOutputs(outputs)
+
+
+def outputs_of(root: Any, count: int) -> list[Any]:
+    """The lanes' DataPipes, read back from what a hook returned."""
+    if count == 1:
+        if not isinstance(root, IterDataPipe):
+            raise TypeError(f"a hook returned {type(root).__name__}; it must return an IterDataPipe")
+        return [root]
+    outputs = getattr(root, "outputs", None)
+    if not isinstance(root, SegmentOutputs) or not isinstance(outputs, list) or len(outputs) != count:
+        raise TypeError(
+            f"this segment has {count} outputs, so its hooks receive a SegmentOutputs and must return it "
+            f"with {count} DataPipes in .outputs; got {root!r}"
+        )
+    return outputs
+
+
+def make_locks(groups: Sequence[int]) -> list[threading.Lock | None]:
+    """One compute lock per group of lanes that share DataPipes; None for a lane alone."""
+    sizes: dict[int, int] = {}
+    for group in groups:
+        sizes[group] = sizes.get(group, 0) + 1
+    locks = {group: threading.Lock() for group, size in sizes.items() if size > 1}
+    return [locks.get(group) for group in groups]
+
+
+Reset = Callable[[Any, int, Any, Any], Any]  # (root, epoch, seed_generator, iter_reset_fn) -> root
+
+
+class SegmentControl:
+    """The segment's root DataPipe, and the control messages applied to it."""
+
+    def __init__(self, root: Any, count: int, reset: Reset, where: str, failure: RemoteError | None = None) -> None:
+        self.root = root
+        self.count = count
+        self.loop: ChildLoop | None = None
+        self._reset = reset
+        self._where = where
+        self._failure = failure  # set-up failed: every epoch ends with this error
+        self._deferred: RemoteError | None = None  # a hook failed between epochs: reported once
+
+    def apply(self, kind: int, epoch: int, payload: Any) -> None:
+        loop = self.loop
+        assert loop is not None, "internal error: SegmentControl used before its loop was set"
+        if kind == Kind.ERROR:  # a control message that could not be read at all
+            self._report(payload)
+            return
+        try:
+            value = pickle.loads(payload) if isinstance(payload, bytes) else payload
+        except Exception as exc:
+            error = RemoteError.capture(exc, self._where)
+            if kind == Kind.RESET:
+                loop.fail_all(epoch, error)
+            else:
+                self._report(error)
+            return
+        if kind == Kind.RESET:
+            self._begin_epoch(epoch, value)
+            return
+        try:
+            if kind == Kind.PAUSE:
+                loop.paused = True
+                for datapipe in list_dps(traverse_dps(self.root)):
+                    if callable(getattr(datapipe, "pause", None)):
+                        datapipe.pause()
+                if value is not None:
+                    self.root = value(self.root)
+            elif kind == Kind.RESUME:
+                loop.paused = False
+                if value is not None:
+                    self.root = value(self.root)
+                for datapipe in reversed(list_dps(traverse_dps(self.root))):
+                    if callable(getattr(datapipe, "resume", None)):
+                        datapipe.resume()
+            elif kind == Kind.LIMIT:
+                num_batches, limit_fn = value
+                if limit_fn is not None:
+                    self.root = limit_fn(self.root, num_batches)
+        except Exception as exc:
+            self._report(RemoteError.capture(exc, self._where))
+
+    def _report(self, error: RemoteError) -> None:
+        loop = self.loop
+        assert loop is not None
+        if any(loop.active):
+            loop.fail_all(None, error)
+        else:
+            self._deferred = error
+
+    def _begin_epoch(self, epoch: int, value: Any) -> None:
+        loop = self.loop
+        assert loop is not None
+        error, self._deferred = self._failure or self._deferred, None
+        if error is not None:
+            loop.fail_all(epoch, error)
+            return
+        seed_generator, iter_reset_fn = value
+        try:
+            self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
+            outputs = outputs_of(self.root, self.count)
+        except Exception as exc:
+            loop.fail_all(epoch, RemoteError.capture(exc, self._where))
+            return
+        for k, output in enumerate(outputs):
+            loop.start(k, epoch, output)

@@ -1,0 +1,146 @@
+"""Read several channels as one, holding at most one message per channel.
+
+    channel 0 --\\
+    channel 1 ---> ChannelMux --take(i, epoch)-------> the next message of channel i
+    channel 2 --/            --take_any(ids, epoch)--> (i, message), whichever is ready first
+
+Why the channels are read together rather than one by one: a producer blocked on a full
+channel that holds data of an *abandoned* epoch must never wait for a reader that is waiting
+somewhere else. So whenever a reader is about to block, it also reads every channel that has
+no message held: a message of an older epoch is dropped on sight, a current one is held (one
+per channel, so memory stays bounded by one message per channel). A message of a newer epoch
+ends the reader of the older epoch and stays held for the next reader.
+
+The main process uses one mux over all worker outputs; a worker uses one over its
+dispatched inputs. Several threads may take from one mux (the lanes of a worker): one of
+them *pumps* (waits on the channels) at a time, the others wait on a condition and find
+their message held when woken. Before a thread waits in any way it calls ``before_block``,
+so that it never waits while holding items a peer may be waiting for.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+Message = tuple[int, int, Any]  # (kind, epoch, payload)
+
+# The epoch of the message a mux holds for a channel whose sender has finished for good:
+# newer than every epoch, so every reader of that channel ends at once.
+CLOSED_EPOCH = sys.maxsize
+
+
+class ChannelMux:
+    """``recv(i)`` reads channel i (it is ready); ``wait(ids)`` blocks until some of the
+    channels ``ids`` are ready and returns those (it raises when a peer is known dead)."""
+
+    def __init__(
+        self,
+        receivers: Sequence[Any],
+        recv: Callable[[int], Message],
+        wait: Callable[[list[int]], list[int]],
+    ) -> None:
+        self._receivers = list(receivers)
+        self._recv = recv
+        self._wait = wait
+        self._held: list[Message | None] = [None] * len(self._receivers)
+        self._cv = threading.Condition(threading.Lock())
+        self._pumping = False
+        self._turn = 0
+        self.epoch = 0  # messages of older epochs are dropped; readers of older epochs end
+
+    def take(self, index: int, epoch: int, before_block: Callable[[], None] | None = None) -> Message | None:
+        """The next message of channel ``index`` for ``epoch``; None when that epoch is over
+        for this channel (a newer epoch began, or the sender closed the channel)."""
+        held = self._held
+        with self._cv:
+            while True:
+                if epoch < self.epoch:
+                    return None
+                message = held[index]
+                if message is None:
+                    if not self._pumping and self._receivers[index].poll():
+                        message = self._recv(index)
+                    elif before_block is not None:
+                        self._call_unlocked(before_block)
+                        before_block = None
+                        continue
+                    else:
+                        self._pump_or_wait()
+                        continue
+                else:
+                    held[index] = None
+                if message[1] < self.epoch:
+                    continue  # left over from an abandoned epoch
+                if message[1] > epoch:
+                    held[index] = message  # for the reader of that epoch
+                    return None
+                return message
+
+    def take_any(
+        self, indices: Collection[int], epoch: int, before_block: Callable[[], None] | None = None
+    ) -> tuple[int, Message | None]:
+        """``(i, message)`` for the first channel of ``indices`` with a message for ``epoch``,
+        or ``(i, None)`` for one whose epoch is over (see ``take``)."""
+        held = self._held
+        order = sorted(indices)
+        with self._cv:
+            while True:
+                if epoch < self.epoch:
+                    return order[0], None
+                # Start the scan where the last one stopped, so no channel starves.
+                start = self._turn % len(order)
+                for index in order[start:] + order[:start]:
+                    message = held[index]
+                    if message is None:
+                        continue
+                    held[index] = None
+                    if message[1] < self.epoch:
+                        continue
+                    self._turn = start + 1
+                    if message[1] > epoch:
+                        held[index] = message
+                        return index, None
+                    return index, message
+                if before_block is not None:
+                    self._call_unlocked(before_block)
+                    before_block = None
+                    continue
+                self._pump_or_wait()
+
+    def _call_unlocked(self, fn: Callable[[], None]) -> None:
+        self._cv.release()
+        try:
+            fn()
+        finally:
+            self._cv.acquire()
+
+    def _pump_or_wait(self) -> None:
+        """Called with the lock held. Pump if nobody does, else wait for the pumping thread."""
+        if self._pumping:
+            self._cv.wait()
+            return
+        self._pumping = True
+        held = self._held
+        for index, message in enumerate(held):
+            if message is not None and message[1] < self.epoch:
+                held[index] = None  # held when it was current; its producer may be blocked behind it
+        idle = [i for i, message in enumerate(held) if message is None]
+        self._cv.release()
+        got: list[tuple[int, Message]] = []
+        try:
+            for index in self._wait(idle):
+                message = self._recv(index)
+                # Drain a run of stale messages at once: their producer is waiting on them.
+                while message[1] < self.epoch and self._receivers[index].poll():
+                    message = self._recv(index)
+                got.append((index, message))
+        finally:
+            self._cv.acquire()
+            for index, message in got:
+                if message[1] >= self.epoch:
+                    self._held[index] = message
+            self._pumping = False
+            self._cv.notify_all()

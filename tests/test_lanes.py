@@ -1,0 +1,134 @@
+"""The pieces inside the processes, driven in one process: the channel mux, a child's lanes
+and control listener; and items that cannot travel."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import threading
+
+import pytest
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+import pipelines
+from mprs_plus import MultiProcessingReadingService
+from mprs_plus.runtime.control import SegmentControl, SegmentOutputs
+from mprs_plus.runtime.lanes import ChildLoop, OutputLane
+from mprs_plus.runtime.messages import Kind
+from mprs_plus.runtime.mux import ChannelMux
+from mprs_plus.transport import open_channel, wait_readable
+
+CTX = multiprocessing.get_context("fork")
+
+
+def channel():
+    return open_channel(CTX, capacity_items=8, capacity_bytes=1 << 20)
+
+
+def _mux(receivers):
+    index_of = {id(r): i for i, r in enumerate(receivers)}
+    return ChannelMux(
+        receivers,
+        recv=lambda i: receivers[i].recv(),
+        wait=lambda ids: [index_of[id(r)] for r in wait_readable([receivers[i] for i in ids])],
+    )
+
+
+def test_mux_drops_stale_messages_and_keeps_newer_ones_for_their_reader():
+    (tx0, rx0), (tx1, rx1) = channel(), channel()
+    mux = _mux([rx0, rx1])
+    mux.epoch = 2
+    tx0.send((Kind.ITEMS, 1, ["stale"]))
+    tx0.send((Kind.ITEMS, 2, ["a"]))
+    tx1.send((Kind.ITEMS, 3, ["next epoch"]))
+    assert mux.take(0, 2) == (Kind.ITEMS, 2, ["a"])
+    assert mux.take(1, 2) is None  # epoch 2 is over for channel 1 ...
+    mux.epoch = 3
+    assert mux.take(1, 3) == (Kind.ITEMS, 3, ["next epoch"])  # ... and the message waited for 3
+    assert mux.take(0, 2) is None  # a reader of an abandoned epoch ends at once
+    for end in (tx0, rx0, tx1, rx1):
+        end.close()
+
+
+@pytest.mark.timeout(30)
+def test_mux_drains_other_channels_while_waiting():
+    """A reader waiting on channel 0 reads channel 1 meanwhile: its stale messages are
+    dropped, so their producer, blocked behind them, gets to send what the reader waits for."""
+    (tx0, rx0), (tx1, rx1) = channel(), channel()
+    mux = _mux([rx0, rx1])
+    mux.epoch = 5
+
+    def producer():
+        for _ in range(50):  # far more than a channel holds: needs the reader to drain them
+            tx1.send((Kind.ITEMS, 4, [bytes(8192)]))
+        tx1.send((Kind.END, 5, None))
+        tx0.send((Kind.ITEMS, 5, ["late"]))
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    assert mux.take(0, 5) == (Kind.ITEMS, 5, ["late"])
+    thread.join(10)
+    assert mux.take_any([1], 5) == (1, (Kind.END, 5, None))
+    for end in (tx0, rx0, tx1, rx1):
+        end.close()
+
+
+def test_a_child_applies_control_with_every_lane_parked():
+    control_tx, control_rx = channel()
+    channels = [channel() for _ in range(2)]
+    lanes = [OutputLane(tx, None, "test") for tx, _ in channels]
+    outputs = [IterableWrapper(range(5)), IterableWrapper(range(10, 13))]
+    seen_parked = []
+
+    def reset(root, epoch, seed_generator, iter_reset_fn):
+        return root
+
+    control = SegmentControl(SegmentOutputs(outputs), 2, reset, "test")
+
+    def apply(kind, epoch, payload):
+        seen_parked.append(loop._parked + loop._gone)  # lane 1 parked while lane 0 applies
+        control.apply(kind, epoch, payload)
+
+    loop = control.loop = ChildLoop(control_rx, lanes, apply, "test")
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    try:
+        for epoch in (1, 2):
+            control_tx.send((Kind.RESET, epoch, pickle.dumps((None, None))))
+            read = []
+            for _, rx in channels:
+                stream = []
+                while True:
+                    kind, message_epoch, payload = rx.recv(10)
+                    assert message_epoch == epoch
+                    if kind == Kind.END:
+                        break
+                    stream += payload
+                read.append(stream)
+            assert read == [list(range(5)), list(range(10, 13))]
+    finally:
+        control_tx.send((Kind.STOP, 0, None))
+        runner.join(10)
+    assert not runner.is_alive()
+    assert seen_parked and all(count >= 1 for count in seen_parked)
+    for tx, rx in channels:
+        rx.close()
+    control_tx.close()
+
+
+@pytest.mark.parametrize("dispatch", [False, True], ids=["from_a_worker", "from_the_dispatch_process"])
+def test_an_item_that_cannot_travel_is_an_error_not_a_crash(dispatch):
+    pipe = IterableWrapper(range(6))
+    if dispatch:
+        pipe = pipe.map(pipelines.unpicklable).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        pipe = pipe.map(pipelines.identity)
+    else:
+        pipe = pipe.sharding_filter().map(pipelines.unpicklable)
+    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(2))
+    with pytest.raises(TypeError, match="cannot pickle 'generator' object") as info:
+        list(loader)
+    loader.shutdown()
+    where = "dispatch process" if dispatch else "worker"
+    assert any(where in note for note in info.value.__notes__)

@@ -1,0 +1,58 @@
+"""Order modes: deterministic round-robin by default; as ready with ``in_order=False``."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+import pipelines
+from mprs_plus import MultiProcessingReadingService
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dispatch", [False, True], ids=["no_dispatch", "dispatch"])
+def test_as_ready_yields_other_workers_items_while_one_is_stuck(dispatch):
+    """Worker 0 cannot finish item 0 until the main process has read five items, which
+    only the other worker can provide: round-robin would wait for item 0 forever."""
+    release = pipelines.RELEASE = multiprocessing.get_context("fork").Event()
+    pipe = pipelines.plain_pipe(range(20), dispatch).map(pipelines.held_back)
+    # plain_pipe doubles the items: item 0 is still 0, the other worker's are 2, 6, 10, ...
+    service = MultiProcessingReadingService(2, multiprocessing_context="fork", in_order=False, dispatch_buffer_size=4)
+    loader = DataLoader2(pipe, reading_service=service)
+    try:
+        iterator = iter(loader)
+        first = [next(iterator) for _ in range(5)]
+        release.set()
+        rest = list(iterator)
+    finally:
+        loader.shutdown()
+    assert 0 not in first and all(item % 4 == 2 for item in first)
+    assert sorted(first + rest) == [2 * i for i in range(20)]
+
+
+@pytest.mark.parametrize("dispatch", [False, True], ids=["no_dispatch", "dispatch"])
+def test_in_order_is_round_robin_and_as_ready_is_exactly_once(dispatch):
+    results = {}
+    for in_order in (True, False):
+        loader = DataLoader2(
+            pipelines.plain_pipe(range(25), dispatch),
+            reading_service=MultiProcessingReadingService(3, in_order=in_order),
+        )
+        try:
+            results[in_order] = [list(loader) for _ in range(2)]
+        finally:
+            loader.shutdown()
+    assert results[True] == [[2 * i for i in range(25)]] * 2
+    for epoch in results[False]:
+        assert sorted(epoch) == [2 * i for i in range(25)]
+
+
+def test_as_ready_in_process_is_plain_iteration():
+    loader = DataLoader2(IterableWrapper(range(5)), reading_service=MultiProcessingReadingService(0, in_order=False))
+    try:
+        assert list(loader) == list(range(5))
+    finally:
+        loader.shutdown()
