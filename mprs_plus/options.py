@@ -25,8 +25,18 @@ class Options:
     dispatch_buffer_size: int | None = None
     in_order: bool = True
     timeout: float | None = None
+    collect_stats: bool = True
+    stats_interval: float | None = None
 
     def __post_init__(self) -> None:
+        if self.stats_interval is not None and (
+            isinstance(self.stats_interval, bool)
+            or not isinstance(self.stats_interval, (int, float))
+            or self.stats_interval <= 0
+        ):
+            raise ValueError(f"stats_interval must be a number of seconds > 0, or None; got {self.stats_interval!r}")
+        if self.stats_interval is not None and not self.collect_stats:
+            raise ValueError("stats_interval logs statistics: it needs collect_stats=True")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0
         ):

@@ -21,6 +21,7 @@ from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 from .options import Options
 from .plan import Plan, plan
 from .runtime.service import ServiceRuntime
+from .runtime.stats import Stats, aggregate
 
 
 class MultiProcessingReadingService(ReadingServiceInterface):
@@ -50,6 +51,9 @@ class MultiProcessingReadingService(ReadingServiceInterface):
             costs but makes the order depend on timing.
         timeout: seconds to wait for the next item before raising ``TimeoutError``;
             None waits as long as the workers are alive (a dead one is an error at once).
+        collect_stats: keep live statistics for ``stats()`` (a few clock reads per item).
+        stats_interval: seconds between two statistics summaries logged at INFO level
+            on the ``mprs_plus.stats`` logger; None logs none.
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
@@ -68,6 +72,8 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         dispatch_buffer_size: int | None = None,
         in_order: bool = True,
         timeout: float | None = None,
+        collect_stats: bool = True,
+        stats_interval: float | None = None,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -80,6 +86,8 @@ class MultiProcessingReadingService(ReadingServiceInterface):
             dispatch_buffer_size=dispatch_buffer_size,
             in_order=in_order,
             timeout=timeout,
+            collect_stats=collect_stats,
+            stats_interval=stats_interval,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | None = None
@@ -93,6 +101,14 @@ class MultiProcessingReadingService(ReadingServiceInterface):
     def plan(self) -> Plan | None:
         """The plan this service runs, once ``DataLoader2`` has initialized it."""
         return self._plan
+
+    def stats(self) -> Stats:
+        """A snapshot of what every process has done: items in and out, time busy, waiting
+        for input and handing items on, bytes moved, queue fill, and a sentence naming the
+        bottleneck (``stats().summary()``). Empty before the first epoch or without workers."""
+        if self._runtime is None:
+            return aggregate([])
+        return self._runtime.stats()
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader2 copies the service before use; a running one is never copied.

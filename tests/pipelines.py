@@ -441,3 +441,20 @@ def mixed_pipe(n: int = 8) -> IterDataPipe:
 def unpicklable(item: Any) -> Any:
     """An item that cannot travel between processes (a generator)."""
     return (x for x in [item])
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+def spin(item: Any, seconds: float = 0.002) -> Any:
+    """Burn CPU for ``seconds``: work that only more processes can speed up."""
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return item
+
+
+def kilobytes(item: Any) -> Any:
+    return bytes(1024 * 64)

@@ -37,6 +37,7 @@ class DispatchSetup:
     init_fn: Callable[..., Any] | None = None
     groups: tuple[int, ...] = (0,)  # dispatchers with the same group share DataPipes (and a lock)
     max_items: int = 64  # at most this many items per message (no more than a channel's capacity)
+    stats: tuple[Any, ...] = ()  # a StatsWriter per dispatcher lane, when statistics are collected
 
 
 def dispatch_main(setup: DispatchSetup) -> None:
@@ -58,7 +59,8 @@ def dispatch_main(setup: DispatchSetup) -> None:
         return process_reset_fn(root, info, seed_generator, distributed_shared_seed=True, iter_reset_fn=iter_reset_fn)
 
     locks = make_locks(setup.groups)
-    lanes = [DealLane(setup.outputs[d], locks[d], where, setup.max_items) for d in range(count)]
+    stats = setup.stats or (None,) * count
+    lanes = [DealLane(setup.outputs[d], locks[d], where, setup.max_items, stats[d]) for d in range(count)]
     control = SegmentControl(root, count, reset, where, failure)
     loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where)
     loop.run()

@@ -41,17 +41,24 @@ its turn of dispatched items while the dispatcher waits for another worker to ma
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..transport import ChannelError
 from .messages import Batcher, Kind, RemoteError
+from .stats import StatsWriter
 
 _JOIN_SECONDS = 5.0
 
 # The lane running in the current thread, so that an input about to block can flush it.
 _current = threading.local()
+
+
+def current_lane_stats() -> StatsWriter | None:
+    """The statistics row of the calling thread's lane, if it keeps one."""
+    return getattr(_current, "stats", None)
 
 
 def flush_current_lane() -> None:
@@ -67,6 +74,7 @@ def _exhausted() -> Any:
 
 class Lane(Protocol):
     lock: threading.Lock | None  # shared by lanes that share DataPipes; None when alone
+    stats: StatsWriter | None  # this lane's row of live statistics; None when not collected
 
     next_item: Callable[[], Any]
     emit: Callable[[Any], None]
@@ -108,8 +116,13 @@ class GuardedSender:
 class OutputLane:
     """A worker's lane: items of one output go to one channel, in batches."""
 
-    def __init__(self, sender: Any, lock: threading.Lock | None, where: str, max_items: int = 64) -> None:
+    def __init__(
+        self, sender: Any, lock: threading.Lock | None, where: str, max_items: int = 64, stats: StatsWriter | None = None
+    ) -> None:
         self.lock = lock
+        self.stats = stats
+        if stats is not None:
+            stats.channels = (sender,)
         self._sender = GuardedSender(sender, where)
         self._batcher = Batcher(self._sender.send, 0, max_items=max_items)
         self.emit = self._batcher.add
@@ -139,8 +152,18 @@ class OutputLane:
 class DealLane:
     """A dispatch lane: items of one dispatcher go round-robin to one channel per worker."""
 
-    def __init__(self, senders: Sequence[Any], lock: threading.Lock | None, where: str, max_items: int = 64) -> None:
+    def __init__(
+        self,
+        senders: Sequence[Any],
+        lock: threading.Lock | None,
+        where: str,
+        max_items: int = 64,
+        stats: StatsWriter | None = None,
+    ) -> None:
         self.lock = lock
+        self.stats = stats
+        if stats is not None:
+            stats.channels = tuple(senders)
         self._senders = tuple(GuardedSender(sender, where) for sender in senders)
         self._batchers = [Batcher(sender.send, 0, max_items=max_items) for sender in self._senders]
         self._adds = [batcher.add for batcher in self._batchers]
@@ -270,6 +293,9 @@ class ChildLoop:
     def _lane_main(self, k: int) -> None:
         lane = self.lanes[k]
         _current.flush = lane.flush
+        _current.stats = lane.stats
+        if lane.stats is not None:
+            lane.stats.start()
         try:
             while True:
                 if self.active[k] and not self.paused and not self.interrupt:
@@ -292,27 +318,45 @@ class ChildLoop:
         lock = lane.lock
         next_item = lane.next_item
         emit = lane.emit
-        while not self.interrupt:
-            if lock is not None and not lock.acquire(blocking=False):
-                lane.flush()
-                lock.acquire()
-            failure: BaseException | None = None
-            try:
-                item = next_item()
-            except StopIteration as exc:
-                failure = exc
-            except Exception as exc:
-                failure = exc
-            if lock is not None:
-                lock.release()
-            if failure is not None:
-                self.active[k] = False
-                if isinstance(failure, StopIteration):
-                    lane.finish()
-                else:
-                    lane.fail(RemoteError.capture(failure, self.where))
-                return
-            emit(item)  # an item that cannot be sent becomes an ERROR (GuardedSender)
+        stats = lane.stats
+        clock = time.perf_counter
+        try:
+            while not self.interrupt:
+                if lock is not None and not lock.acquire(blocking=False):
+                    lane.flush()
+                    lock.acquire()
+                failure: BaseException | None = None
+                started = clock()
+                try:
+                    item = next_item()
+                except StopIteration as exc:
+                    failure = exc
+                except Exception as exc:
+                    failure = exc
+                if lock is not None:
+                    lock.release()
+                if failure is not None:
+                    self.active[k] = False
+                    if stats is not None:
+                        stats.publish()  # before the END: a reader that saw it sees these counts
+                    if isinstance(failure, StopIteration):
+                        lane.finish()
+                    else:
+                        lane.fail(RemoteError.capture(failure, self.where))
+                    return
+                if stats is None:
+                    emit(item)  # an item that cannot be sent becomes an ERROR (GuardedSender)
+                    continue
+                produced = clock()
+                emit(item)
+                stats.busy += produced - started
+                stats.wait_output += clock() - produced
+                stats.items_out += 1
+                if not stats.items_out & 63:
+                    stats.publish()
+        finally:
+            if stats is not None:
+                stats.publish()
 
     def _park(self) -> bool:
         with self._cv:

@@ -32,11 +32,15 @@ always read and the cycle cannot close.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import multiprocessing
 import os
 import pickle
+import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterDataPipe
@@ -52,6 +56,7 @@ from .messages import Kind
 from .mux import ChannelMux
 from .reader import read_as_ready, read_in_order
 from .segments import build_dispatch_sources, build_main_pipeline, build_worker_program
+from .stats import Stats, StatsTable, StatsWriter, aggregate, make_process_stats
 from .worker import WorkerSetup, worker_main
 
 # Control messages are small and rare; a few in flight is plenty.
@@ -59,6 +64,7 @@ _CONTROL_ITEMS = 4
 _CONTROL_BYTES = 1 << 20
 _DATA_BYTES = 64 << 20
 _DEATH_GRACE = 2.0  # seconds a broken channel's process may take to be reaped
+_STATS_LOG = logging.getLogger("mprs_plus.stats")
 
 
 class WorkerReader(IterDataPipe):
@@ -105,6 +111,7 @@ class ServiceResources:
         self.controls: list[Any] = []  # senders to the dispatch process (first, if any) and workers
         self.data: list[Any] = []  # receivers from (worker w, output k), at w * outputs + k
         self.epoch = 0
+        self.stopping = threading.Event()  # ends the periodic statistics logger
         self._drained: set[int] = set()  # data channels found closed while stopping
 
     def processes(self) -> list[Any]:
@@ -115,6 +122,7 @@ class ServiceResources:
         if self.stopped or os.getpid() != self.owner_pid:
             return
         self.stopped = True
+        self.stopping.set()
         for control in self.controls:
             try:
                 control.send((Kind.STOP, self.epoch, None))
@@ -158,6 +166,9 @@ class ServiceRuntime:
         self._res = ServiceResources()
         self._outputs = 1
         self._mux: ChannelMux | None = None
+        self._table: StatsTable | None = None
+        self._rows: dict[tuple[str, int], list[int]] = {}  # (role, index) -> its lanes' rows
+        self._main_stats: StatsWriter | None = None
         self._finalizer = weakref.finalize(self, self._res.stop)
         stop_at_exit(self._res)
 
@@ -171,6 +182,7 @@ class ServiceRuntime:
         self._outputs = len(program.outputs)
         readers = [WorkerReader(self, k) for k in range(self._outputs)]
         main_pipeline = build_main_pipeline(self.plan, readers)
+        stats = self._stats_rows(len(dispatch[0]) if dispatch is not None else 0, n)
         child_ends: list[Any] = []
         try:
             worker_inputs: list[list[Any]] = [[] for _ in range(n)]
@@ -185,7 +197,14 @@ class ServiceRuntime:
                     for worker_id, (_, rx) in enumerate(pairs):
                         worker_inputs[worker_id].append(rx)
                 setup = DispatchSetup(
-                    sources, n, control_rx, tuple(rows), self.options.dispatch_init_fn, groups, min(64, buffer)
+                    sources,
+                    n,
+                    control_rx,
+                    tuple(rows),
+                    self.options.dispatch_init_fn,
+                    groups,
+                    min(64, buffer),
+                    stats("dispatch", 0, len(sources)),
                 )
                 child_ends += [control_rx, *(tx for row in rows for tx in row)]
                 child_ends += [rx for inputs in worker_inputs for rx in inputs]
@@ -205,6 +224,7 @@ class ServiceRuntime:
                     inputs=tuple(worker_inputs[worker_id]),
                     init_fn=self.options.worker_init_fn,
                     reset_fn=self.options.worker_reset_fn,
+                    stats=stats("worker", worker_id, self._outputs),
                 )
                 child_ends += [control_rx, *(tx for tx, _ in pairs)]
                 res.controls.append(control_tx)
@@ -220,7 +240,29 @@ class ServiceRuntime:
         for receiver in res.data:
             receiver.watch(*sentinels)
         self._mux = ChannelMux(res.data, self._recv, self._wait_data)
+        if self.options.stats_interval is not None:
+            _start_stats_logger(self, self.options.stats_interval, res.stopping)
         return main_pipeline
+
+    def _stats_rows(self, dispatchers: int, workers: int) -> Callable[[str, int, int], tuple[StatsWriter, ...]]:
+        """Make the statistics table (a row per lane, and one for the main process) and
+        return ``writers(role, index, lanes)`` handing out rows in order."""
+        if not self.options.collect_stats:
+            return lambda role, index, lanes: ()
+        table = self._table = StatsTable(self._ctx, dispatchers + workers * self._outputs + 1)
+        main_row = table.rows - 1
+        self._main_stats = table.writer(main_row)
+        self._main_stats.start()
+        self._rows[("main", 0)] = [main_row]
+        taken = [0]
+
+        def writers(role: str, index: int, lanes: int) -> tuple[StatsWriter, ...]:
+            rows = list(range(taken[0], taken[0] + lanes))
+            taken[0] += lanes
+            self._rows[(role, index)] = rows
+            return tuple(table.writer(row) for row in rows)
+
+        return writers
 
     def _channel(self, items: int, size: int) -> tuple[Any, Any]:
         return open_channel(self._ctx, capacity_items=items, capacity_bytes=size)
@@ -263,8 +305,14 @@ class ServiceRuntime:
         return self._stop_on_interrupt(read(self._mux, channels, res.epoch))
 
     def _stop_on_interrupt(self, items: Iterator[Any]) -> Iterator[Any]:
+        stats = self._main_stats
         try:
-            yield from items
+            if stats is None:
+                yield from items
+                return
+            for item in items:
+                stats.items_in += 1
+                yield item
         except KeyboardInterrupt:
             # Ctrl-C: the children ignore SIGINT and wait for us; end them before unwinding.
             self.stop()
@@ -275,7 +323,10 @@ class ServiceRuntime:
         died meanwhile is an error, and so is a wait longer than ``timeout``."""
         res, timeout = self._res, self.options.timeout
         index_of = {id(res.data[i]): i for i in indices}
+        asked = time.perf_counter()
         ready = wait_readable([res.data[i] for i in indices], timeout, also=[p.sentinel for p in res.processes()])
+        if self._main_stats is not None:
+            self._main_stats.wait_input += time.perf_counter() - asked
         if not ready:
             workers = sorted({i // self._outputs for i in indices})
             raise TimeoutError(
@@ -355,6 +406,34 @@ class ServiceRuntime:
             )
         return self._res
 
+    # -- statistics ----------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """Every process's counters as of now, added up per segment, with a verdict."""
+        table, main = self._table, self._main_stats
+        if table is None or main is None:
+            return aggregate([])
+        res = self._res
+        traffic = [receiver.traffic() for receiver in res.data]
+        main.busy = max(0.0, time.monotonic() - table.read(self._rows[("main", 0)][0])["started"] - main.wait_input)
+        main.items_out = main.items_in
+        main.publish()
+        pids = {("dispatch", 0): res.dispatch.pid if res.dispatch is not None else 0, ("main", 0): os.getpid()}
+        pids.update({("worker", w): p.pid for w, p in enumerate(res.workers)})
+        processes = []
+        for (role, index), rows in self._rows.items():
+            found = make_process_stats(role, index, pids[(role, index)], [table.read(row) for row in rows])
+            if role == "main":  # its queue is the workers' channels towards it
+                found = dataclasses.replace(found, queued=sum(t.queued_messages for t in traffic))
+            elif role == "worker":  # exact and current, from this end of the worker's channels
+                mine = traffic[index * self._outputs : (index + 1) * self._outputs]
+                found = dataclasses.replace(
+                    found, bytes_out=sum(t.bytes for t in mine), queued=sum(t.queued_messages for t in mine)
+                )
+            processes.append(found)
+        order = {"dispatch": 0, "worker": 1, "main": 2}
+        return aggregate(sorted(processes, key=lambda p: (order[p.role], p.index)))
+
     # -- stop ----------------------------------------------------------------------------
 
     @property
@@ -366,6 +445,22 @@ class ServiceRuntime:
 
     def stop(self) -> None:
         self._finalizer()
+
+
+def _start_stats_logger(runtime: ServiceRuntime, interval: float, stopping: threading.Event) -> None:
+    """Log ``stats().summary()`` every ``interval`` seconds until the service stops; holds the
+    service only weakly, so it never keeps a dropped service alive."""
+    service = weakref.ref(runtime)
+
+    def run() -> None:
+        while not stopping.wait(interval):
+            live = service()
+            if live is None:
+                return
+            _STATS_LOG.info("%s", live.stats().summary())
+            del live
+
+    threading.Thread(target=run, name="mprs_plus stats", daemon=True).start()
 
 
 def _control(kind: Kind, epoch: int, payload: Any) -> tuple[int, int, bytes]:

@@ -13,8 +13,13 @@ Fields, per process:
     items_out     items sent to the next process (main: items handed to the main segment)
     busy          seconds running DataPipes (the segment's own work)
     wait_input    seconds blocked waiting for items from the previous process
-    wait_output   seconds blocked waiting for space in the channel to the next process
+    wait_output   seconds handing items to the next process: serializing them and
+                  waiting for space in its channel (long when the next process is slow)
     bytes_out     bytes written to channels
+    queued        messages written to this process's output channels and not yet read
+
+There is one row per *lane* (a thread producing one output, see ``lanes.py``), so that
+every row has exactly one writer thread; ``stats()`` adds a process's rows up.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "started")
-_ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _STARTED = range(len(FIELDS))
+FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "queued", "started")
+_ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED = range(len(FIELDS))
 
 
 class StatsTable:
@@ -45,7 +50,7 @@ class StatsTable:
 class StatsWriter:
     """The owning process's view of its row: accumulate locally, ``publish()`` often."""
 
-    __slots__ = ("_table", "_base", "items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out")
+    __slots__ = ("_table", "_base", "items_in", "items_out", "busy", "wait_input", "wait_output", "channels")
 
     def __init__(self, table: Any, base: int) -> None:
         self._table = table
@@ -55,7 +60,13 @@ class StatsWriter:
         self.busy = 0.0
         self.wait_input = 0.0
         self.wait_output = 0.0
-        self.bytes_out = 0
+        self.channels: tuple[Any, ...] = ()  # output endpoints, for bytes and queue fill
+
+    def __getstate__(self) -> tuple[Any, int]:
+        return (self._table, self._base)
+
+    def __setstate__(self, state: tuple[Any, int]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
 
     def start(self) -> None:
         self._table[self._base + _STARTED] = time.monotonic()
@@ -67,7 +78,10 @@ class StatsWriter:
         table[base + _BUSY] = self.busy
         table[base + _WAIT_IN] = self.wait_input
         table[base + _WAIT_OUT] = self.wait_output
-        table[base + _BYTES_OUT] = self.bytes_out
+        if self.channels:
+            traffic = [channel.traffic() for channel in self.channels]
+            table[base + _BYTES_OUT] = sum(t.bytes for t in traffic)
+            table[base + _QUEUED] = sum(t.queued_messages for t in traffic)
 
 
 @dataclass(frozen=True)
@@ -99,21 +113,28 @@ class ProcessStats:
         return self.waiting_output_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-def make_process_stats(role: str, index: int, pid: int, row: dict[str, float], queued: int = 0) -> ProcessStats:
-    started = row["started"]
+def make_process_stats(role: str, index: int, pid: int, rows: list[dict[str, float]]) -> ProcessStats:
+    """Add up the rows of one process's lanes (its elapsed time is its first lane's)."""
+    started = min((row["started"] for row in rows if row["started"]), default=0.0)
     elapsed = time.monotonic() - started if started else 0.0
+    lanes = max(len(rows), 1)
+
+    def total(field: str) -> float:
+        return sum(row[field] for row in rows)
+
     return ProcessStats(
         role=role,
         index=index,
         pid=pid,
-        items_in=int(row["items_in"]),
-        items_out=int(row["items_out"]),
-        busy_s=row["busy"],
-        waiting_input_s=row["wait_input"],
-        waiting_output_s=row["wait_output"],
-        bytes_out=int(row["bytes_out"]),
+        items_in=int(total("items_in")),
+        items_out=int(total("items_out")),
+        # Several lanes run side by side: their times are shares of one elapsed time.
+        busy_s=total("busy") / lanes,
+        waiting_input_s=total("wait_input") / lanes,
+        waiting_output_s=total("wait_output") / lanes,
+        bytes_out=int(total("bytes_out")),
         elapsed_s=elapsed,
-        queued=queued,
+        queued=int(total("queued")),
     )
 
 
@@ -188,10 +209,12 @@ def bottleneck(segments: list[SegmentStats]) -> str:
             f"the dispatch process is the bottleneck: it is {dispatch.busy_fraction:.0%} busy while the workers "
             f"wait {workers.input_wait_fraction:.0%} of the time for items; move work after the dispatcher"
         )
-    if workers.output_wait_fraction > 0.5:
+    if workers.output_wait_fraction > 0.5 or (main.busy_fraction > 0.7 and main.input_wait_fraction < 0.3):
         return (
-            f"the main process is the bottleneck: workers wait {workers.output_wait_fraction:.0%} of the time for "
-            "space in their channels; lighten the main segment or the training step, or fewer workers will do"
+            f"the main process is the bottleneck: it is {main.busy_fraction:.0%} busy (main segment and "
+            f"training step) and waits only {main.input_wait_fraction:.0%} of the time for worker output, while "
+            f"workers wait {workers.output_wait_fraction:.0%} of the time to hand items on; lighten the main "
+            "segment or the training step (more workers will not help)"
         )
     if main.input_wait_fraction > 0.5:
         return (

@@ -18,6 +18,7 @@ them moves on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
 from ..transport import ChannelBroken, EndOfStream, wait_readable
 from .control import SegmentControl, make_locks, outputs_of, segment_root
-from .lanes import ChildLoop, OutputLane, flush_current_lane
+from .lanes import ChildLoop, OutputLane, current_lane_stats, flush_current_lane
 from .lifecycle import child_setup
 from .messages import Kind, RemoteError, describe_process
 from .mux import CLOSED_EPOCH, ChannelMux
@@ -57,13 +58,23 @@ def _iterate_dispatched(self: DispatchedInput) -> Iterator[Any]:
     if mux is None:
         raise RuntimeError(f"internal error: {self.name} iterated outside a worker process")
     take, position, epoch = mux.take, self.position, self.epoch
+    stats = current_lane_stats()
+    clock = time.perf_counter
     while True:
         # Before blocking, the lane sends what it holds: nobody waits on items stuck in a batch.
+        asked = clock()
         message = take(position, epoch, flush_current_lane)
+        if stats is not None:
+            # Time spent waiting here is counted inside the lane's next(): move it over.
+            waited = clock() - asked
+            stats.wait_input += waited
+            stats.busy -= waited
         if message is None:
             return  # a newer epoch began, or the dispatch process stopped
         kind, _, payload = message
         if kind == Kind.ITEMS:
+            if stats is not None:
+                stats.items_in += len(payload)
             yield from payload
         elif kind == Kind.END:
             return
@@ -96,6 +107,7 @@ class WorkerSetup:
     inputs: tuple[Any, ...]  # receivers: dispatch -> this worker, one per DispatchedInput
     init_fn: Callable[..., Any] | None
     reset_fn: Callable[..., Any] | None
+    stats: tuple[Any, ...] = ()  # a StatsWriter per output lane, when statistics are collected
 
 
 def worker_main(setup: WorkerSetup) -> None:
@@ -129,7 +141,8 @@ def worker_main(setup: WorkerSetup) -> None:
         )
 
     locks = make_locks(program.groups)
-    lanes = [OutputLane(sender, locks[k], where) for k, sender in enumerate(setup.data)]
+    stats = setup.stats or (None,) * len(setup.data)
+    lanes = [OutputLane(sender, locks[k], where, stats=stats[k]) for k, sender in enumerate(setup.data)]
     control = SegmentControl(root, count, reset, where, failure)
     loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where)
     loop.run()

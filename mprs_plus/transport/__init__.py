@@ -8,6 +8,7 @@
     endpoint.release()        # drop this process's handle of an endpoint another one owns
     release_all_except(keep)  # in a forked child: drop every inherited endpoint but these
     register_reducer(cls, fn) # a faster pickling for one type, in this transport only
+    endpoint.traffic()        # -> Traffic: messages and bytes so far, and still queued
 
 Both endpoints may be handed to a child process when it is started; each endpoint has
 exactly one owner process after that.
@@ -22,6 +23,7 @@ import platform
 
 from .errors import ChannelBroken, ChannelClosed, ChannelError, EndOfStream
 from .serialize import register_reducer
+from .traffic import Traffic
 
 if hasattr(os, "memfd_create") and platform.machine() in ("x86_64", "AMD64"):
     from .shm import open_shm_channel as open_channel
@@ -35,6 +37,7 @@ __all__ = [
     "ChannelClosed",
     "ChannelError",
     "EndOfStream",
+    "Traffic",
     "open_channel",
     "register_reducer",
     "release_all_except",

@@ -52,6 +52,7 @@ from typing import Any
 from ._memory import PAGE, SharedRegion
 from ._wakeup import Sleeper
 from .errors import ChannelClosed
+from .traffic import NO_TRAFFIC, Traffic
 
 # Control words (indices of 64-bit words in the control page).
 WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED = 0, 1, 2
@@ -95,6 +96,15 @@ class Endpoint:
     def watch(self, *waitables: Any) -> None:
         """While this endpoint blocks, any of these becoming ready means the peer is gone."""
         self._sleeper.watch(waitables)
+
+    def traffic(self) -> Traffic:
+        """Messages and bytes through this channel so far, and those still queued in it.
+        Read from the shared positions, so both ends see the same figures."""
+        if not self._open:
+            return NO_TRAFFIC
+        ctl = self._ctl
+        written, write_pos = ctl[ITEMS_WRITTEN], ctl[WRITE_POS]
+        return Traffic(written, write_pos, written - ctl[ITEMS_READ], write_pos - ctl[READ_POS])
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from .errors import ChannelBroken, ChannelClosed, EndOfStream
+from .traffic import NO_TRAFFIC, Traffic
 
 _END_OF_STREAM = b""
 
@@ -41,6 +42,10 @@ class _Endpoint:
     def watch(self, *waitables: Any) -> None:
         """While this endpoint blocks, any of these becoming ready means the peer is gone."""
         self._watched = waitables
+
+    def traffic(self) -> Traffic:
+        """Not counted by this transport: the kernel pipe does not say."""
+        return NO_TRAFFIC
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""
