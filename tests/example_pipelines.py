@@ -11,6 +11,7 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from mprs_plus import NoGraph
+from mprs_plus._cli.demo import NonReplicable
 
 
 def double(x: int) -> int:
@@ -19,19 +20,6 @@ def double(x: int) -> int:
 
 def tagged(x: Any, tag: str = "") -> Any:
     return x
-
-
-class NonReplicable(IterDataPipe):
-    """Ends the worker segment: it and everything after it run in the main process."""
-
-    def __init__(self, dp: IterDataPipe) -> None:
-        self.dp = dp
-
-    def __iter__(self) -> Any:
-        return iter(self.dp)
-
-    def is_replicable(self) -> bool:
-        return False
 
 
 def _three_stages(src: Any) -> IterDataPipe:

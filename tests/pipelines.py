@@ -10,12 +10,7 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from mprs_plus import NoGraph
-
-
-def stamp(item: Any, stage: str) -> Any:
-    """Record the pid of the process that ran ``stage`` on this item."""
-    value, pids = item if isinstance(item, tuple) else (item, {})
-    return value, {**pids, stage: os.getpid()}
+from mprs_plus._cli.demo import NonReplicable, stamp  # the demo's own stages, shared  # noqa: F401
 
 
 def fail_on(item: Any, bad: int = 5) -> Any:
@@ -23,17 +18,6 @@ def fail_on(item: Any, bad: int = 5) -> Any:
     if value == bad:
         raise ValueError(f"bad sample {value}")
     return item
-
-
-class NonReplicable(IterDataPipe):
-    def __init__(self, dp: Any) -> None:
-        self.dp = dp
-
-    def __iter__(self) -> Any:
-        return iter(self.dp)
-
-    def is_replicable(self) -> bool:
-        return False
 
 
 class NonReplicableSource(IterDataPipe):

@@ -215,8 +215,18 @@ class ChildLoop:
     starts streams with ``start(k, epoch, datapipe)`` and may set ``paused``.
     """
 
-    def __init__(self, control: Any, lanes: Sequence[Lane], apply: Callable[[int, int, Any], None], where: str) -> None:
+    def __init__(
+        self,
+        control: Any,
+        lanes: Sequence[Lane],
+        apply: Callable[[int, int, Any], None],
+        where: str,
+        announce: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.control = control
+        # Called by the listener with (kind, epoch) of each message as it arrives, before it
+        # is applied: lets a worker end an abandoned epoch's reads without waiting for it.
+        self._announce = announce
         self.lanes = tuple(lanes)
         self.where = where
         self._apply = apply
@@ -289,6 +299,8 @@ class ChildLoop:
                 self._cv.notify_all()
             if message[0] == Kind.STOP:
                 return
+            if self._announce is not None:
+                self._announce(message[0], message[1])
 
     def _lane_main(self, k: int) -> None:
         lane = self.lanes[k]

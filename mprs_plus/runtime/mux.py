@@ -41,8 +41,10 @@ class ChannelMux:
         receivers: Sequence[Any],
         recv: Callable[[int], Message],
         wait: Callable[[list[int]], list[int]],
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self._receivers = list(receivers)
+        self._wake = wake  # interrupts a pumping thread's wait (see ``advance``)
         self._recv = recv
         self._wait = wait
         self._held: list[Message | None] = [None] * len(self._receivers)
@@ -50,6 +52,19 @@ class ChannelMux:
         self._pumping = False
         self._turn = 0
         self.epoch = 0  # messages of older epochs are dropped; readers of older epochs end
+
+    def advance(self, epoch: int) -> None:
+        """Epoch ``epoch`` has been announced (from another thread, before it is applied):
+        end the readers of older epochs and drop their messages now. Waiting for the new
+        epoch to be applied could deadlock: a producer blocked on a full channel of the old
+        epoch may be what keeps it from being applied."""
+        with self._cv:
+            if epoch <= self.epoch:
+                return
+            self.epoch = epoch
+            self._cv.notify_all()
+        if self._wake is not None:
+            self._wake()
 
     def take(self, index: int, epoch: int, before_block: Callable[[], None] | None = None) -> Message | None:
         """The next message of channel ``index`` for ``epoch``; None when that epoch is over

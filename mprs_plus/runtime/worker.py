@@ -18,6 +18,7 @@ them moves on.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -144,8 +145,18 @@ def worker_main(setup: WorkerSetup) -> None:
     stats = setup.stats or (None,) * len(setup.data)
     lanes = [OutputLane(sender, locks[k], where, stats=stats[k]) for k, sender in enumerate(setup.data)]
     control = SegmentControl(root, count, reset, where, failure)
-    loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where)
+    loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where, announce=_announcer(mux))
     loop.run()
+
+
+def _announcer(mux: ChannelMux) -> Callable[[int, int], None]:
+    """Tell the input mux about a new epoch as soon as the control message arrives."""
+
+    def announce(kind: int, epoch: int) -> None:
+        if kind == Kind.RESET:
+            mux.advance(epoch)
+
+    return announce
 
 
 def _input_mux(receivers: Sequence[Any], names: Sequence[str]) -> ChannelMux:
@@ -159,8 +170,25 @@ def _input_mux(receivers: Sequence[Any], names: Sequence[str]) -> ChannelMux:
         except ChannelBroken as exc:
             raise RuntimeError(f"{names[index]}: the dispatch process is gone") from exc
 
+    # A pipe to interrupt a wait when a newer epoch is announced (ChannelMux.advance).
+    interrupted, interrupt = os.pipe()
+    os.set_blocking(interrupted, False)
+    os.set_blocking(interrupt, False)
+
     def wait(indices: list[int]) -> list[int]:
-        ready = wait_readable([receivers[i] for i in indices])
+        ready = wait_readable([receivers[i] for i in indices], also=[interrupted])
+        if interrupted in ready:
+            try:
+                while os.read(interrupted, 4096):
+                    pass
+            except BlockingIOError:
+                pass
         return [index_of[id(r)] for r in ready if id(r) in index_of]
 
-    return ChannelMux(receivers, recv, wait)
+    def wake() -> None:
+        try:
+            os.write(interrupt, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    return ChannelMux(receivers, recv, wait, wake)
