@@ -18,20 +18,7 @@ from torchdata.datapipes.map import SequenceWrapper
 import pipelines
 from mprs_plus import MultiProcessingReadingService
 
-from torchdata_reference import N, SEEDS  # epoch 1 with the first seed, epoch 2 with the second
-
-
-def epochs_with_seeds(datapipe, service):
-    loader = DataLoader2(datapipe, reading_service=service)
-    try:
-        result = []
-        for seed in SEEDS:
-            loader.seed(seed)
-            result.append(list(loader))
-        result.append(list(loader))  # not reseeded: repeats the last epoch (see the test)
-        return result
-    finally:
-        loader.shutdown()
+from torchdata_reference import N, SEEDS, epochs_with_seeds  # epoch 1 with the first seed, epoch 2 with the second
 
 
 @pytest.fixture(scope="module")

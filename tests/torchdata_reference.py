@@ -17,8 +17,9 @@ SEEDS = (3, 2**64 - 5)
 N = 24
 
 
-def epochs_with_seeds(datapipe):
-    loader = DataLoader2(datapipe, reading_service=MultiProcessingReadingService(2))
+def epochs_with_seeds(datapipe, service=None):
+    """Epochs with each seed of SEEDS, then one not reseeded; also used by test_matrix."""
+    loader = DataLoader2(datapipe, reading_service=service or MultiProcessingReadingService(2))
     try:
         result = []
         for seed in SEEDS:
