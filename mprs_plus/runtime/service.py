@@ -436,13 +436,6 @@ class ServiceRuntime:
 
     # -- stop ----------------------------------------------------------------------------
 
-    @property
-    def stopped(self) -> bool:
-        return self._res.stopped
-
-    def processes(self) -> list[Any]:
-        return self._res.processes()
-
     def stop(self) -> None:
         self._finalizer()
 
