@@ -40,10 +40,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterDataPipe
@@ -53,7 +52,7 @@ from ..plan import Plan
 from .dispatch import DispatchSetup, dispatch_main
 from .lifecycle import stop_at_exit
 from .main_reader import MainReader
-from .messages import Kind
+from .protocol import Limit, Pause, Reset, Resume, pack
 from .segments import build_dispatch_sources, build_main_pipeline, build_worker_program
 from .stats import Stats, StatsTable, StatsView, aggregate
 from .supervisor import Supervisor
@@ -146,9 +145,9 @@ class ServiceRuntime:
         epoch = self._started().begin_epoch()
         topology, send = self._topology, self._supervisor.send
         if topology.dispatch is not None:
-            send(topology.dispatch, _control(Kind.RESET, epoch, (seed_generator, iter_reset_fn)))
+            send(topology.dispatch, Reset(epoch, pack((seed_generator, iter_reset_fn))))
         for link in topology.workers:
-            send(link, _control(Kind.RESET, epoch, (seed_generator.spawn(link.index), iter_reset_fn)))
+            send(link, Reset(epoch, pack((seed_generator.spawn(link.index), iter_reset_fn))))
 
     def iterate(self, branch: int = 0) -> Iterator[Any]:
         return self._started().iterate(branch)
@@ -157,17 +156,17 @@ class ServiceRuntime:
         """Ask every child to stop producing at its next item boundary, pause() its DataPipes
         and run ``pause_fn`` on its segment. Waits for nothing: what the children already
         produced stays in their channels, in order."""
-        self._broadcast(Kind.PAUSE, lambda link: pause_fn)
+        self._broadcast(Pause, lambda link: pause_fn)
 
     def resume(self, resume_fn: Any = None) -> None:
-        self._broadcast(Kind.RESUME, lambda link: resume_fn)
+        self._broadcast(Resume, lambda link: resume_fn)
 
     def limit(self, num_batches: int | None, limit_fn: Any) -> int | None:
         """Send ``limit_fn`` to the children as torchdata does: with a dispatch process, it
         gets ``num_batches`` and each worker its share; without one, ``None`` everywhere.
         Returns what the main segment's ``limit_fn`` receives."""
         if self._topology.dispatch is None:
-            self._broadcast(Kind.LIMIT, lambda link: (None, limit_fn))
+            self._broadcast(Limit, lambda link: (None, limit_fn))
             return None
         n = len(self._topology.workers)
 
@@ -176,13 +175,13 @@ class ServiceRuntime:
                 return (num_batches, limit_fn)
             return (num_batches // n + (link.index < num_batches % n), limit_fn)
 
-        self._broadcast(Kind.LIMIT, share)
+        self._broadcast(Limit, share)
         return num_batches
 
-    def _broadcast(self, kind: Kind, payload_of: Any) -> None:
+    def _broadcast(self, kind: type[Pause | Resume | Limit], payload_of: Callable[[ChildLink], Any]) -> None:
         epoch = self._started().epoch
         for link in self._topology.children():
-            self._supervisor.send(link, _control(kind, epoch, payload_of(link)))
+            self._supervisor.send(link, kind(epoch, pack(payload_of(link))))
 
     def _started(self) -> MainReader:
         self._supervisor.gate.check()
@@ -271,8 +270,3 @@ def _start_stats_logger(runtime: ServiceRuntime, interval: float, stopping: thre
 
     threading.Thread(target=run, name="mprs_plus stats", daemon=True).start()
 
-
-def _control(kind: Kind, epoch: int, payload: Any) -> tuple[int, int, bytes]:
-    """A control message; its payload travels pickled on its own, so that a child that
-    cannot unpickle it still knows which epoch fails (see ``control.py``)."""
-    return (kind, epoch, pickle.dumps(payload, protocol=5))
