@@ -2,7 +2,8 @@
 
 Children
     * ignore SIGINT: Ctrl-C reaches the whole process group, but only the main process
-      decides to stop; children then end on STOP instead of printing tracebacks;
+      decides to stop; children then end when their control channel closes, instead
+      of printing tracebacks;
     * watch their parent: a daemon thread waits on the parent's sentinel and exits the
       child at once when the parent is gone, so a killed main process leaves no orphans;
     * drop inherited channel endpoints they do not own (fork), so that a dead peer
@@ -11,11 +12,11 @@ Children
 Main process
     ``stop_processes`` asks nicely (the caller already closed the control channels, which
     is the children's STOP), then escalates join -> terminate -> kill, each step bounded:
-    it returns within ``STOP_GRACE`` plus a fraction of a second whatever the children do
-    (a child stopped by SIGSTOP ignores SIGTERM until killed). ``stop_at_exit`` registers, when the
-    first service starts, an exit hook that stops every service still running; being
-    registered after ``multiprocessing`` set up its own, it runs before the interpreter
-    joins or terminates child processes.
+    it returns within ``STOP_GRACE`` plus a fraction of a second whatever the children
+    do (a child stopped by SIGSTOP ignores SIGTERM until killed). ``stop_at_exit``
+    registers, when the first service starts, an exit hook that stops every service still
+    running; being registered after ``multiprocessing`` set up its own, it runs before the
+    interpreter joins or terminates child processes.
 """
 
 from __future__ import annotations

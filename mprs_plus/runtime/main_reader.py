@@ -8,7 +8,7 @@ reads of one output in order or as ready (``reader.py``).
                     MainChannels.recv / wait --------+        WorkerReader k (main segment)
 
 ``MainReader`` is the only owner of the epoch number in the main process: ``begin_epoch``
-moves it on and hands it to the supervisor for the RESET messages; the mux ends readers of
+moves it on and hands it to the supervisor for the ``Reset`` messages; the mux ends readers of
 older epochs. Every read goes through the read gate (``gate.py``): a read after the stop,
 or one that a stop from another thread interrupts, raises ``ServiceClosedError``, never an
 internal error of a closed channel.
