@@ -44,6 +44,16 @@ def alive(processes: list[psutil.Process]) -> list[int]:
     return found
 
 
+def freeze(process: psutil.Process) -> None:
+    """SIGSTOP ``process`` and return once the kernel shows it stopped: from then on it
+    reads nothing, so what is sent to it stays in its channels."""
+    os.kill(process.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while process.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the process did not stop"
+        time.sleep(0.001)
+
+
 def slow(item):
     return pipelines.spin(item, 0.0005)
 
@@ -55,7 +65,7 @@ def test_shutdown_returns_within_the_grace_period_when_a_stopped_worker_has_a_fu
     next(iterator)
     workers = children_since(before)
     assert len(workers) == 2
-    os.kill(workers[0].pid, signal.SIGSTOP)  # alive, but reads nothing any more
+    freeze(workers[0])  # alive, but reads nothing any more
     try:
         for _ in range(4):  # fills its control channel
             loader.reading_service._pause()
@@ -157,3 +167,32 @@ def test_a_dropped_runtime_stops_its_processes_without_a_garbage_collection():
         assert not still, "the processes outlived the last reference to their runtime"
     finally:
         gc.enable()
+
+
+def test_a_control_message_a_stopped_worker_never_reads_fails_in_bounded_time(monkeypatch):
+    from mprs_plus.runtime import supervisor
+
+    monkeypatch.setattr(supervisor, "CONTROL_WAIT", 1.0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loader = loader_for(pipelines.sharded_pipe(1000))
+    iterator = iter(loader)
+    next(iterator)
+    workers = children_since(before)
+    freeze(workers[0])
+    try:
+        for _ in range(4):  # fills its control channel
+            loader.reading_service._pause()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"mprs_plus worker \d \(pid {workers[0].pid}\) has not read its control channel"):
+            loader.reading_service._pause()
+        assert time.monotonic() - started < 1.0 + STOP_GRACE + 1  # the bounded wait, then the stop
+        assert alive(workers) == []  # the service was shut down, its processes ended
+        with pytest.raises(ServiceClosedError):
+            loader.reading_service._resume()
+    finally:
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+        loader.shutdown()

@@ -49,13 +49,14 @@ from torch.utils.data import IterDataPipe
 
 from ..options import Options
 from ..plan import Plan
+from ..transport import open_channel
 from .dispatch import DispatchSetup, dispatch_main
 from .lifecycle import stop_at_exit
 from .main_reader import MainReader
 from .protocol import Limit, Pause, Reset, Resume, pack
 from .segments import build_dispatch_sources, build_main_pipeline, build_worker_program
 from .stats import Stats, StatsTable, StatsView, aggregate
-from .supervisor import Supervisor
+from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
 from .topology import ChildLink, Role, Topology, plan_topology
 from .worker import WorkerSetup, worker_main
 
@@ -118,7 +119,7 @@ class ServiceRuntime:
         if self.options.collect_stats:
             self._stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
         try:
-            _start_children(self.plan, self.options, topology, supervisor, self._stats)
+            _start_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats)
             supervisor.watch_children()
             self._reader = MainReader(
                 topology,
@@ -200,7 +201,7 @@ class ServiceRuntime:
 
 
 def _start_children(
-    plan: Plan, options: Options, topology: Topology, supervisor: Supervisor, stats: StatsView | None
+    plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
 ) -> None:
     """Open every channel and start every child of ``topology``. Each link gets its ends
     before its process starts, so a failure half-way leaves the supervisor able to release
@@ -208,16 +209,20 @@ def _start_children(
     program = build_worker_program(plan)
     dispatch_sources = build_dispatch_sources(plan)
     child_ends: list[Any] = []
+
+    def channel(items: int, size: int) -> tuple[Any, Any]:
+        return open_channel(ctx, capacity_items=items, capacity_bytes=size)
+
     try:
         worker_inputs: dict[int, list[Any]] = {link.index: [] for link in topology.workers}
         if topology.dispatch is not None and dispatch_sources is not None:
             link, (sources, groups) = topology.dispatch, dispatch_sources
             buffer = options.dispatch_channel_items
-            link.control, control_rx = supervisor.control_channel()
+            link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
             child_ends.append(control_rx)
             rows = []
             for _ in sources:
-                pairs = [supervisor.channel(buffer, _DATA_BYTES) for _ in topology.workers]
+                pairs = [channel(buffer, _DATA_BYTES) for _ in topology.workers]
                 child_ends += [end for pair in pairs for end in pair]
                 rows.append(tuple(tx for tx, _ in pairs))
                 for worker, (_, rx) in zip(topology.workers, pairs):
@@ -234,8 +239,8 @@ def _start_children(
             )
             supervisor.start_child(link, dispatch_main, setup)
         for link in topology.workers:
-            link.control, control_rx = supervisor.control_channel()
-            pairs = [supervisor.channel(options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(link.lanes)]
+            link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+            pairs = [channel(options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(link.lanes)]
             link.data = tuple(rx for _, rx in pairs)
             child_ends += [control_rx, *(tx for tx, _ in pairs)]
             setup = WorkerSetup(

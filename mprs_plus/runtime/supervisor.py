@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ServiceClosedError
-from ..transport import ChannelError, open_channel, wait_readable
+from ..transport import ChannelError, wait_readable
 from .diagnose import unpicklable_error
 from .gate import CLOSED_MESSAGE, ReadGate
 from .lifecycle import DEATH_GRACE, death_error, stop_processes
@@ -65,12 +65,6 @@ class Supervisor:
         return self._stopped
 
     # -- start ---------------------------------------------------------------------------
-
-    def channel(self, items: int, size: int) -> tuple[Any, Any]:
-        return open_channel(self._ctx, capacity_items=items, capacity_bytes=size)
-
-    def control_channel(self) -> tuple[Any, Any]:
-        return self.channel(CONTROL_ITEMS, CONTROL_BYTES)
 
     def start_child(self, link: ChildLink, target: Callable[[Any], None], setup: Any) -> None:
         process = self._ctx.Process(target=target, args=(setup,), name=link.name, daemon=True)
