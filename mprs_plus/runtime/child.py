@@ -224,7 +224,8 @@ class ChildLoop:
         try:
             while True:
                 if states[k] is LaneState.RUNNING and not self.paused and not inbox.interrupt:
-                    self._produce(k, lane)
+                    if produce(lane, inbox, self.where):
+                        states[k] = LaneState.IDLE  # its stream ended (END or ERROR sent)
                     continue
                 lane.flush()
                 if not (self._apply_inbox() if k == 0 else inbox.park()):
@@ -248,42 +249,44 @@ class ChildLoop:
             going_on = self.inbox.applied()
         return going_on
 
-    def _produce(self, k: int, lane: Lane) -> None:
-        inbox = self.inbox
-        lock, next_item, emit, stats = lane.lock, lane.next_item, lane.emit, lane.stats
-        clock = time.perf_counter
-        try:
-            while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
-                if lock is not None and not lock.acquire(blocking=False):
-                    lane.flush()  # never wait for the compute lock holding unsent items
-                    lock.acquire()
-                failure: BaseException | None = None
-                started = clock()
-                try:
-                    item = next_item()
-                except Exception as exc:  # StopIteration included: the stream's end
-                    failure = exc
-                if lock is not None:
-                    lock.release()
-                if failure is not None:
-                    self.states[k] = LaneState.IDLE
-                    if stats is not None:
-                        stats.publish()  # before the END: a reader that saw it sees these counts
-                    if isinstance(failure, StopIteration):
-                        lane.finish()
-                    else:
-                        lane.fail(RemoteError.capture(failure, self.where))
-                    return
-                if stats is None:
-                    emit(item)  # an item that cannot be sent becomes an ERROR (GuardedSender)
-                    continue
-                produced = clock()
-                emit(item)
-                stats.busy += produced - started
-                stats.wait_output += clock() - produced
-                stats.items_out += 1
-                if not stats.items_out & 63:
-                    stats.publish()
-        finally:
-            if stats is not None:
+
+def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
+    """Produce ``lane``'s items until interrupted (False) or until its stream ends (True:
+    END or ERROR sent)."""
+    lock, next_item, emit, stats = lane.lock, lane.next_item, lane.emit, lane.stats
+    clock = time.perf_counter
+    try:
+        while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
+            if lock is not None and not lock.acquire(blocking=False):
+                lane.flush()  # never wait for the compute lock holding unsent items
+                lock.acquire()
+            failure: BaseException | None = None
+            started = clock()
+            try:
+                item = next_item()
+            except Exception as exc:  # StopIteration included: the stream's end
+                failure = exc
+            if lock is not None:
+                lock.release()
+            if failure is not None:
+                if stats is not None:
+                    stats.publish()  # before the END: a reader that saw it sees these counts
+                if isinstance(failure, StopIteration):
+                    lane.finish()
+                else:
+                    lane.fail(RemoteError.capture(failure, where))
+                return True
+            if stats is None:
+                emit(item)  # an item that cannot be sent becomes an ERROR (GuardedSender)
+                continue
+            produced = clock()
+            emit(item)
+            stats.busy += produced - started
+            stats.wait_output += clock() - produced
+            stats.items_out += 1
+            if not stats.items_out & 63:
                 stats.publish()
+        return False
+    finally:
+        if stats is not None:
+            stats.publish()
