@@ -442,3 +442,32 @@ def spin(item: Any, seconds: float = 0.002) -> Any:
 
 def kilobytes(item: Any) -> Any:
     return bytes(1024 * 64)
+
+
+# -- stop ----------------------------------------------------------------------------------
+
+
+class _RebuiltOutsideMain:
+    """Pickles anywhere, unpickles anywhere but in the process ``main_pid``."""
+
+    def __init__(self, value: Any, main_pid: int) -> None:
+        self.value = value
+        self.main_pid = main_pid
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_outside_main, (self.value, self.main_pid))
+
+
+class RebuildError(Exception):
+    pass
+
+
+def _rebuild_outside_main(value: Any, main_pid: int) -> Any:
+    if os.getpid() == main_pid:
+        raise RebuildError(f"item {value} cannot be rebuilt in the main process")
+    return value
+
+
+def unloadable_in_main(item: Any, main_pid: int, first_bad: int = 5) -> Any:
+    """Items from ``first_bad`` on fail to unpickle in the main process ``main_pid``."""
+    return _RebuiltOutsideMain(item, main_pid) if item >= first_bad else item

@@ -14,10 +14,12 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
+from mprs_plus.runtime.child import ChildLoop
 from mprs_plus.runtime.control import SegmentControl, SegmentOutputs
-from mprs_plus.runtime.lanes import ChildLoop, OutputLane
+from mprs_plus.runtime.lanes import OutputLane
 from mprs_plus.runtime.messages import Kind
 from mprs_plus.runtime.mux import ChannelMux
+from mprs_plus.runtime.protocol import Reset, pack
 from mprs_plus.transport import open_channel, wait_readable
 
 CTX = multiprocessing.get_context("fork")
@@ -39,13 +41,13 @@ def _mux(receivers):
 def test_mux_drops_stale_messages_and_keeps_newer_ones_for_their_reader():
     (tx0, rx0), (tx1, rx1) = channel(), channel()
     mux = _mux([rx0, rx1])
-    mux.epoch = 2
+    mux.advance(2)
     tx0.send((Kind.ITEMS, 1, ["stale"]))
     tx0.send((Kind.ITEMS, 2, ["a"]))
     tx1.send((Kind.ITEMS, 3, ["next epoch"]))
     assert mux.take(0, 2) == (Kind.ITEMS, 2, ["a"])
     assert mux.take(1, 2) is None  # epoch 2 is over for channel 1 ...
-    mux.epoch = 3
+    mux.advance(3)
     assert mux.take(1, 3) == (Kind.ITEMS, 3, ["next epoch"])  # ... and the message waited for 3
     assert mux.take(0, 2) is None  # a reader of an abandoned epoch ends at once
     for end in (tx0, rx0, tx1, rx1):
@@ -58,7 +60,7 @@ def test_mux_drains_other_channels_while_waiting():
     dropped, so their producer, blocked behind them, gets to send what the reader waits for."""
     (tx0, rx0), (tx1, rx1) = channel(), channel()
     mux = _mux([rx0, rx1])
-    mux.epoch = 5
+    mux.advance(5)
 
     def producer():
         for _ in range(50):  # far more than a channel holds: needs the reader to drain them
@@ -85,18 +87,19 @@ def test_a_child_applies_control_with_every_lane_parked():
     def reset(root, epoch, seed_generator, iter_reset_fn):
         return root
 
-    control = SegmentControl(SegmentOutputs(outputs), 2, reset, "test")
+    segment = SegmentControl(SegmentOutputs(outputs), 2, reset, "test")
 
-    def apply(kind, epoch, payload):
-        seen_parked.append(loop._parked + loop._gone)  # lane 1 parked while lane 0 applies
-        control.apply(kind, epoch, payload)
+    class Watching:
+        def apply(self, message, loop):
+            seen_parked.append(loop.inbox.parked_or_gone())  # lane 1 parked while lane 0 applies
+            segment.apply(message, loop)
 
-    loop = control.loop = ChildLoop(control_rx, lanes, apply, "test")
+    loop = ChildLoop(control_rx, lanes, Watching(), "test")
     runner = threading.Thread(target=loop.run)
     runner.start()
     try:
         for epoch in (1, 2):
-            control_tx.send((Kind.RESET, epoch, pickle.dumps((None, None))))
+            control_tx.send(Reset(epoch, pack((None, None))))
             read = []
             for _, rx in channels:
                 stream = []
@@ -109,13 +112,12 @@ def test_a_child_applies_control_with_every_lane_parked():
                 read.append(stream)
             assert read == [list(range(5)), list(range(10, 13))]
     finally:
-        control_tx.send((Kind.STOP, 0, None))
+        control_tx.close()  # the end of the control stream is the child's STOP
         runner.join(10)
     assert not runner.is_alive()
     assert seen_parked and all(count >= 1 for count in seen_parked)
     for tx, rx in channels:
         rx.close()
-    control_tx.close()
 
 
 @pytest.mark.parametrize("dispatch", [False, True], ids=["from_a_worker", "from_the_dispatch_process"])

@@ -1,11 +1,11 @@
-"""How a child applies control messages to its copy of a segment.
+"""How a child applies control messages (``protocol.py``) to its copy of a segment.
 
-Lane 0 of a child (see ``lanes.py``) calls ``SegmentControl.apply`` with every lane parked:
+Lane 0 of a child (see ``child.py``) calls ``SegmentControl.apply`` with every lane parked:
 
-    RESET(e)   reseed and reset the segment, then start every lane's stream for epoch e
-    PAUSE      pause() every DataPipe of the segment (graph order), then run pause_fn
-    RESUME     run resume_fn, then resume() every DataPipe (reverse graph order)
-    LIMIT      run limit_fn(segment, num_batches)
+    Reset(e)   reseed and reset the segment, then start every lane's stream for epoch e
+    Pause      pause() every DataPipe of the segment (graph order), then run pause_fn
+    Resume     run resume_fn, then resume() every DataPipe (reverse graph order)
+    Limit      run limit_fn(segment, num_batches)
 
 as torchdata's worker and dispatching loops do. Payloads travel pickled on their own, so a
 payload that does not unpickle here fails that epoch's streams instead of the whole child.
@@ -15,16 +15,18 @@ A child with several outputs hands its hooks one ``SegmentOutputs`` DataPipe hol
 
 from __future__ import annotations
 
-import pickle
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterDataPipe
 from torchdata.dataloader2.graph import list_dps, traverse_dps
 
-from .lanes import ChildLoop
-from .messages import Kind, RemoteError
+from .messages import RemoteError
+from .protocol import Limit, Pause, Received, Reset, Resume, Unreadable, unpack
+
+if TYPE_CHECKING:
+    from .child import ChildLoop
 
 
 class SegmentOutputs(IterDataPipe):
@@ -74,82 +76,78 @@ def make_locks(groups: Sequence[int]) -> list[threading.Lock | None]:
     return [locks.get(group) for group in groups]
 
 
-Reset = Callable[[Any, int, Any, Any], Any]  # (root, epoch, seed_generator, iter_reset_fn) -> root
+ResetFn = Callable[[Any, int, Any, Any], Any]  # (root, epoch, seed_generator, iter_reset_fn) -> root
 
 
 class SegmentControl:
-    """The segment's root DataPipe, and the control messages applied to it."""
+    """The segment's root DataPipe, and the control messages applied to it (one ``match``)."""
 
-    def __init__(self, root: Any, count: int, reset: Reset, where: str, failure: RemoteError | None = None) -> None:
+    def __init__(self, root: Any, count: int, reset: ResetFn, where: str, failure: RemoteError | None = None) -> None:
         self.root = root
         self.count = count
-        self.loop: ChildLoop | None = None
         self._reset = reset
         self._where = where
         self._failure = failure  # set-up failed: every epoch ends with this error
         self._deferred: RemoteError | None = None  # a hook failed between epochs: reported once
 
-    def apply(self, kind: int, epoch: int, payload: Any) -> None:
-        loop = self.loop
-        assert loop is not None, "internal error: SegmentControl used before its loop was set"
-        if kind == Kind.ERROR:  # a control message that could not be read at all
-            self._report(payload)
+    def apply(self, message: Received, loop: ChildLoop) -> None:
+        """Apply ``message``; called on lane 0 with every other lane parked."""
+        if isinstance(message, Unreadable):  # a control message that could not be read at all
+            self._report(loop, message.error)
             return
         try:
-            value = pickle.loads(payload) if isinstance(payload, bytes) else payload
+            value = unpack(message.payload)
         except Exception as exc:
             error = RemoteError.capture(exc, self._where)
-            if kind == Kind.RESET:
-                loop.fail_all(epoch, error)
+            if isinstance(message, Reset):
+                loop.begin_epoch(message.epoch)
+                loop.fail_all(error, every=True)
             else:
-                self._report(error)
-            return
-        if kind == Kind.RESET:
-            self._begin_epoch(epoch, value)
+                self._report(loop, error)
             return
         try:
-            if kind == Kind.PAUSE:
-                loop.paused = True
-                for datapipe in list_dps(traverse_dps(self.root)):
-                    if callable(getattr(datapipe, "pause", None)):
-                        datapipe.pause()
-                if value is not None:
-                    self.root = value(self.root)
-            elif kind == Kind.RESUME:
-                loop.paused = False
-                if value is not None:
-                    self.root = value(self.root)
-                for datapipe in reversed(list_dps(traverse_dps(self.root))):
-                    if callable(getattr(datapipe, "resume", None)):
-                        datapipe.resume()
-            elif kind == Kind.LIMIT:
-                num_batches, limit_fn = value
-                if limit_fn is not None:
-                    self.root = limit_fn(self.root, num_batches)
+            match message:
+                case Reset(epoch=epoch):
+                    self._begin_epoch(loop, epoch, value)
+                case Pause():
+                    loop.paused = True
+                    for datapipe in list_dps(traverse_dps(self.root)):
+                        if callable(getattr(datapipe, "pause", None)):
+                            datapipe.pause()
+                    if value is not None:
+                        self.root = value(self.root)
+                case Resume():
+                    loop.paused = False
+                    if value is not None:
+                        self.root = value(self.root)
+                    for datapipe in reversed(list_dps(traverse_dps(self.root))):
+                        if callable(getattr(datapipe, "resume", None)):
+                            datapipe.resume()
+                case Limit():
+                    num_batches, limit_fn = value
+                    if limit_fn is not None:
+                        self.root = limit_fn(self.root, num_batches)
         except Exception as exc:
-            self._report(RemoteError.capture(exc, self._where))
+            self._report(loop, RemoteError.capture(exc, self._where))
 
-    def _report(self, error: RemoteError) -> None:
-        loop = self.loop
-        assert loop is not None
-        if any(loop.active):
-            loop.fail_all(None, error)
+    def _report(self, loop: ChildLoop, error: RemoteError) -> None:
+        if loop.streaming:
+            loop.fail_all(error)
         else:
             self._deferred = error
 
-    def _begin_epoch(self, epoch: int, value: Any) -> None:
-        loop = self.loop
-        assert loop is not None
+    def _begin_epoch(self, loop: ChildLoop, epoch: int, value: Any) -> None:
+        loop.begin_epoch(epoch)
         error, self._deferred = self._failure or self._deferred, None
         if error is not None:
-            loop.fail_all(epoch, error)
+            loop.fail_all(error, every=True)
             return
         seed_generator, iter_reset_fn = value
         try:
             self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
             outputs = outputs_of(self.root, self.count)
         except Exception as exc:
-            loop.fail_all(epoch, RemoteError.capture(exc, self._where))
+            loop.fail_all(RemoteError.capture(exc, self._where), every=True)
             return
         for k, output in enumerate(outputs):
-            loop.start(k, epoch, output)
+            loop.start(k, output)

@@ -23,7 +23,8 @@ from typing import Any
 from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
 from .control import SegmentControl, make_locks, outputs_of, segment_root
-from .lanes import ChildLoop, DealLane
+from .child import ChildLoop
+from .lanes import DealLane
 from .lifecycle import child_setup
 from .messages import RemoteError, describe_process
 
@@ -62,5 +63,4 @@ def dispatch_main(setup: DispatchSetup) -> None:
     stats = setup.stats or (None,) * count
     lanes = [DealLane(setup.outputs[d], locks[d], where, setup.max_items, stats[d]) for d in range(count)]
     control = SegmentControl(root, count, reset, where, failure)
-    loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where)
-    loop.run()
+    ChildLoop(setup.control, lanes, control, where).run()

@@ -2,18 +2,21 @@
 
 Children
     * ignore SIGINT: Ctrl-C reaches the whole process group, but only the main process
-      decides to stop; children then end on STOP instead of printing tracebacks;
+      decides to stop; children then end when their control channel closes, instead
+      of printing tracebacks;
     * watch their parent: a daemon thread waits on the parent's sentinel and exits the
       child at once when the parent is gone, so a killed main process leaves no orphans;
     * drop inherited channel endpoints they do not own (fork), so that a dead peer
       shows as a broken pipe.
 
 Main process
-    ``stop_processes`` asks nicely (the caller already sent STOP), then escalates
-    join -> terminate -> kill, each step bounded. ``stop_at_exit`` registers, when the
-    first service starts, an exit hook that stops every service still running; being
-    registered after ``multiprocessing`` set up its own, it runs before the interpreter
-    joins or terminates child processes.
+    ``stop_processes`` asks nicely (the caller already closed the control channels, which
+    is the children's STOP), then escalates join -> terminate -> kill, each step bounded:
+    it returns within ``STOP_GRACE`` plus a fraction of a second whatever the children
+    do (a child stopped by SIGSTOP ignores SIGTERM until killed). ``stop_at_exit``
+    registers, when the first service starts, an exit hook that stops every service still
+    running; being registered after ``multiprocessing`` set up its own, it runs before the
+    interpreter joins or terminates child processes.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
+from ..errors import ProcessDiedError
 from ..transport import release_all_except
 
+
+STOP_GRACE = 5.0  # seconds children get to exit on their own once asked
+_TERMINATE_WAIT = 0.25  # SIGTERM kills at once unless the child is stopped (then SIGKILL does)
+_KILL_WAIT = 2.0
+DEATH_GRACE = 2.0  # seconds a process whose channel broke may take to be reaped
 
 _running: weakref.WeakSet[Any] = weakref.WeakSet()
 _hook_registered = False
@@ -90,8 +99,7 @@ def exit_description(process: Any) -> str:
 def stop_processes(
     processes: Sequence[Any],
     drain: Callable[[float], None] | None = None,
-    grace: float = 5.0,
-    step: float = 2.0,
+    grace: float = STOP_GRACE,
 ) -> None:
     """Wait up to ``grace`` seconds for ``processes`` to exit, calling ``drain(timeout)``
     meanwhile so that producers blocked on full channels can move on; then terminate,
@@ -106,12 +114,35 @@ def stop_processes(
             wait([p.sentinel for p in alive], left)
         else:
             drain(left)
-    for escalate in ("terminate", "kill"):
+    for escalate, step in (("terminate", _TERMINATE_WAIT), ("kill", _KILL_WAIT)):
         alive = [p for p in processes if p.exitcode is None]
         if not alive:
             break
         for process in alive:
-            getattr(process, escalate)()
+            try:
+                getattr(process, escalate)()
+            except OSError:
+                pass  # it exited since we looked
         wait([p.sentinel for p in alive], step)
     for process in processes:
-        process.join(step)
+        process.join(_KILL_WAIT)
+
+
+def death_error(processes: Sequence[Any]) -> Exception:
+    """The error for a child that is gone without being asked: which one, and how it ended.
+
+    The channel can break a moment before the process has exited: give it that moment,
+    then reap the ones whose sentinel fired (they are gone or going)."""
+    ready = wait([p.sentinel for p in processes], DEATH_GRACE)
+    dead = []
+    for process in processes:
+        process.join(None if process.sentinel in ready else 0)
+        if process.exitcode is not None:
+            dead.append(f"{process.name} (pid {process.pid}) {exit_description(process)}")
+    if not dead:
+        return ProcessDiedError("a child process of the reading service closed its channel unexpectedly")
+    return ProcessDiedError(
+        "; ".join(dead) + ". The reading service cannot continue: look for an out-of-memory kill, a call "
+        "to os._exit or a crash in native code in that process (its stderr may say more), then create "
+        "a new DataLoader2."
+    )

@@ -1,11 +1,8 @@
-"""The message protocol between the main, dispatch and worker processes.
+"""The data protocol between the dispatch, worker and main processes (control messages,
+main -> each child, are typed: ``protocol.py``).
 
-Every message is a tuple ``(kind, epoch, payload)``; tuples pickle fastest.
+Every data message is a tuple ``(kind, epoch, payload)``; tuples pickle fastest.
 
-    main --control--> dispatch     RESET(epoch, (seed_generator, iter_reset_fn)) | STOP
-    main --control--> worker w     RESET(epoch, (seed_generator, iter_reset_fn)) | STOP
-    main --control--> any child    PAUSE(epoch, pause_fn | None) | RESUME(epoch, resume_fn | None)
-                                   | LIMIT(epoch, (num_batches | None, limit_fn))
     dispatcher d --data--> worker w   ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
     worker w, output k --data--> main ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
 
@@ -16,7 +13,7 @@ deadlocks.
 Items travel in batches (see ``Batcher``): a reader takes them one by one, so order and
 round-robin are per item, whatever the batch sizes.
 
-``epoch`` increases with every RESET, so a reader drops whatever a producer sent for an
+``epoch`` increases with every ``Reset``, so a reader drops whatever a producer sent for an
 epoch the main process has already abandoned (a loop broken off early, say).
 """
 
@@ -37,11 +34,6 @@ from ..errors import WorkerError
 
 
 class Kind(enum.IntEnum):
-    RESET = 1
-    STOP = 2
-    PAUSE = 3
-    RESUME = 4
-    LIMIT = 5
     ITEMS = 10
     END = 11
     ERROR = 12

@@ -51,7 +51,10 @@ class ChannelMux:
         self._cv = threading.Condition(threading.Lock())
         self._pumping = False
         self._turn = 0
-        self.epoch = 0  # messages of older epochs are dropped; readers of older epochs end
+        # The newest epoch announced by the owner of the epoch (``MainReader`` in the main
+        # process, a child's control listener in a worker): a watermark, not the epoch
+        # anyone reads. Messages of older epochs are dropped; readers of older epochs end.
+        self.newest = 0
 
     def advance(self, epoch: int) -> None:
         """Epoch ``epoch`` has been announced (from another thread, before it is applied):
@@ -59,9 +62,9 @@ class ChannelMux:
         epoch to be applied could deadlock: a producer blocked on a full channel of the old
         epoch may be what keeps it from being applied."""
         with self._cv:
-            if epoch <= self.epoch:
+            if epoch <= self.newest:
                 return
-            self.epoch = epoch
+            self.newest = epoch
             self._cv.notify_all()
         if self._wake is not None:
             self._wake()
@@ -72,7 +75,7 @@ class ChannelMux:
         held = self._held
         with self._cv:
             while True:
-                if epoch < self.epoch:
+                if epoch < self.newest:
                     return None
                 message = held[index]
                 if message is None:
@@ -87,7 +90,7 @@ class ChannelMux:
                         continue
                 else:
                     held[index] = None
-                if message[1] < self.epoch:
+                if message[1] < self.newest:
                     continue  # left over from an abandoned epoch
                 if message[1] > epoch:
                     held[index] = message  # for the reader of that epoch
@@ -103,7 +106,7 @@ class ChannelMux:
         order = sorted(indices)
         with self._cv:
             while True:
-                if epoch < self.epoch:
+                if epoch < self.newest:
                     return order[0], None
                 # Start the scan where the last one stopped, so no channel starves.
                 start = self._turn % len(order)
@@ -112,7 +115,7 @@ class ChannelMux:
                     if message is None:
                         continue
                     held[index] = None
-                    if message[1] < self.epoch:
+                    if message[1] < self.newest:
                         continue
                     self._turn = start + 1
                     if message[1] > epoch:
@@ -140,7 +143,7 @@ class ChannelMux:
         self._pumping = True
         held = self._held
         for index, message in enumerate(held):
-            if message is not None and message[1] < self.epoch:
+            if message is not None and message[1] < self.newest:
                 held[index] = None  # held when it was current; its producer may be blocked behind it
         idle = [i for i, message in enumerate(held) if message is None]
         self._cv.release()
@@ -149,13 +152,13 @@ class ChannelMux:
             for index in self._wait(idle):
                 message = self._recv(index)
                 # Drain a run of stale messages at once: their producer is waiting on them.
-                while message[1] < self.epoch and self._receivers[index].poll():
+                while message[1] < self.newest and self._receivers[index].poll():
                     message = self._recv(index)
                 got.append((index, message))
         finally:
             self._cv.acquire()
             for index, message in got:
-                if message[1] >= self.epoch:
+                if message[1] >= self.newest:
                     self._held[index] = message
             self._pumping = False
             self._cv.notify_all()

@@ -1,5 +1,9 @@
-"""The main-process side of a running service: starts the processes, opens each epoch,
-reads the workers' outputs, pauses and resumes them, and stops everything.
+"""The running service as the reading service sees it: a facade over three parts.
+
+    ServiceRuntime --> Supervisor   (supervisor.py)  processes, control messages, stop
+                   --> MainReader   (main_reader.py) the epoch, the reads, death diagnosis
+                   --> StatsView    (stats.py)       the statistics table
+    all three built around one Topology (topology.py): which children, which channels
 
     main segment <- WorkerReader k <- [data channel per (worker, output k)] <- worker w, lane k
                                        [control channel per child] -> dispatch, workers
@@ -12,7 +16,8 @@ Why this cannot deadlock. Every channel has one writing thread and one reader, a
 wait is on a channel, a lock held only inside ``next()``, or a child's sentinel:
 
 * control messages are drained by a listener thread in each child, so the main process
-  never waits to send one;
+  waits to send one only while a child is stopped or stuck, and then for a bounded time
+  (``supervisor.py``); the stop closes the control channels instead of sending;
 * a child thread never waits while holding unsent items, nor writes a channel while
   holding a lock (``lanes.py``); several outputs of a worker, or several dispatchers,
   write separate channels from separate threads, so a consumer that wants one output never
@@ -32,38 +37,30 @@ always read and the cycle cannot close.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
-import pickle
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterDataPipe
 
-from ..errors import ProcessDiedError, ServiceClosedError
 from ..options import Options
 from ..plan import Plan
-from ..transport import ChannelBroken, ChannelError, EndOfStream, open_channel, wait_readable
-from .diagnose import unpicklable_error
+from ..transport import open_channel
 from .dispatch import DispatchSetup, dispatch_main
-from .lifecycle import exit_description, stop_at_exit, stop_processes
-from .messages import Kind
-from .mux import ChannelMux
-from .reader import read_as_ready, read_in_order
+from .lifecycle import stop_at_exit
+from .main_reader import MainReader
+from .protocol import Limit, Pause, Reset, Resume, pack
 from .segments import build_dispatch_sources, build_main_pipeline, build_worker_program
-from .stats import Stats, StatsTable, StatsWriter, aggregate, make_process_stats
+from .stats import Stats, StatsTable, StatsView, aggregate
+from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
+from .topology import ChildLink, Role, Topology, plan_topology
 from .worker import WorkerSetup, worker_main
 
-# Control messages are small and rare; a few in flight is plenty.
-_CONTROL_ITEMS = 4
-_CONTROL_BYTES = 1 << 20
 _DATA_BYTES = 64 << 20
-_DEATH_GRACE = 2.0  # seconds a broken channel's process may take to be reaped
 _STATS_LOG = logging.getLogger("mprs_plus.stats")
 
 
@@ -72,11 +69,12 @@ class WorkerReader(IterDataPipe):
     epoch, round-robin (or as they are ready, with ``in_order=False``).
 
     An ``IterDataPipe`` so that DataLoader2 and torch's graph tools accept it as the
-    root of the main segment; graph traversal finds nothing behind it.
+    root of the main segment; graph traversal finds nothing behind it. It holds the
+    main-side reader, not the facade: the main segment never keeps the service alive.
     """
 
-    def __init__(self, service: ServiceRuntime, branch: int = 0) -> None:
-        self._service = service
+    def __init__(self, reader: MainReader, branch: int = 0) -> None:
+        self._reader = reader
         self._branch = branch
 
     def __getstate__(self) -> dict[str, Any]:
@@ -87,7 +85,7 @@ class WorkerReader(IterDataPipe):
 
 
 def _iterate_reader(reader: WorkerReader) -> Iterator[Any]:
-    return reader._service.iterate(reader._branch)
+    return reader._reader.iterate(reader._branch)
 
 
 # Assigned after the class is made, on purpose: torch's DataPipe metaclass wraps an
@@ -96,348 +94,170 @@ def _iterate_reader(reader: WorkerReader) -> Iterator[Any]:
 WorkerReader.__iter__ = _iterate_reader  # type: ignore[method-assign]
 
 
-class ServiceResources:
-    """Everything a running service must release: its processes and channel endpoints.
-
-    Held by the ``ServiceRuntime`` facade, by its garbage-collection finalizer and by the
-    exit hook, and by nothing else, so that dropping the facade can release it.
-    """
-
-    def __init__(self) -> None:
-        self.owner_pid = os.getpid()
-        self.stopped = False
-        self.dispatch: Any = None
-        self.workers: list[Any] = []
-        self.controls: list[Any] = []  # senders to the dispatch process (first, if any) and workers
-        self.data: list[Any] = []  # receivers from (worker w, output k), at w * outputs + k
-        self.epoch = 0
-        self.stopping = threading.Event()  # ends the periodic statistics logger
-        self._drained: set[int] = set()  # data channels found closed while stopping
-
-    def processes(self) -> list[Any]:
-        return ([self.dispatch] if self.dispatch is not None else []) + self.workers
-
-    def stop(self) -> None:
-        """Stop every child and close every endpoint. Idempotent; a no-op in a forked child."""
-        if self.stopped or os.getpid() != self.owner_pid:
-            return
-        self.stopped = True
-        self.stopping.set()
-        for control in self.controls:
-            try:
-                control.send((Kind.STOP, self.epoch, None))
-            except ChannelError:
-                pass
-            control.close()
-        stop_processes(self.processes(), drain=self._drain)
-        for receiver in self.data:
-            receiver.close()
-
-    def _drain(self, timeout: float) -> None:
-        """Discard worker output while stopping, so no worker stays blocked on a full channel."""
-        open_receivers = [r for i, r in enumerate(self.data) if i not in self._drained]
-        alive = {p.sentinel: p for p in self.processes() if p.exitcode is None}
-        if not alive:
-            return  # everyone exited since the caller looked: nothing left to wait for
-        for ready in wait_readable(open_receivers, timeout, also=list(alive)):
-            if ready in alive:
-                # Its sentinel fired: the process is gone or in its last moments; reap it
-                # rather than wake up again and again until the kernel lets us.
-                alive[ready].join(_DEATH_GRACE)
-                continue
-            try:
-                while ready.poll():
-                    ready.recv(0)
-            except ChannelError:
-                self._drained.add(self.data.index(ready))
-
-
 class ServiceRuntime:
-    """The running service, as the reading service and the main segment see it.
+    """The running service, as the reading service sees it.
 
     It stops on ``stop()``, when it is garbage collected, and at interpreter exit,
-    whichever comes first.
+    whichever comes first. Its parts never reference it back, so dropping the last
+    reference stops the children at once, without waiting for a garbage collection.
     """
 
     def __init__(self, plan: Plan, options: Options) -> None:
         self.plan = plan
         self.options = options
+        self._topology: Topology = plan_topology(plan, options.num_workers)
         self._ctx = multiprocessing.get_context(options.multiprocessing_context)
-        self._res = ServiceResources()
-        self._outputs = 1
-        self._mux: ChannelMux | None = None
-        self._table: StatsTable | None = None
-        self._rows: dict[tuple[str, int], list[int]] = {}  # (role, index) -> its lanes' rows
-        self._main_stats: StatsWriter | None = None
-        self._finalizer = weakref.finalize(self, self._res.stop)
-        stop_at_exit(self._res)
-
-    # -- start ---------------------------------------------------------------------------
+        self._supervisor = Supervisor(self._topology, self._ctx)
+        self._reader: MainReader | None = None
+        self._stats: StatsView | None = None
+        self._finalizer = weakref.finalize(self, self._supervisor.stop)
+        stop_at_exit(self._supervisor)
 
     def start(self) -> Any:
         """Start every process; return the main segment, ready to iterate."""
-        res, n = self._res, self.options.num_workers
-        program = build_worker_program(self.plan)
-        dispatch = build_dispatch_sources(self.plan)
-        self._outputs = len(program.outputs)
-        readers = [WorkerReader(self, k) for k in range(self._outputs)]
-        main_pipeline = build_main_pipeline(self.plan, readers)
-        stats = self._stats_rows(len(dispatch[0]) if dispatch is not None else 0, n)
-        child_ends: list[Any] = []
+        supervisor, topology = self._supervisor, self._topology
+        if self.options.collect_stats:
+            self._stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
         try:
-            worker_inputs: list[list[Any]] = [[] for _ in range(n)]
-            if dispatch is not None:
-                sources, groups = dispatch
-                buffer = self.options.dispatch_channel_items
-                control_tx, control_rx = self._channel(_CONTROL_ITEMS, _CONTROL_BYTES)
-                rows = []
-                for _ in sources:
-                    pairs = [self._channel(buffer, _DATA_BYTES) for _ in range(n)]
-                    rows.append(tuple(tx for tx, _ in pairs))
-                    for worker_id, (_, rx) in enumerate(pairs):
-                        worker_inputs[worker_id].append(rx)
-                setup = DispatchSetup(
-                    sources,
-                    n,
-                    control_rx,
-                    tuple(rows),
-                    self.options.dispatch_init_fn,
-                    groups,
-                    min(64, buffer),
-                    stats("dispatch", 0, len(sources)),
-                )
-                child_ends += [control_rx, *(tx for row in rows for tx in row)]
-                child_ends += [rx for inputs in worker_inputs for rx in inputs]
-                res.controls.append(control_tx)
-                res.dispatch = self._start("mprs_plus dispatch process", dispatch_main, setup)
-            for worker_id in range(n):
-                control_tx, control_rx = self._channel(_CONTROL_ITEMS, _CONTROL_BYTES)
-                pairs = [
-                    self._channel(self.options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(self._outputs)
-                ]
-                setup = WorkerSetup(
-                    worker_id=worker_id,
-                    num_workers=n,
-                    program=program,
-                    control=control_rx,
-                    data=tuple(tx for tx, _ in pairs),
-                    inputs=tuple(worker_inputs[worker_id]),
-                    init_fn=self.options.worker_init_fn,
-                    reset_fn=self.options.worker_reset_fn,
-                    stats=stats("worker", worker_id, self._outputs),
-                )
-                child_ends += [control_rx, *(tx for tx, _ in pairs)]
-                res.controls.append(control_tx)
-                res.data.extend(rx for _, rx in pairs)
-                res.workers.append(self._start(f"mprs_plus worker {worker_id}", worker_main, setup))
+            _start_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats)
+            supervisor.watch_children()
+            self._reader = MainReader(
+                topology,
+                supervisor.gate,
+                supervisor.death_error,
+                supervisor.stop,
+                self.options.in_order,
+                self.options.timeout,
+                self._stats.main if self._stats is not None else None,
+            )
+            readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
+            main_pipeline = build_main_pipeline(self.plan, readers)
         except BaseException:
-            res.stop()
+            supervisor.stop()
             raise
-        finally:
-            for end in child_ends:
-                end.release()  # each belongs to a child now
-        sentinels = [p.sentinel for p in res.processes()]
-        for receiver in res.data:
-            receiver.watch(*sentinels)
-        self._mux = ChannelMux(res.data, self._recv, self._wait_data)
         if self.options.stats_interval is not None:
-            _start_stats_logger(self, self.options.stats_interval, res.stopping)
+            _start_stats_logger(self, self.options.stats_interval, supervisor.closing)
         return main_pipeline
 
-    def _stats_rows(self, dispatchers: int, workers: int) -> Callable[[str, int, int], tuple[StatsWriter, ...]]:
-        """Make the statistics table (a row per lane, and one for the main process) and
-        return ``writers(role, index, lanes)`` handing out rows in order."""
-        if not self.options.collect_stats:
-            return lambda role, index, lanes: ()
-        table = self._table = StatsTable(self._ctx, dispatchers + workers * self._outputs + 1)
-        main_row = table.rows - 1
-        self._main_stats = table.writer(main_row)
-        self._main_stats.start()
-        self._rows[("main", 0)] = [main_row]
-        taken = [0]
-
-        def writers(role: str, index: int, lanes: int) -> tuple[StatsWriter, ...]:
-            rows = list(range(taken[0], taken[0] + lanes))
-            taken[0] += lanes
-            self._rows[(role, index)] = rows
-            return tuple(table.writer(row) for row in rows)
-
-        return writers
-
-    def _channel(self, items: int, size: int) -> tuple[Any, Any]:
-        return open_channel(self._ctx, capacity_items=items, capacity_bytes=size)
-
-    def _start(self, name: str, target: Any, setup: Any) -> Any:
-        process = self._ctx.Process(target=target, args=(setup,), name=name, daemon=True)
-        try:
-            process.start()
-        except Exception as exc:
-            if self._ctx.get_start_method() == "fork":
-                raise
-            raise unpicklable_error(setup, self._ctx.get_start_method(), name) from exc
-        return process
-
-    # -- epochs --------------------------------------------------------------------------
+    # -- epochs, pause, resume, limit ----------------------------------------------------
 
     def begin_epoch(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
         """Open a new epoch everywhere; items of earlier epochs still in flight are dropped."""
-        res = self._check_open()
-        res.epoch += 1
-        if self._mux is not None:
-            self._mux.epoch = res.epoch  # readers of the previous epoch end; its leftovers are dropped
-        controls = list(res.controls)
-        try:
-            if res.dispatch is not None:
-                controls.pop(0).send(_control(Kind.RESET, res.epoch, (seed_generator, iter_reset_fn)))
-            for worker_id, control in enumerate(controls):
-                control.send(_control(Kind.RESET, res.epoch, (seed_generator.spawn(worker_id), iter_reset_fn)))
-        except ChannelError as exc:
-            raise self._death_error() from exc
+        epoch = self._started().begin_epoch()
+        topology, send = self._topology, self._supervisor.send
+        if topology.dispatch is not None:
+            send(topology.dispatch, Reset(epoch, pack((seed_generator, iter_reset_fn))))
+        for link in topology.workers:
+            send(link, Reset(epoch, pack((seed_generator.spawn(link.index), iter_reset_fn))))
 
     def iterate(self, branch: int = 0) -> Iterator[Any]:
-        """The current epoch's items of worker output ``branch``: in order, worker 0, 1, ...,
-        N-1, 0, ... with exhausted workers skipped; or as ready with ``in_order=False``."""
-        res = self._check_open()
-        if self._mux is None:
-            raise RuntimeError("internal error: iterate() before start()")
-        channels = [w * self._outputs + branch for w in range(len(res.workers))]
-        read = read_in_order if self.options.in_order else read_as_ready
-        return self._stop_on_interrupt(read(self._mux, channels, res.epoch))
-
-    def _stop_on_interrupt(self, items: Iterator[Any]) -> Iterator[Any]:
-        stats = self._main_stats
-        try:
-            if stats is None:
-                yield from items
-                return
-            for item in items:
-                stats.items_in += 1
-                yield item
-        except KeyboardInterrupt:
-            # Ctrl-C: the children ignore SIGINT and wait for us; end them before unwinding.
-            self.stop()
-            raise
-
-    def _wait_data(self, indices: list[int]) -> list[int]:
-        """Block until some of the data channels ``indices`` are readable; a child that
-        died meanwhile is an error, and so is a wait longer than ``timeout``."""
-        res, timeout = self._res, self.options.timeout
-        index_of = {id(res.data[i]): i for i in indices}
-        asked = time.perf_counter()
-        ready = wait_readable([res.data[i] for i in indices], timeout, also=[p.sentinel for p in res.processes()])
-        if self._main_stats is not None:
-            self._main_stats.wait_input += time.perf_counter() - asked
-        if not ready:
-            workers = sorted({i // self._outputs for i in indices})
-            raise TimeoutError(
-                f"no item from worker {', '.join(map(str, workers))} within timeout={timeout} s; the workers are "
-                "alive. Raise the timeout if items are this slow, or look for a stuck read in the pipeline."
-            )
-        found = [index_of[id(r)] for r in ready if id(r) in index_of]
-        if not found:
-            raise self._death_error()
-        return found
-
-    # -- pause, resume, limit ---------------------------------------------------------------
+        return self._started().iterate(branch)
 
     def pause(self, pause_fn: Any = None) -> None:
         """Ask every child to stop producing at its next item boundary, pause() its DataPipes
         and run ``pause_fn`` on its segment. Waits for nothing: what the children already
         produced stays in their channels, in order."""
-        self._broadcast(Kind.PAUSE, [pause_fn] * len(self._res.controls))
+        self._broadcast(Pause, lambda link: pause_fn)
 
     def resume(self, resume_fn: Any = None) -> None:
-        self._broadcast(Kind.RESUME, [resume_fn] * len(self._res.controls))
+        self._broadcast(Resume, lambda link: resume_fn)
 
     def limit(self, num_batches: int | None, limit_fn: Any) -> int | None:
         """Send ``limit_fn`` to the children as torchdata does: with a dispatch process, it
         gets ``num_batches`` and each worker its share; without one, ``None`` everywhere.
         Returns what the main segment's ``limit_fn`` receives."""
-        res = self._res
-        if res.dispatch is None:
-            self._broadcast(Kind.LIMIT, [(None, limit_fn)] * len(res.controls))
+        if self._topology.dispatch is None:
+            self._broadcast(Limit, lambda link: (None, limit_fn))
             return None
-        n = len(res.workers)
-        shares = [None if num_batches is None else num_batches // n + (w < num_batches % n) for w in range(n)]
-        self._broadcast(Kind.LIMIT, [(num_batches, limit_fn)] + [(share, limit_fn) for share in shares])
+        n = len(self._topology.workers)
+
+        def share(link: ChildLink) -> tuple[int | None, Any]:
+            if num_batches is None or link.role is Role.DISPATCH:
+                return (num_batches, limit_fn)
+            return (num_batches // n + (link.index < num_batches % n), limit_fn)
+
+        self._broadcast(Limit, share)
         return num_batches
 
-    def _broadcast(self, kind: Kind, payloads: list[Any]) -> None:
-        res = self._check_open()
-        try:
-            for control, payload in zip(res.controls, payloads):
-                control.send(_control(kind, res.epoch, payload))
-        except ChannelError as exc:
-            raise self._death_error() from exc
+    def _broadcast(self, kind: type[Pause | Resume | Limit], payload_of: Callable[[ChildLink], Any]) -> None:
+        epoch = self._started().epoch
+        for link in self._topology.children():
+            self._supervisor.send(link, kind(epoch, pack(payload_of(link))))
 
-    def _recv(self, index: int) -> tuple[int, int, Any]:
-        try:
-            return self._res.data[index].recv()
-        except (ChannelBroken, EndOfStream) as exc:
-            raise self._death_error() from exc
-        except ChannelError as exc:
-            raise ServiceClosedError("the reading service was shut down during iteration") from exc
+    def _started(self) -> MainReader:
+        self._supervisor.gate.check()
+        if self._reader is None:
+            raise RuntimeError("internal error: the service was used before start()")
+        return self._reader
 
-    def _death_error(self) -> Exception:
-        if self._res.stopped:
-            return ServiceClosedError("the reading service was shut down")
-        dead = []
-        processes = self._res.processes()
-        # The channel can break a moment before the process has exited: give it that
-        # moment, then reap the ones whose sentinel fired (they are gone or going).
-        ready = wait_readable([], _DEATH_GRACE, also=[p.sentinel for p in processes])
-        for process in processes:
-            process.join(None if process.sentinel in ready else 0)
-            if process.exitcode is not None:
-                dead.append(f"{process.name} (pid {process.pid}) {exit_description(process)}")
-        if not dead:
-            return ProcessDiedError("a child process of the reading service closed its channel unexpectedly")
-        return ProcessDiedError(
-            "; ".join(dead) + ". The reading service cannot continue: look for an out-of-memory kill, a call "
-            "to os._exit or a crash in native code in that process (its stderr may say more), then create "
-            "a new DataLoader2."
-        )
-
-    def _check_open(self) -> ServiceResources:
-        if self._res.stopped:
-            raise ServiceClosedError(
-                "this reading service has been shut down (DataLoader2.shutdown() or an earlier error); "
-                "create a new DataLoader2 to iterate again"
-            )
-        return self._res
-
-    # -- statistics ----------------------------------------------------------------------
+    # -- statistics, stop ----------------------------------------------------------------
 
     def stats(self) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict."""
-        table, main = self._table, self._main_stats
-        if table is None or main is None:
-            return aggregate([])
-        res = self._res
-        traffic = [receiver.traffic() for receiver in res.data]
-        main.busy = max(0.0, time.monotonic() - table.read(self._rows[("main", 0)][0])["started"] - main.wait_input)
-        main.items_out = main.items_in
-        main.publish()
-        pids = {("dispatch", 0): res.dispatch.pid if res.dispatch is not None else 0, ("main", 0): os.getpid()}
-        pids.update({("worker", w): p.pid for w, p in enumerate(res.workers)})
-        processes = []
-        for (role, index), rows in self._rows.items():
-            found = make_process_stats(role, index, pids[(role, index)], [table.read(row) for row in rows])
-            if role == "main":  # its queue is the workers' channels towards it
-                found = dataclasses.replace(found, queued=sum(t.queued_messages for t in traffic))
-            elif role == "worker":  # exact and current, from this end of the worker's channels
-                mine = traffic[index * self._outputs : (index + 1) * self._outputs]
-                found = dataclasses.replace(
-                    found, bytes_out=sum(t.bytes for t in mine), queued=sum(t.queued_messages for t in mine)
-                )
-            processes.append(found)
-        order = {"dispatch": 0, "worker": 1, "main": 2}
-        return aggregate(sorted(processes, key=lambda p: (order[p.role], p.index)))
-
-    # -- stop ----------------------------------------------------------------------------
+        return aggregate([]) if self._stats is None else self._stats.snapshot()
 
     def stop(self) -> None:
         self._finalizer()
+
+
+def _start_children(
+    plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
+) -> None:
+    """Open every channel and start every child of ``topology``. Each link gets its ends
+    before its process starts, so a failure half-way leaves the supervisor able to release
+    everything opened so far."""
+    program = build_worker_program(plan)
+    dispatch_sources = build_dispatch_sources(plan)
+    child_ends: list[Any] = []
+
+    def channel(items: int, size: int) -> tuple[Any, Any]:
+        return open_channel(ctx, capacity_items=items, capacity_bytes=size)
+
+    try:
+        worker_inputs: dict[int, list[Any]] = {link.index: [] for link in topology.workers}
+        if topology.dispatch is not None and dispatch_sources is not None:
+            link, (sources, groups) = topology.dispatch, dispatch_sources
+            buffer = options.dispatch_channel_items
+            link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+            child_ends.append(control_rx)
+            rows = []
+            for _ in sources:
+                pairs = [channel(buffer, _DATA_BYTES) for _ in topology.workers]
+                child_ends += [end for pair in pairs for end in pair]
+                rows.append(tuple(tx for tx, _ in pairs))
+                for worker, (_, rx) in zip(topology.workers, pairs):
+                    worker_inputs[worker.index].append(rx)
+            setup = DispatchSetup(
+                sources,
+                len(topology.workers),
+                control_rx,
+                tuple(rows),
+                options.dispatch_init_fn,
+                groups,
+                min(64, buffer),
+                stats.writers(link) if stats is not None else (),
+            )
+            supervisor.start_child(link, dispatch_main, setup)
+        for link in topology.workers:
+            link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+            pairs = [channel(options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(link.lanes)]
+            link.data = tuple(rx for _, rx in pairs)
+            child_ends += [control_rx, *(tx for tx, _ in pairs)]
+            setup = WorkerSetup(
+                worker_id=link.index,
+                num_workers=len(topology.workers),
+                program=program,
+                control=control_rx,
+                data=tuple(tx for tx, _ in pairs),
+                inputs=tuple(worker_inputs[link.index]),
+                init_fn=options.worker_init_fn,
+                reset_fn=options.worker_reset_fn,
+                stats=stats.writers(link) if stats is not None else (),
+            )
+            supervisor.start_child(link, worker_main, setup)
+    finally:
+        for end in child_ends:
+            end.release()  # each belongs to a child now (or to nobody, after a failure)
 
 
 def _start_stats_logger(runtime: ServiceRuntime, interval: float, stopping: threading.Event) -> None:
@@ -455,8 +275,3 @@ def _start_stats_logger(runtime: ServiceRuntime, interval: float, stopping: thre
 
     threading.Thread(target=run, name="mprs_plus stats", daemon=True).start()
 
-
-def _control(kind: Kind, epoch: int, payload: Any) -> tuple[int, int, bytes]:
-    """A control message; its payload travels pickled on its own, so that a child that
-    cannot unpickle it still knows which epoch fails (see ``control.py``)."""
-    return (kind, epoch, pickle.dumps(payload, protocol=5))

@@ -25,7 +25,7 @@ every row has exactly one writer thread; ``stats()`` adds a process's rows up.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "queued", "started")
@@ -225,3 +225,46 @@ def bottleneck(segments: list[SegmentStats]) -> str:
         f"balanced: workers {workers.busy_fraction:.0%} busy, the main segment waits "
         f"{main.input_wait_fraction:.0%} of the time on worker output"
     )
+
+
+class StatsView:
+    """The main process's view of a running service's statistics: the shared table, the
+    main process's own row, and which rows and channels belong to which process (from the
+    topology, so no row is found by position)."""
+
+    def __init__(self, table: StatsTable, topology: Any, pid: int) -> None:
+        self.table = table
+        self.main = table.writer(topology.main_row)  # written by the main process's reads
+        self.main.start()
+        self._topology = topology
+        self._pid = pid
+
+    def writers(self, link: Any) -> tuple[StatsWriter, ...]:
+        """The rows ``link``'s lanes write, in lane order."""
+        return tuple(self.table.writer(row) for row in link.stats_rows)
+
+    def snapshot(self) -> Stats:
+        """Every process's counters as of now, added up per segment, with a verdict."""
+        table, main, topology = self.table, self.main, self._topology
+        main.busy = max(0.0, time.monotonic() - table.read(topology.main_row)["started"] - main.wait_input)
+        main.items_out = main.items_in
+        main.publish()
+        processes = []
+        queued_to_main = 0
+        for link in topology.children():
+            found = make_process_stats(
+                link.role.value,
+                link.index,
+                link.process.pid if link.process is not None else 0,
+                [table.read(row) for row in link.stats_rows],
+            )
+            if link.data:  # a worker: exact and current, from this end of its channels
+                traffic = [receiver.traffic() for receiver in link.data]
+                queued = sum(t.queued_messages for t in traffic)
+                queued_to_main += queued
+                found = replace(found, bytes_out=sum(t.bytes for t in traffic), queued=queued)
+            processes.append(found)
+        # The main process's queue is the workers' channels towards it.
+        mine = make_process_stats("main", 0, self._pid, [table.read(topology.main_row)])
+        processes.append(replace(mine, queued=queued_to_main))
+        return aggregate(processes)

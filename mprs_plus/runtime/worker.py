@@ -7,7 +7,7 @@
 One lane per worker output (branch), each the only writer of its channel to the main
 process; a worker segment with one output runs its single lane in the process's main
 thread, as torchdata's workers do. The lanes and the control messages are described in
-``lanes.py`` and ``control.py``.
+``lanes.py``, ``child.py`` and ``control.py``.
 
 A worker never rediscovers the graph: it receives its segment ready to run, with
 ``DispatchedInput`` placeholders where the dispatch process feeds it. All its dispatched
@@ -31,10 +31,12 @@ from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
 from ..transport import ChannelBroken, EndOfStream, wait_readable
 from .control import SegmentControl, make_locks, outputs_of, segment_root
-from .lanes import ChildLoop, OutputLane, current_lane_stats, flush_current_lane
+from .child import ChildLoop
+from .lanes import OutputLane, current_lane_stats, flush_current_lane
 from .lifecycle import child_setup
 from .messages import Kind, RemoteError, describe_process
 from .mux import CLOSED_EPOCH, ChannelMux
+from .protocol import Received, Reset
 
 
 class DispatchedInput(IterDataPipe):
@@ -45,7 +47,7 @@ class DispatchedInput(IterDataPipe):
         self.name = name
         self.position = position  # index of this input's channel in the worker's mux
         self.mux: ChannelMux | None = None
-        self.epoch = 0
+        self.child: ChildLoop | None = None  # owns the epoch: a stream reads the one it began in
 
     def __getstate__(self) -> dict[str, Any]:
         return {"name": self.name, "position": self.position}
@@ -55,10 +57,10 @@ class DispatchedInput(IterDataPipe):
 
 
 def _iterate_dispatched(self: DispatchedInput) -> Iterator[Any]:
-    mux = self.mux
-    if mux is None:
+    mux, child = self.mux, self.child
+    if mux is None or child is None:
         raise RuntimeError(f"internal error: {self.name} iterated outside a worker process")
-    take, position, epoch = mux.take, self.position, self.epoch
+    take, position, epoch = mux.take, self.position, child.epoch
     stats = current_lane_stats()
     clock = time.perf_counter
     while True:
@@ -134,9 +136,7 @@ def worker_main(setup: WorkerSetup) -> None:
         failure = RemoteError.capture(exc, where)
 
     def reset(root: Any, epoch: int, seed_generator: Any, iter_reset_fn: Any) -> Any:
-        mux.epoch = epoch
-        for placeholder in program.inputs:
-            placeholder.epoch = epoch
+        del epoch  # the loop has it; the input mux heard of it when the Reset arrived
         return process_reset_fn(
             root, info, seed_generator, iter_reset_fn=iter_reset_fn, custom_reset_fn=setup.reset_fn
         )
@@ -145,16 +145,18 @@ def worker_main(setup: WorkerSetup) -> None:
     stats = setup.stats or (None,) * len(setup.data)
     lanes = [OutputLane(sender, locks[k], where, stats=stats[k]) for k, sender in enumerate(setup.data)]
     control = SegmentControl(root, count, reset, where, failure)
-    loop = control.loop = ChildLoop(setup.control, lanes, control.apply, where, announce=_announcer(mux))
+    loop = ChildLoop(setup.control, lanes, control, where, announce=_announcer(mux))
+    for placeholder in program.inputs:
+        placeholder.child = loop
     loop.run()
 
 
-def _announcer(mux: ChannelMux) -> Callable[[int, int], None]:
+def _announcer(mux: ChannelMux) -> Callable[[Received], None]:
     """Tell the input mux about a new epoch as soon as the control message arrives."""
 
-    def announce(kind: int, epoch: int) -> None:
-        if kind == Kind.RESET:
-            mux.advance(epoch)
+    def announce(message: Received) -> None:
+        if isinstance(message, Reset):
+            mux.advance(message.epoch)
 
     return announce
 

@@ -1,0 +1,292 @@
+"""The loop of a child process: lanes that produce, a listener that reads control messages.
+
+    control channel --> listener thread --> Inbox ------------------------+
+                                                                          | applied by lane 0
+    lane 0 (main thread)  next(output 0) --> its channel(s)               | once every other
+    lane k (thread k)     next(output k) --> its channel(s)  <------------+ lane is parked
+
+Control messages are read by the listener as soon as they arrive, so the main process
+never waits long to send one, whatever the lanes are doing. They are *applied* in order
+by lane 0 (the process's main thread, where user hooks run) once every other lane is
+parked between two items, because they touch DataPipes the lanes may share. The end of
+the control stream is the STOP: every lane ends at its next item boundary.
+
+State, and who may touch it:
+
+    Inbox.interrupt   a message waits, or the child stops: lanes park at the next item
+                      boundary. Written under the inbox lock; read WITHOUT it by the lanes'
+                      hot loop, once per item: a bool read is atomic, a stale False only
+                      delays parking by one item, and the write is followed by a
+                      notify under the lock, so a lane that parks always sees it.
+    Inbox internals   (messages, parked and gone counts, generation) only under its lock.
+    ChildLoop.states  LaneState per lane, and ``paused``: written by lane 0 while applying
+                      (every other lane parked, so none reads them meanwhile) and by a lane
+                      ending its own stream; read by that lane between items.
+
+A lane thread never holds the inbox lock while it produces or writes a channel.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from ..transport import ChannelError
+from .lanes import Lane, enter_lane
+from .messages import RemoteError
+from .protocol import Received, Stop, Unreadable
+
+_JOIN_SECONDS = 5.0
+
+
+class LaneState(enum.Enum):
+    IDLE = "idle"  # no stream for the current epoch (none yet, ended, or failed): parked
+    RUNNING = "running"  # producing its stream; parks between two items when interrupted
+
+
+class Applier(Protocol):
+    def apply(self, message: Received, loop: ChildLoop) -> None: ...
+
+
+class Inbox:
+    """Messages from the listener to lane 0, and the parking of the other lanes."""
+
+    def __init__(self, others: int) -> None:
+        self.interrupt = False  # read without the lock by the lanes: see the module docstring
+        self.stopping = False
+        self._others = others  # lanes that must be parked (or gone) before lane 0 applies
+        self._messages: deque[Received] = deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._parked = 0  # lanes parked since the last generation change
+        self._gone = 0
+        self._generation = 0
+
+    def listen(self, control: Any, where: str, announce: Callable[[Received], None] | None) -> None:
+        """The listener thread: read every control message as it arrives, until the end."""
+        while True:
+            try:
+                message: Received = control.recv()
+            except ChannelError:  # the main process closed its end (STOP), or it is gone
+                message = Stop()
+            except Exception as exc:  # a message that does not unpickle here
+                message = Unreadable(RemoteError.capture(exc, where))
+            if announce is not None and not isinstance(message, Stop):
+                announce(message)  # before lane 0 can apply it: its readers need the news first
+            with self._cv:
+                if isinstance(message, Stop):
+                    self.stopping = True
+                else:
+                    self._messages.append(message)
+                self.interrupt = True
+                self._cv.notify_all()
+            if isinstance(message, Stop):
+                return
+
+    def stop(self) -> None:
+        with self._cv:
+            self.stopping = self.interrupt = True
+            self._cv.notify_all()
+
+    def park(self) -> bool:
+        """Lane k > 0: wait until lane 0 has applied what waits. False when stopping."""
+        with self._cv:
+            generation = self._generation
+            self._parked += 1  # counts for this generation only: lane 0 resets it when it moves on
+            self._cv.notify_all()
+            while self._generation == generation and not self.stopping:
+                self._cv.wait()
+            return not self.stopping
+
+    def take(self) -> list[Received] | None:
+        """Lane 0: wait for messages and every other lane parked; None when stopping."""
+        with self._cv:
+            while not self.stopping and not (self._messages and self._parked + self._gone >= self._others):
+                self._cv.wait()
+            if self.stopping:
+                return None
+            messages = list(self._messages)
+            self._messages.clear()
+            self.interrupt = False
+            return messages
+
+    def applied(self) -> bool:
+        """Lane 0, after applying: release the parked lanes. False when stopping."""
+        with self._cv:
+            self.interrupt = bool(self._messages) or self.stopping
+            # A lane woken by this change is no longer parked, even before it runs again.
+            self._generation += 1
+            self._parked = 0
+            self._cv.notify_all()
+            return not self.stopping
+
+    def lane_gone(self) -> None:
+        with self._cv:
+            self._gone += 1
+            self._cv.notify_all()
+
+    def parked_or_gone(self) -> int:
+        with self._cv:
+            return self._parked + self._gone
+
+
+class ChildLoop:
+    """Runs the lanes of one child process and has ``control`` apply its messages.
+
+    ``control.apply(message, loop)`` runs on lane 0 with every other lane parked; it
+    moves the epoch on with ``loop.begin_epoch(e)``, starts streams with
+    ``loop.start(k, datapipe)`` and may set ``loop.paused``.
+
+    ``epoch`` is the child's only copy of the epoch number: the epoch its lanes produce
+    for (their batchers stamp it on every message) and its inputs read (``worker.py``).
+    """
+
+    def __init__(
+        self,
+        control_channel: Any,
+        lanes: Sequence[Lane],
+        control: Applier,
+        where: str,
+        announce: Callable[[Received], None] | None = None,
+    ) -> None:
+        self.lanes = tuple(lanes)
+        self.where = where
+        self.states = [LaneState.IDLE] * len(self.lanes)
+        self.epoch = 0
+        self.paused = False
+        self.inbox = Inbox(len(self.lanes) - 1)
+        self._channel = control_channel
+        self._control = control
+        # Called by the listener with each message as it arrives, before it is applied:
+        # lets a worker end an abandoned epoch's reads without waiting for it.
+        self._announce = announce
+
+    # -- what control.apply() uses ---------------------------------------------------------
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Move on to ``epoch``: every lane's next messages are stamped with it."""
+        self.epoch = epoch
+        for k, lane in enumerate(self.lanes):
+            self.states[k] = LaneState.IDLE
+            lane.set_epoch(epoch)
+
+    def start(self, k: int, datapipe: Any) -> None:
+        """Begin lane k's stream; a failure to begin is that stream's error."""
+        lane = self.lanes[k]
+        try:
+            lane.begin(datapipe)
+        except Exception as exc:
+            self.states[k] = LaneState.IDLE
+            lane.fail(RemoteError.capture(exc, self.where))
+            return
+        self.states[k] = LaneState.RUNNING
+
+    def fail_all(self, error: RemoteError, every: bool = False) -> None:
+        """End the running streams with ``error``; with ``every``, idle lanes too (an epoch
+        that could not begin ends with that error on every lane)."""
+        for k, lane in enumerate(self.lanes):
+            if self.states[k] is LaneState.IDLE and not every:
+                continue
+            self.states[k] = LaneState.IDLE
+            lane.fail(error)
+
+    @property
+    def streaming(self) -> bool:
+        return any(state is LaneState.RUNNING for state in self.states)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        listener = threading.Thread(
+            target=self.inbox.listen, args=(self._channel, self.where, self._announce), name="mprs_plus control"
+        )
+        listener.daemon = True
+        listener.start()
+        threads = [
+            threading.Thread(target=self._lane_main, args=(k,), name=f"mprs_plus lane {k}", daemon=True)
+            for k in range(1, len(self.lanes))
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            self._lane_main(0)
+        finally:
+            self.inbox.stop()
+            for thread in threads:
+                thread.join(_JOIN_SECONDS)
+
+    def _lane_main(self, k: int) -> None:
+        lane, inbox, states = self.lanes[k], self.inbox, self.states
+        enter_lane(lane)
+        try:
+            while True:
+                if states[k] is LaneState.RUNNING and not self.paused and not inbox.interrupt:
+                    if produce(lane, inbox, self.where):
+                        states[k] = LaneState.IDLE  # its stream ended (END or ERROR sent)
+                    continue
+                lane.flush()
+                if not (self._apply_inbox() if k == 0 else inbox.park()):
+                    return
+        except ChannelError:
+            return  # the reader of a channel of this lane is gone: the service is stopping
+        finally:
+            try:
+                lane.close()
+            finally:
+                inbox.lane_gone()
+
+    def _apply_inbox(self) -> bool:
+        messages = self.inbox.take()
+        if messages is None:
+            return False
+        try:
+            for message in messages:
+                self._control.apply(message, self)
+        finally:
+            going_on = self.inbox.applied()
+        return going_on
+
+
+def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
+    """Produce ``lane``'s items until interrupted (False) or until its stream ends (True:
+    END or ERROR sent)."""
+    lock, next_item, emit, stats = lane.lock, lane.next_item, lane.emit, lane.stats
+    clock = time.perf_counter
+    try:
+        while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
+            if lock is not None and not lock.acquire(blocking=False):
+                lane.flush()  # never wait for the compute lock holding unsent items
+                lock.acquire()
+            failure: BaseException | None = None
+            started = clock()
+            try:
+                item = next_item()
+            except Exception as exc:  # StopIteration included: the stream's end
+                failure = exc
+            if lock is not None:
+                lock.release()
+            if failure is not None:
+                if stats is not None:
+                    stats.publish()  # before the END: a reader that saw it sees these counts
+                if isinstance(failure, StopIteration):
+                    lane.finish()
+                else:
+                    lane.fail(RemoteError.capture(failure, where))
+                return True
+            if stats is None:
+                emit(item)  # an item that cannot be sent becomes an ERROR (GuardedSender)
+                continue
+            produced = clock()
+            emit(item)
+            stats.busy += produced - started
+            stats.wait_output += clock() - produced
+            stats.items_out += 1
+            if not stats.items_out & 63:
+                stats.publish()
+        return False
+    finally:
+        if stats is not None:
+            stats.publish()

@@ -1,0 +1,81 @@
+"""How reads in the main process and a stop from any thread keep out of each other's way.
+
+The data receivers may be read by one thread (the loop over the DataLoader2, or several
+threads of main-segment DataPipes through the mux) while another thread stops the service
+(``DataLoader2.shutdown()``, an exit hook, a finalizer). A receiver is not safe to use from
+two threads at once, nor after it is closed. So:
+
+    reader  enter() -- raises ServiceClosedError once closed -- ... -- leave()
+    stop    close(): closed = True; wake every reader blocked in a wait (``wake_fd``
+            becomes readable for good); wait, bounded, until no reader is inside
+
+Only after ``close()`` returns True does the stop touch the receivers (drain, close).
+No lock is held across a blocking wait: a reader waits on its channels *and* on
+``wake_fd``, and the stop waits on a condition that readers signal as they leave.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..errors import ServiceClosedError
+
+CLOSED_MESSAGE = (
+    "this reading service has been shut down (DataLoader2.shutdown() or an earlier error); "
+    "create a new DataLoader2 to iterate again"
+)
+
+
+class ReadGate:
+    def __init__(self) -> None:
+        self.closed = False
+        self._cv = threading.Condition(threading.Lock())
+        self._inside: dict[int, int] = {}  # thread id -> nesting depth of its reads
+        self._wake_r, self._wake_w = os.pipe()
+        self.wake_fd = self._wake_r
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self._cv:
+            if self.closed:
+                raise ServiceClosedError(CLOSED_MESSAGE)
+            self._inside[me] = self._inside.get(me, 0) + 1
+
+    def leave(self) -> None:
+        me = threading.get_ident()
+        with self._cv:
+            depth = self._inside.pop(me) - 1
+            if depth:
+                self._inside[me] = depth
+            self._cv.notify_all()
+
+    def check(self) -> None:
+        if self.closed:
+            raise ServiceClosedError(CLOSED_MESSAGE)
+
+    def close(self, timeout: float) -> bool:
+        """Refuse new reads, wake the blocked ones and wait up to ``timeout`` seconds for
+        every reader to leave. False when some is still inside (then the receivers must be
+        left alone): the calling thread itself (a stop from inside a read, e.g. a
+        finalizer run by the garbage collector there), or a reader stuck past the bound."""
+        me = threading.get_ident()
+        with self._cv:
+            if not self.closed:
+                self.closed = True
+                try:
+                    os.write(self._wake_w, b"\0")  # never read back: every later wait returns at once
+                except OSError:
+                    pass
+            if me in self._inside:
+                return False
+            return self._cv.wait_for(lambda: not self._inside, timeout)
+
+    def release(self) -> None:
+        """Close the wake-up pipe; only once no reader can wait on it any more."""
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1

@@ -1,0 +1,174 @@
+"""The main process's reading side: the epoch, one mux over every worker output, and the
+reads of one output in order or as ready (``reader.py``).
+
+    worker w, output k --data--> receiver --+
+                                            +--> ChannelMux --> read_in_order / read_as_ready
+    (every worker, every output) -----------+        ^                 |
+                                                     |                 v
+                    MainChannels.recv / wait --------+        WorkerReader k (main segment)
+
+``MainReader`` is the only owner of the epoch number in the main process: ``begin_epoch``
+moves it on and hands it to the supervisor for the ``Reset`` messages; the mux ends readers of
+older epochs. Every read goes through the read gate (``gate.py``): a read after the stop,
+or one that a stop from another thread interrupts, raises ``ServiceClosedError``, never an
+internal error of a closed channel.
+
+``MainChannels`` holds what the mux calls back into; it references neither the reader nor
+the facade, so no reference cycle keeps a dropped service alive until a garbage collection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+from ..errors import ServiceClosedError
+from ..transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
+from .gate import CLOSED_MESSAGE, ReadGate
+from .mux import ChannelMux, Message
+from .reader import read_as_ready, read_in_order
+from .stats import StatsWriter
+from .topology import Topology
+
+
+class MainChannels:
+    """``recv(i)`` and ``wait(ids)`` over the main process's data receivers, for the mux."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        gate: ReadGate,
+        death_error: Callable[[], Exception],
+        timeout: float | None,
+        stats: StatsWriter | None,
+    ) -> None:
+        pairs = topology.data_receivers()
+        self.receivers = [receiver for _, receiver in pairs]
+        self._worker_of = [link.index for link, _ in pairs]
+        self._sentinels = [link.process.sentinel for link in topology.started()]
+        self._gate = gate
+        self._death_error = death_error
+        self._timeout = timeout
+        self._stats = stats
+
+    def recv(self, index: int) -> Message:
+        try:
+            return self.receivers[index].recv()
+        except (ChannelBroken, EndOfStream) as exc:
+            raise self._death_error() from exc
+        except ChannelError as exc:
+            raise ServiceClosedError("the reading service was shut down during iteration") from exc
+
+    def wait(self, indices: list[int]) -> list[int]:
+        """Block until some of the channels ``indices`` are readable. A child that died
+        meanwhile is an error, a stop is ``ServiceClosedError``, and a wait longer than
+        ``timeout`` is a TimeoutError."""
+        gate = self._gate
+        gate.check()
+        receivers = [self.receivers[i] for i in indices]
+        asked = time.perf_counter()
+        ready = wait_readable(receivers, self._timeout, also=[*self._sentinels, gate.wake_fd])
+        if self._stats is not None:
+            self._stats.wait_input += time.perf_counter() - asked
+        gate.check()  # a stop from another thread woke us up
+        if not ready:
+            workers = sorted({self._worker_of[i] for i in indices})
+            raise TimeoutError(
+                f"no item from worker {', '.join(map(str, workers))} within timeout={self._timeout} s; the workers "
+                "are alive. Raise the timeout if items are this slow, or look for a stuck read in the pipeline."
+            )
+        index_of = {id(receiver): i for receiver, i in zip(receivers, indices)}
+        found = [index_of[id(r)] for r in ready if id(r) in index_of]
+        if not found:
+            raise self._death_error()
+        return found
+
+
+class GatedMux:
+    """The mux's ``take`` and ``take_any``, each inside the read gate."""
+
+    def __init__(self, mux: ChannelMux, gate: ReadGate) -> None:
+        self._mux = mux
+        self._gate = gate
+
+    def take(self, index: int, epoch: int) -> Message | None:
+        gate = self._gate
+        gate.enter()
+        try:
+            return self._mux.take(index, epoch)
+        finally:
+            gate.leave()
+
+    def take_any(self, indices: Collection[int], epoch: int) -> tuple[int, Message | None]:
+        gate = self._gate
+        gate.enter()
+        try:
+            return self._mux.take_any(indices, epoch)
+        finally:
+            gate.leave()
+
+
+class MainReader:
+    """The epoch and the reads of the main process (see the module docstring)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        gate: ReadGate,
+        death_error: Callable[[], Exception],
+        interrupted: Callable[[], None],
+        in_order: bool,
+        timeout: float | None,
+        stats: StatsWriter | None,
+    ) -> None:
+        channels = MainChannels(topology, gate, death_error, timeout, stats)
+        self.epoch = 0
+        self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait)
+        self._take = GatedMux(self._mux, gate)
+        self._gate = gate
+        self._interrupted = interrupted  # Ctrl-C in a read: stop the children before unwinding
+        self._read = read_in_order if in_order else read_as_ready
+        self._stats = stats
+        # The mux's channel index of (worker w, output k), by output.
+        position = {id(receiver): i for i, receiver in enumerate(channels.receivers)}
+        self._channels = [
+            [position[id(receiver)] for receiver in topology.receivers_of(k)] for k in range(topology.outputs)
+        ]
+
+    def begin_epoch(self) -> int:
+        """Move on to the next epoch: readers of the previous one end, its leftovers are dropped."""
+        self._gate.check()
+        self.epoch += 1
+        self._mux.advance(self.epoch)
+        return self.epoch
+
+    def iterate(self, branch: int) -> Iterator[Any]:
+        """The current epoch's items of worker output ``branch``."""
+        self._gate.check()
+        items = self._read(self._take, self._channels[branch], self.epoch)
+        return _guarded(items, self._gate, self._stats, self._interrupted)
+
+
+def _guarded(
+    items: Iterator[Any], gate: ReadGate, stats: StatsWriter | None, interrupted: Callable[[], None]
+) -> Iterator[Any]:
+    """Count the items, and let no internal error of a stopped service reach the user."""
+    try:
+        for item in items:
+            if gate.closed:  # items already read when the service was shut down are not handed out
+                raise ServiceClosedError(CLOSED_MESSAGE)
+            if stats is not None:
+                stats.items_in += 1
+            yield item
+        gate.check()
+    except KeyboardInterrupt:
+        # Ctrl-C: the children ignore SIGINT and wait for us; end them before unwinding.
+        interrupted()
+        raise
+    except ServiceClosedError:
+        raise
+    except Exception as exc:
+        if gate.closed:
+            raise ServiceClosedError(CLOSED_MESSAGE) from exc
+        raise

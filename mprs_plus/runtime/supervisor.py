@@ -1,0 +1,181 @@
+"""Starts the children, sends them control messages, and stops them: a stop that cannot block.
+
+    start   one process per ChildLink, its control sender watching its sentinel
+    send    a control message: a non-blocking try, then a bounded wait in short slices
+            that watches the child's sentinel and the stop; a child that takes no message
+            for ``CONTROL_WAIT`` seconds is stuck (SIGSTOP, a C call holding its GIL):
+            the service stops and the caller gets a TimeoutError saying so
+    stop    1. close every control sender: that *is* the children's STOP (their listener
+               sees the end of the stream), and closing never waits
+            2. close the read gate: readers in other threads wake up and leave
+            3. wait ``STOP_GRACE`` for the children, meanwhile skipping (never unpickling)
+               whatever they still write, so that none stays blocked on a full channel;
+               then SIGTERM, then SIGKILL
+            4. close the main process's ends of the data channels
+
+Every step runs whatever the previous ones raised (``ExitStack``), so escalation and
+release always happen. ``stop()`` is idempotent and thread-safe: a second caller waits for
+the first one's stop (bounded) and returns.
+
+The supervisor is what the finalizer and the exit hook hold; it references no facade, so
+dropping the last reference to the facade runs the finalizer at once.
+
+Locks: ``_stop_lock`` (re-entrant) serializes stops; ``_control_lock`` is held by a sender
+only for one short slice of a send, so a stop closing the senders waits at most one slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ServiceClosedError
+from ..transport import ChannelError, wait_readable
+from .diagnose import unpicklable_error
+from .gate import CLOSED_MESSAGE, ReadGate
+from .lifecycle import DEATH_GRACE, death_error, stop_processes
+from .topology import ChildLink, Topology
+
+CONTROL_ITEMS = 4  # control messages are small and rare; a few in flight is plenty
+CONTROL_BYTES = 1 << 20
+CONTROL_WAIT = 30.0  # seconds a live child may leave its control channel full
+_SLICE = 0.1  # seconds of one blocking send, between two looks at the stop and the sentinel
+_GATE_WAIT = 2.0  # seconds a stop waits for readers of other threads to leave
+
+
+class Supervisor:
+    def __init__(self, topology: Topology, ctx: Any) -> None:
+        self.topology = topology
+        self.gate = ReadGate()
+        self.closing = threading.Event()  # set when the stop begins; ends the statistics logger
+        self._ctx = ctx
+        self._owner_pid = os.getpid()
+        self._stopped = False
+        self._stop_lock = threading.RLock()
+        self._control_lock = threading.RLock()
+        self._exclusive = False  # the stop owns the data receivers (no reader is inside)
+        self._drained: set[int] = set()  # ids of data receivers found ended while stopping
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start_child(self, link: ChildLink, target: Callable[[Any], None], setup: Any) -> None:
+        process = self._ctx.Process(target=target, args=(setup,), name=link.name, daemon=True)
+        try:
+            process.start()
+        except Exception as exc:
+            if self._ctx.get_start_method() == "fork":
+                raise
+            raise unpicklable_error(setup, self._ctx.get_start_method(), link.name) from exc
+        link.process = process
+        link.control.watch(process.sentinel)
+
+    def watch_children(self) -> None:
+        """Once all are started: a blocked read of any data channel also watches every child."""
+        sentinels = [link.process.sentinel for link in self.topology.started()]
+        for _, receiver in self.topology.data_receivers():
+            receiver.watch(*sentinels)
+
+    # -- control -------------------------------------------------------------------------
+
+    def send(self, link: ChildLink, message: Any) -> None:
+        """Send ``message`` on ``link``'s control channel without ever blocking for long."""
+        deadline = time.monotonic() + CONTROL_WAIT
+        timeout = 0.0  # first a non-blocking try: the usual case
+        while True:
+            with self._control_lock:
+                if self._stopped:
+                    raise ServiceClosedError(CLOSED_MESSAGE)
+                try:
+                    link.control.send(message, timeout=timeout)
+                    return
+                except TimeoutError:
+                    pass
+                except ChannelError as exc:
+                    raise self.death_error() from exc
+            if not link.alive:
+                raise self.death_error()
+            if time.monotonic() >= deadline:
+                pid = link.process.pid
+                self.stop()
+                raise TimeoutError(
+                    f"{link.name} (pid {pid}) has not read its control channel for {CONTROL_WAIT:.0f} s although "
+                    "it is alive: it is stopped (SIGSTOP, a debugger) or stuck in native code that holds its GIL. "
+                    "The reading service was shut down; create a new DataLoader2."
+                )
+            timeout = _SLICE
+
+    def death_error(self) -> Exception:
+        if self._stopped:
+            return ServiceClosedError(CLOSED_MESSAGE)
+        return death_error([link.process for link in self.topology.started()])
+
+    # -- stop ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every child and close every endpoint. Idempotent, thread-safe, bounded in
+        time; a no-op in a forked child."""
+        if os.getpid() != self._owner_pid:
+            return
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self.closing.set()
+            with contextlib.ExitStack() as steps:  # callbacks run last-in first-out, each whatever the others raise
+                steps.callback(self._release_main_ends)
+                steps.callback(self._end_children)
+                steps.callback(self._close_gate)
+                steps.callback(self._close_controls)
+
+    def _close_controls(self) -> None:
+        with self._control_lock:
+            for link in self.topology.started():
+                with contextlib.suppress(Exception):
+                    link.control.close()
+            for link in self.topology.children():  # never started: drop our end all the same
+                if link.control is not None and link.process is None:
+                    with contextlib.suppress(Exception):
+                        link.control.close()
+
+    def _close_gate(self) -> None:
+        self._exclusive = self.gate.close(_GATE_WAIT)
+
+    def _end_children(self) -> None:
+        processes = [link.process for link in self.topology.started()]
+        stop_processes(processes, drain=self._drain if self._exclusive else None)
+
+    def _release_main_ends(self) -> None:
+        if not self._exclusive:
+            return  # a reader is still inside: closing under it would break it; the process exit frees them
+        for _, receiver in self.topology.data_receivers():
+            with contextlib.suppress(Exception):
+                receiver.close()
+        self.gate.release()
+
+    def _drain(self, timeout: float) -> None:
+        """Skip what the workers still write while they stop, so that none stays blocked on
+        a full channel. Skipping never unpickles: an item that failed to unpickle (maybe
+        the very reason for this stop) cannot fail the stop."""
+        receivers = [r for _, r in self.topology.data_receivers() if id(r) not in self._drained]
+        alive = {link.process.sentinel: link.process for link in self.topology.started() if link.alive}
+        if not alive:
+            return  # every child exited since the caller looked: nothing left to wait for
+        for ready in wait_readable(receivers, timeout, also=list(alive)):
+            if isinstance(ready, int):
+                # Its sentinel fired: the process is gone or in its last moments; reap it
+                # rather than wake up again and again until the kernel lets us.
+                alive[ready].join(DEATH_GRACE)
+                continue
+            try:
+                while ready.skip():
+                    pass
+            except ChannelError:
+                self._drained.add(id(ready))

@@ -1,0 +1,101 @@
+"""Who talks to whom: the processes of a service and their channels, as named fields.
+
+    main --control--> dispatch      (only when the plan has dispatchers)
+    main --control--> worker w
+    worker w, output k --data--> main          ChildLink.data[k]
+    dispatcher d --data--> worker w            (between children: the main process keeps no end)
+
+``plan_topology`` computes the shape purely from the Plan: which children exist, their
+names, how many lanes each runs and which statistics rows those lanes write. The
+supervisor then fills in the endpoints and the process of each link as it starts them.
+Nothing else in the main process counts positions: a worker's data receivers are
+``link.data``, the dispatch process is ``topology.dispatch``, a lane's statistics row is
+``link.stats_rows[k]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..plan import Plan
+
+
+class Role(enum.Enum):
+    DISPATCH = "dispatch"
+    WORKER = "worker"
+    MAIN = "main"
+
+
+@dataclass(eq=False)
+class ChildLink:
+    """One child process as the main process sees it.
+
+    ``role``, ``index``, ``name``, ``lanes`` and ``stats_rows`` come from the plan; the
+    endpoints and ``process`` are filled in by the supervisor when it starts the child.
+    """
+
+    role: Role
+    index: int
+    name: str  # the process name, as errors and ``ps`` show it
+    lanes: int  # dispatch process: one per dispatcher; worker: one per worker output
+    stats_rows: tuple[int, ...]  # one statistics row per lane
+    control: Any = None  # sender: main -> this child
+    data: tuple[Any, ...] = ()  # receivers: this child's output k -> main (workers only)
+    process: Any = None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.exitcode is None
+
+
+@dataclass(eq=False)
+class Topology:
+    dispatch: ChildLink | None
+    workers: tuple[ChildLink, ...]
+    main_row: int  # the main process's statistics row
+    stats_rows: int  # rows in the statistics table
+    outputs: int = field(init=False)  # worker outputs (branches read by the main segment)
+
+    def __post_init__(self) -> None:
+        self.outputs = self.workers[0].lanes if self.workers else 0
+
+    def children(self) -> Iterator[ChildLink]:
+        if self.dispatch is not None:
+            yield self.dispatch
+        yield from self.workers
+
+    def started(self) -> list[ChildLink]:
+        return [link for link in self.children() if link.process is not None]
+
+    def receivers_of(self, branch: int) -> list[Any]:
+        """Worker output ``branch`` of every worker, in worker order."""
+        return [link.data[branch] for link in self.workers]
+
+    def data_receivers(self) -> list[tuple[ChildLink, Any]]:
+        return [(link, receiver) for link in self.workers for receiver in link.data]
+
+
+def plan_topology(plan: Plan, num_workers: int) -> Topology:
+    """The children ``plan`` needs with ``num_workers`` workers, and their statistics rows:
+    the dispatch lanes first, then each worker's lanes, then the main process."""
+    row = 0
+
+    def rows(count: int) -> tuple[int, ...]:
+        nonlocal row
+        taken = tuple(range(row, row + count))
+        row += count
+        return taken
+
+    dispatch = None
+    if plan.dispatchers:
+        lanes = len(plan.dispatchers)
+        dispatch = ChildLink(Role.DISPATCH, 0, "mprs_plus dispatch process", lanes, rows(lanes))
+    outputs = len(plan.worker_outputs)
+    workers = tuple(
+        ChildLink(Role.WORKER, w, f"mprs_plus worker {w}", outputs, rows(outputs)) for w in range(num_workers)
+    )
+    main_row = rows(1)[0]
+    return Topology(dispatch, workers, main_row, row)

@@ -1,0 +1,198 @@
+"""Stopping cannot block, cannot stop half-way, and reaches users only as ServiceClosedError.
+
+Each case fails a service whose stop sends on a full control channel, unpickles what it
+drains, lets a transport error out of a read after a stop, or keeps its processes until a
+garbage collection. The autouse leak check (conftest) also fails any process left behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+import pipelines
+from mprs_plus import MultiProcessingReadingService, ServiceClosedError
+from mprs_plus.runtime.lifecycle import STOP_GRACE
+
+
+def loader_for(pipe, **options):
+    options.setdefault("num_workers", 2)
+    return DataLoader2(pipe, reading_service=MultiProcessingReadingService(**options))
+
+
+def children_since(before: set[int]) -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+
+def alive(processes: list[psutil.Process]) -> list[int]:
+    found = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def freeze(process: psutil.Process) -> None:
+    """SIGSTOP ``process`` and return once the kernel shows it stopped: from then on it
+    reads nothing, so what is sent to it stays in its channels."""
+    os.kill(process.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while process.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the process did not stop"
+        time.sleep(0.001)
+
+
+def slow(item):
+    return pipelines.spin(item, 0.0005)
+
+
+def test_shutdown_returns_within_the_grace_period_when_a_stopped_worker_has_a_full_control_channel():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loader = loader_for(pipelines.sharded_pipe(1000))
+    iterator = iter(loader)
+    next(iterator)
+    workers = children_since(before)
+    assert len(workers) == 2
+    freeze(workers[0])  # alive, but reads nothing any more
+    try:
+        for _ in range(4):  # fills its control channel
+            loader.reading_service._pause()
+        done = threading.Event()
+        stopper = threading.Thread(target=lambda: (loader.shutdown(), done.set()), daemon=True)
+        started = time.monotonic()
+        stopper.start()
+        done.wait(STOP_GRACE + 10)
+        took = time.monotonic() - started
+        assert done.is_set(), "shutdown() blocked on the stopped worker"
+        assert took < STOP_GRACE + 1, f"shutdown() took {took:.1f} s"
+        assert alive(workers) == []
+    finally:
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_an_item_that_fails_to_unpickle_in_main_reaches_the_user_and_the_stop_completes():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    bad = functools.partial(pipelines.unloadable_in_main, main_pid=os.getpid())
+    loader = loader_for(IterableWrapper(range(400)).sharding_filter().map(bad))
+    with pytest.raises(pipelines.RebuildError, match="cannot be rebuilt in the main process"):
+        list(loader)  # DataLoader2 shuts the service down on this error
+    assert alive(children_since(before)) == []
+    loader.shutdown()  # again: nothing left to do, and no error
+
+
+def _iterate_while_another_thread_shuts_down(pipe) -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loader = loader_for(pipe)
+    shutting = threading.Event()
+    stopper = threading.Thread(target=lambda: (shutting.wait(10), loader.shutdown()), daemon=True)
+    stopper.start()
+    try:
+        for count, _ in enumerate(loader):
+            if count == 3:
+                shutting.set()  # the stop now races with the reads below
+    except ServiceClosedError:
+        pass  # the only error a user may see; anything else fails the test
+    finally:
+        shutting.set()
+        stopper.join(STOP_GRACE + 10)
+    assert not stopper.is_alive(), "shutdown() did not return"
+    assert alive(children_since(before)) == [], "shutdown() stopped half-way"
+
+
+@pytest.mark.parametrize("pipe", ["fast", "slow"])
+def test_shutdown_from_another_thread_during_iteration(pipe):
+    make = {
+        "fast": lambda: IterableWrapper(range(5000)).sharding_filter(),
+        "slow": lambda: IterableWrapper(range(5000)).sharding_filter().map(slow),
+    }[pipe]
+    for _ in range(10):
+        _iterate_while_another_thread_shuts_down(make())
+
+
+@pytest.mark.stress
+def test_shutdown_from_another_thread_during_iteration_200_times():
+    for run in range(200):
+        pipe = IterableWrapper(range(5000)).sharding_filter()
+        _iterate_while_another_thread_shuts_down(pipe.map(slow) if run % 2 else pipe)
+
+
+def test_an_old_iterator_after_shutdown_raises_service_closed():
+    loader = loader_for(pipelines.sharded_pipe(100))
+    iterator = iter(loader)
+    next(iterator)
+    loader.shutdown()
+    with pytest.raises(ServiceClosedError, match="shut down"):
+        next(iterator)
+
+
+def test_a_dropped_runtime_stops_its_processes_without_a_garbage_collection():
+    """Below DataLoader2 and the reading service (whose ``__del__`` both shut down): no
+    reference cycle between the runtime and its parts keeps the processes running until a
+    garbage collection."""
+    from torchdata.dataloader2.random import SeedGenerator
+
+    from mprs_plus.options import Options
+    from mprs_plus.plan import plan
+    from mprs_plus.runtime.service import ServiceRuntime
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    gc.collect()
+    gc.disable()
+    try:
+        runtime = ServiceRuntime(plan(pipelines.sharded_pipe(1000), 2), Options(num_workers=2))
+        main = runtime.start()
+        runtime.begin_epoch(SeedGenerator(0))
+        iterator = iter(main)
+        next(iterator)
+        started = children_since(before)
+        assert len(started) == 2
+        del iterator, main, runtime
+        _, still = psutil.wait_procs(started, timeout=STOP_GRACE + 2)
+        assert not still, "the processes outlived the last reference to their runtime"
+    finally:
+        gc.enable()
+
+
+def test_a_control_message_a_stopped_worker_never_reads_fails_in_bounded_time(monkeypatch):
+    from mprs_plus.runtime import supervisor
+
+    monkeypatch.setattr(supervisor, "CONTROL_WAIT", 1.0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loader = loader_for(pipelines.sharded_pipe(1000))
+    iterator = iter(loader)
+    next(iterator)
+    workers = children_since(before)
+    freeze(workers[0])
+    try:
+        for _ in range(4):  # fills its control channel
+            loader.reading_service._pause()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"mprs_plus worker \d \(pid {workers[0].pid}\) has not read its control channel"):
+            loader.reading_service._pause()
+        assert time.monotonic() - started < 1.0 + STOP_GRACE + 1  # the bounded wait, then the stop
+        assert alive(workers) == []  # the service was shut down, its processes ended
+        with pytest.raises(ServiceClosedError):
+            loader.reading_service._resume()
+    finally:
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+        loader.shutdown()
