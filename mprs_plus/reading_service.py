@@ -93,9 +93,32 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         self._runtime: ServiceRuntime | None = None
         self._main: Any = None
 
+    # torchdata's public attributes, with its names and values; read-only, because the
+    # options are validated once and a running service could not follow a change anyway.
+
     @property
     def num_workers(self) -> int:
         return self.options.num_workers
+
+    @property
+    def multiprocessing_context(self) -> str | None:
+        return self.options.multiprocessing_context
+
+    @property
+    def worker_prefetch_cnt(self) -> int:
+        return self.options.worker_prefetch_cnt
+
+    @property
+    def main_prefetch_cnt(self) -> int:
+        return self.options.main_prefetch_cnt
+
+    @property
+    def worker_init_fn(self) -> Callable[..., Any] | None:
+        return self.options.worker_init_fn
+
+    @property
+    def worker_reset_fn(self) -> Callable[..., Any] | None:
+        return self.options.worker_reset_fn
 
     @property
     def plan(self) -> Plan | None:
