@@ -442,3 +442,35 @@ def spin(item: Any, seconds: float = 0.002) -> Any:
 
 def kilobytes(item: Any) -> Any:
     return bytes(1024 * 64)
+
+
+class ReadsItsSource(IterDataPipe):
+    """Runs in the main process (not replicable) and reads attributes of a DataPipe of
+    another segment through ``NoGraph``: the reason most users keep such a reference."""
+
+    def __init__(self, dp: Any, source: Any, attribute: str) -> None:
+        self.dp = dp
+        self.source = NoGraph(source)
+        self.attribute = attribute
+
+    def __iter__(self) -> Any:
+        value = getattr(self.source, self.attribute)
+        label = getattr(value, "__name__", value)
+        for item in self.dp:
+            yield item, type(self.source.target).__name__, label
+
+    def is_replicable(self) -> bool:
+        return False
+
+
+def worker_target_pipe(n: int = 6) -> IterDataPipe:
+    """The NoGraph target is the worker segment's output, a ``map``: its ``fn`` is read."""
+    mid = IterableWrapper(range(n)).sharding_filter().map(double)
+    return ReadsItsSource(mid, mid, "fn")
+
+
+def dispatch_target_pipe(n: int = 6) -> IterDataPipe:
+    """The NoGraph target is the dispatch segment's source: its ``iterable`` is read."""
+    source = IterableWrapper(list(range(n)))
+    dispatched = source.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(double)
+    return ReadsItsSource(dispatched, source, "iterable")

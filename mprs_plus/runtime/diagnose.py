@@ -12,9 +12,10 @@ import pickle
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..graph import NoGraph
+from ..graph import MAX_DEPTH, NoGraph, container_items, render_path, state_items
 
-_MAX_DEPTH = 12
+# Objects nest inside containers: a little deeper than the graph walk's container limit.
+_MAX_DEPTH = MAX_DEPTH + 4
 
 
 def find_unpicklable(obj: Any, name: str = "segment") -> tuple[str, Any, Exception] | None:
@@ -40,21 +41,19 @@ def _search(obj: Any, path: str, seen: set[int], depth: int) -> tuple[str, Any, 
 
 
 def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """What pickle would descend into, read the way the graph walk reads it (graph.py)."""
     if isinstance(obj, NoGraph):
         yield f"{path}.target", obj.target
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield f"{path}[{key!r}]", value
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for index, value in enumerate(obj):
-            yield f"{path}[{index}]", value
-    else:
-        state = getattr(obj, "__dict__", None)
-        if isinstance(state, dict):
-            # Name attributes after their owner's class: "MapperIterDataPipe.fn" says
-            # more to a user than the path from the top of the segment.
-            for key, value in state.items():
-                yield f"{type(obj).__name__}.{key}", value
+        return
+    members = container_items(obj)
+    if members or isinstance(obj, (list, tuple, set, frozenset, Mapping)):
+        for step, value in members:
+            yield path + render_path((step,)), value
+        return
+    # Name attributes after their owner's class: "MapperIterDataPipe.fn" says more to a
+    # user than the path from the top of the segment.
+    for step, value in state_items(obj):
+        yield f"{type(obj).__name__}.{render_path((step,))}", value
 
 
 def unpicklable_error(setup: Any, method: str, process_name: str) -> TypeError:
