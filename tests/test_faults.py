@@ -314,20 +314,27 @@ def test_bad_arguments_fail_at_construction(kwargs, error, match):
         MultiProcessingReadingService(**kwargs)
 
 
-def test_unpicklable_segment_under_spawn_names_the_object():
+def test_unpicklable_segment_under_spawn_names_the_object(monkeypatch):
     from mprs_plus.options import Options
     from mprs_plus.plan import plan
+    from mprs_plus.runtime import segments
     from mprs_plus.runtime.service import ServiceRuntime
+
+    monkeypatch.setattr(segments, "_dill", lambda: None)  # as when dill is not installed
 
     local = lambda x: x  # noqa: E731 - the point of the test
     runtime = ServiceRuntime(plan(sharded(4, local), 2), Options(num_workers=2, multiprocessing_context="spawn"))
     with pytest.raises(TypeError, match=r"MapperIterDataPipe\.fn = <function .* cannot be pickled .*lambda") as info:
         runtime.start()
     assert "module-level function" in str(info.value)
+    assert "install dill" in str(info.value)
     runtime.stop()
 
 
-def test_find_unpicklable_walks_into_nograph_and_containers(tmp_path):
+def test_find_unpicklable_walks_into_nograph_and_containers(tmp_path, monkeypatch):
+    from mprs_plus.runtime import segments
+
+    monkeypatch.setattr(segments, "_dill", lambda: None)  # dill would carry the open file
     with open(tmp_path / "f.txt", "w") as handle:
         holder = pipelines.Outer(IterableWrapper([1]))
         holder.files = {"log": [handle]}

@@ -8,11 +8,11 @@ first attribute path that fails on its own.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..graph import MAX_DEPTH, NoGraph, container_items, render_path, state_items
+from . import segments
 
 # Objects nest inside containers: a little deeper than the graph walk's container limit.
 _MAX_DEPTH = MAX_DEPTH + 4
@@ -29,7 +29,7 @@ def _search(obj: Any, path: str, seen: set[int], depth: int) -> tuple[str, Any, 
         return None
     seen.add(id(obj))
     try:
-        pickle.dumps(obj)
+        segments.dumps_segment(obj)  # as the segment itself is sent: pickle, then dill if installed
         return None
     except Exception as exc:
         failure = (path, obj, exc)
@@ -61,10 +61,12 @@ def unpicklable_error(setup: Any, method: str, process_name: str) -> TypeError:
     if found is None:
         return TypeError(f"could not start {process_name} with the {method!r} start method (see the cause above)")
     path, value, exc = found
+    # As with torchdata, dill (when installed) carries what pickle cannot, such as lambdas.
+    dill_hint = " (or install dill, which then carries them)" if segments._dill() is None else ""
     return TypeError(
         f"{process_name} cannot be started with the {method!r} start method: {path} = {_short(value)} "
         f"cannot be pickled ({type(exc).__name__}: {exc}). Under {method!r} every DataPipe of the segment "
-        "is pickled into the child: use a module-level function instead of a lambda or local function, "
+        f"is pickled into the child: use a module-level function instead of a lambda or local function{dill_hint}, "
         "open files and connections inside __iter__ rather than in __init__, or use "
         "multiprocessing_context='fork'."
     )

@@ -15,7 +15,11 @@ form a *group*: their lanes share a compute lock in the child (see ``lanes.py``)
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
+import pickle
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from ..explain import describe
@@ -36,7 +40,7 @@ def build_worker_program(plan: Plan) -> WorkerProgram:
     roots = [graph.datapipes[i] for i in _sharding_roots(plan)]
     outputs_copy, roots_copy = copy.deepcopy((outputs, roots), memo)
     groups = _groups(plan, plan.worker_outputs, Segment.WORKER)
-    return WorkerProgram(tuple(outputs_copy), tuple(placeholders.values()), tuple(roots_copy), groups)
+    return PortableWorkerProgram(tuple(outputs_copy), tuple(placeholders.values()), tuple(roots_copy), groups)
 
 
 def build_dispatch_sources(plan: Plan) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
@@ -44,7 +48,7 @@ def build_dispatch_sources(plan: Plan) -> tuple[tuple[Any, ...], tuple[int, ...]
     if not plan.dispatchers:
         return None
     sources = copy.deepcopy([plan.graph.datapipes[i] for i in plan.dispatchers])
-    return tuple(sources), _groups(plan, plan.dispatchers, Segment.DISPATCH)
+    return PortableSources(sources), _groups(plan, plan.dispatchers, Segment.DISPATCH)
 
 
 def build_main_pipeline(plan: Plan, readers: Sequence[Any]) -> Any:
@@ -79,6 +83,66 @@ def build_main_pipeline(plan: Plan, readers: Sequence[Any]) -> Any:
                     "the DataPipes that get_parents() returns as plain attributes, not inside NoGraph(...)."
                 )
     return graph.datapipes[graph.output]
+
+
+# -- crossing into a spawned or forkserver child ----------------------------------------
+#
+# As torchdata does, a segment is pickled with pickle, and with dill when pickle cannot
+# (a lambda, a local function) and dill is installed. Each segment is serialized as one
+# piece, so DataPipes shared by several outputs stay shared in the child. Under fork
+# nothing is pickled and none of this runs.
+
+
+def _dill() -> ModuleType | None:
+    try:
+        return importlib.import_module("dill")
+    except ImportError:
+        return None
+
+
+def dumps_segment(obj: Any) -> tuple[bytes, bool]:
+    """``obj`` pickled, with dill if pickle fails and dill is installed; and whether dill was used.
+
+    Raises pickle's error when neither can (then ``diagnose`` names the culprit)."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), False
+    except Exception:
+        dill = _dill()
+        if dill is None:
+            raise
+        try:
+            return dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), True
+        except Exception:
+            pass
+        raise
+
+
+def _loads_segment(data: bytes, used_dill: bool) -> Any:
+    if used_dill:
+        dill = _dill()
+        if dill is None:
+            raise ImportError("this segment was pickled with dill, which this process cannot import")
+        return dill.loads(data)
+    return pickle.loads(data)
+
+
+class PortableWorkerProgram(WorkerProgram):
+    """A ``WorkerProgram`` that crosses into a child as one blob (see ``dumps_segment``)
+    and arrives as a plain ``WorkerProgram``."""
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        plain = WorkerProgram(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerProgram)})
+        return _loads_segment, dumps_segment(plain)
+
+
+class PortableSources(tuple):
+    """The dispatch segment's copied dispatchers, crossing into the child as one blob and
+    arriving as a plain tuple."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return _loads_segment, dumps_segment(tuple(self))
 
 
 def _groups(plan: Plan, outputs: Sequence[int], segment: Segment) -> tuple[int, ...]:
