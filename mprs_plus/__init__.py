@@ -9,6 +9,8 @@ a program that uses a name imports exactly what it imported before.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
@@ -49,6 +51,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``mprs_plus.plan`` the function: importing the submodule of the same name
+    would otherwise set the package attribute to the module (the import system does so
+    for every submodule), whichever way it was first imported."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "plan" and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable as sys.modules["mprs_plus.plan"]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
