@@ -474,3 +474,11 @@ def dispatch_target_pipe(n: int = 6) -> IterDataPipe:
     source = IterableWrapper(list(range(n)))
     dispatched = source.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(double)
     return ReadsItsSource(dispatched, source, "iterable")
+
+
+def tensor_and_views(item: Any) -> Any:
+    """An item whose tensors share one storage, as a model input and its reshapes do."""
+    import torch
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * item
+    return {"base": base, "transposed": base.t(), "flat": base.view(-1), "row": base[1]}
