@@ -8,7 +8,8 @@ buffer, which the channel copies straight into shared memory:
            --> frombuffer(bytes).view(dtype) --as_strided / view--> tensor
 
 A tensor whose elements fill the storage span they cover (contiguous, transposed,
-permuted, expanded) keeps its strides and is sent with the span only; a sparse view
+permuted, expanded) keeps its strides and is sent with the bytes it spans (or its
+storage, see below: at most twice those bytes); a sparse view
 (``t[:, 0]`` of a big matrix) is made contiguous first, so no unused bytes travel.
 
 Storage sharing within one message is kept: a dense tensor that covers at least half of
@@ -16,14 +17,15 @@ its storage travels as a view of that storage, and the storage is pickled by its
 reducer, so pickle's memo sends it once per message and every tensor built on it arrives
 built on one storage again (``x`` and ``x.t()`` stay aliased, as with torchdata). It costs
 about 1 us per small tensor (a round trip of 64 tensors of 16 floats: 12 us per tensor
-instead of 11, measured on this project's 2-core test machine); for a large tensor the
-copy of its bytes dominates, and an aliased pair sends its storage once instead of twice.
-A smaller view (``x[0]`` of a big ``x``) still travels as its own bytes, so that sending
-a slice never sends the whole storage; it then arrives as a copy, not aliased.
+instead of 11, measured on a 2-core machine); for a large tensor the copy of its bytes
+dominates, and an aliased pair sends its storage once instead of twice. A smaller view
+(``x[0]`` of a big ``x``) still travels as its own bytes, so that sending a slice never
+sends the whole storage; it then arrives as a copy, not aliased.
+
 Anything unusual (another device, autograd, quantized, conjugate / negative bits,
 sparse layouts, subclasses) falls back to torch's pickling, which knows how.
 
-Importing this module registers the reducer; ``mprs_plus.runtime`` imports it, so every
+Importing this module registers the reducers (tensors, storages); ``mprs_plus.runtime`` imports it, so every
 process of the service has it, whatever its start method.
 """
 
