@@ -17,21 +17,27 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mprs_plus", "mprs_plus.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # exceptions carry notes (add_note) from 3.11
     install_requires=[
         "torch>=2.1",
         # 0.10 removed DataLoader2 and the DataPipes this service runs.
         "torchdata>=0.7,<0.10",
         "psutil>=5.9",
+        # torch imports numpy when present and warns "Failed to initialize NumPy" on import
+        # without it; items that hold arrays also travel through it.
+        "numpy>=1.24",
     ],
     extras_require={
         # The suite also builds the docs and checks the explain command's rendering
         # messages, so it needs the docs tools and the graphviz package (not Graphviz's
         # dot program: the tests that draw images skip without it).
         # It also runs the benchmark suite once (--quick), plot included.
+        # dill: the suite checks that lambdas cross into spawned children as with torchdata,
+        # which uses dill when it is installed (the service needs it only for that).
         "test": [
             "pytest>=7.4",
             "pytest-timeout>=2.2",
+            "dill>=0.3.6",
             *BENCH,
             *DOCS,
             *RENDER,

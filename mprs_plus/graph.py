@@ -76,12 +76,20 @@ class NoGraph:
         return f"NoGraph({self.target!r})"
 
 
+Step = tuple[str, Any]
+"""One step of a reference path: ``("attr", name)`` (an attribute, or a key of the state
+``__getstate__`` returns), ``("state", i)`` (a position of a tuple state), ``("item", key)``
+(a list or tuple index, a dict key), ``("member", None)`` (inside a set), or
+``("parents", i)`` (position in ``get_parents()``)."""
+
+
 @dataclass(frozen=True)
 class Edge:
     """A reference from a node to one of its parents, with the path it was found at."""
 
     parent: int
     path: str  # e.g. "src", "refs['a']", "items[0]", "get_parents()[1]"
+    steps: tuple[Step, ...] = ()  # the same path, replayable by ``replace_reference``
 
 
 @dataclass(frozen=True)
@@ -151,17 +159,23 @@ def is_datapipe(obj: Any) -> bool:
 
 
 def discover(datapipe: Any) -> Graph:
-    """Walk from ``datapipe`` to its sources following rule 1. Pure: nothing is iterated."""
+    """Walk from ``datapipe`` to its sources following rule 1. Pure: nothing is iterated.
+
+    The one walk of the graph: planning, segment building (which replays the recorded
+    edge paths) and diagnosis all read references through this module. A DataPipe that
+    refers to itself (``self.me = self``) is not its own parent, as torch ignores it too.
+    """
     if not is_datapipe(datapipe):
         raise TypeError(f"expected an IterDataPipe or MapDataPipe, got {type(datapipe).__name__}")
     index_of: dict[int, int] = {id(datapipe): 0}
     datapipes: list[Any] = [datapipe]
-    raw_edges: list[list[tuple[Any, str]]] = []
+    raw_edges: list[list[tuple[Any, tuple[Step, ...]]]] = []
     declared: list[bool] = []
     position = 0
     while position < len(datapipes):
         current = datapipes[position]
-        refs, from_method = _parent_refs(current)
+        refs, from_method = parent_references(current)
+        refs = [(parent, steps) for parent, steps in refs if parent is not current]
         raw_edges.append(refs)
         declared.append(from_method)
         for parent, _ in refs:
@@ -173,7 +187,7 @@ def discover(datapipe: Any) -> Graph:
         Node(
             index=i,
             name=type(dp).__name__,
-            edges=tuple(Edge(index_of[id(parent)], path) for parent, path in raw_edges[i]),
+            edges=tuple(Edge(index_of[id(parent)], render_path(steps), steps) for parent, steps in raw_edges[i]),
             declared=declared[i],
         )
         for i, dp in enumerate(datapipes)
@@ -181,7 +195,9 @@ def discover(datapipe: Any) -> Graph:
     return Graph(nodes=nodes, datapipes=tuple(datapipes))
 
 
-def _parent_refs(datapipe: Any) -> tuple[list[tuple[Any, str]], bool]:
+def parent_references(datapipe: Any) -> tuple[list[tuple[Any, tuple[Step, ...]]], bool]:
+    """The parents of one DataPipe with the path of each reference, and whether they were
+    declared by ``get_parents()``."""
     get_parents = getattr(type(datapipe), "get_parents", None)
     if callable(get_parents):
         parents = datapipe.get_parents()
@@ -193,44 +209,128 @@ def _parent_refs(datapipe: Any) -> tuple[list[tuple[Any, str]], bool]:
                     f"{type(datapipe).__name__}.get_parents() returned {type(parent).__name__} at "
                     f"position {i}: it must return DataPipes only"
                 )
-            refs.append((parent, f"get_parents()[{i}]"))
+            refs.append((parent, (("parents", i),)))
         return refs, True
-    refs = []
-    for name, value in _state_items(datapipe):
-        _collect(value, name, refs, depth=0)
-    return refs, False
+    return list(datapipe_references(state_items(datapipe))), False
 
 
-def _state_items(datapipe: Any) -> list[tuple[str, Any]]:
-    """The attributes torch would pickle: ``__getstate__`` when it gives a dict or tuple."""
+def state_items(obj: Any) -> list[tuple[Step, Any]]:
+    """The attributes torch would pickle: ``__getstate__`` when it gives a dict or tuple,
+    else the instance dict."""
     try:
-        state = datapipe.__getstate__()
+        state = obj.__getstate__()
     except Exception:  # a custom __getstate__ that refuses: fall back to the instance dict
         state = None
     if isinstance(state, Mapping):
-        return [(str(k), v) for k, v in state.items()]
+        return [(("attr", str(k)), v) for k, v in state.items()]
     if isinstance(state, (tuple, list)):
-        return [(f"__getstate__()[{i}]", v) for i, v in enumerate(state)]
-    return list(getattr(datapipe, "__dict__", {}).items())
+        return [(("state", i), v) for i, v in enumerate(state)]
+    return [(("attr", k), v) for k, v in getattr(obj, "__dict__", {}).items()]
 
 
-_MAX_DEPTH = 8  # nested containers deeper than this are data, not graph structure
-
-
-def _collect(value: Any, path: str, refs: list[tuple[Any, str]], depth: int) -> None:
-    if isinstance(value, NoGraph):
-        return
-    if is_datapipe(value):
-        refs.append((value, path))
-        return
-    if depth >= _MAX_DEPTH:
-        return
+def container_items(value: Any) -> list[tuple[Step, Any]]:
+    """The members of a list, tuple, dict or set with their steps; nothing for anything else."""
     if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _collect(item, f"{path}[{i}]", refs, depth + 1)
-    elif isinstance(value, Mapping):
-        for key, item in list(value.items()):
-            _collect(item, f"{path}[{key!r}]", refs, depth + 1)
-    elif isinstance(value, (set, frozenset)):
-        for item in value:
-            _collect(item, f"{path}{{...}}", refs, depth + 1)
+        return [(("item", i), item) for i, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        return [(("item", key), item) for key, item in list(value.items())]
+    if isinstance(value, (set, frozenset)):
+        return [(("member", None), item) for item in value]
+    return []
+
+
+MAX_DEPTH = 8  # nested containers deeper than this are data, not graph structure
+
+
+def datapipe_references(items: list[tuple[Step, Any]]) -> Iterator[tuple[Any, tuple[Step, ...]]]:
+    """Every DataPipe inside ``items`` (and their containers), with its path; NoGraph hides."""
+    stack = [((step,), value, 0) for step, value in reversed(items)]
+    while stack:
+        steps, value, depth = stack.pop()
+        if isinstance(value, NoGraph):
+            continue
+        if is_datapipe(value):
+            yield value, steps
+            continue
+        if depth >= MAX_DEPTH or isinstance(value, (str, bytes)):
+            continue
+        stack.extend((steps + (step,), item, depth + 1) for step, item in reversed(container_items(value)))
+
+
+def render_path(steps: tuple[Step, ...]) -> str:
+    """``("attr", "refs"), ("item", "a")`` -> ``refs['a']``: how messages name a reference."""
+    text = ""
+    for kind, key in steps:
+        if kind == "attr":
+            text += key if not text else f".{key}"
+        elif kind == "state":
+            text += f"__getstate__()[{key}]"
+        elif kind == "parents":
+            text += f"get_parents()[{key}]"
+        elif kind == "member":
+            text += "{...}"
+        else:
+            text += f"[{key!r}]"
+    return text
+
+
+def replace_reference(owner: Any, steps: tuple[Step, ...], old: Any, new: Any) -> bool:
+    """Make ``owner`` refer to ``new`` where ``steps`` (a path ``discover`` recorded) found
+    ``old``: lists, dicts and sets change in place, tuples are rebuilt up to the attribute.
+
+    Paths that cannot be replayed on the instance (a declared parent, a custom tuple
+    state) are looked up by identity among the instance's attributes, through the same
+    walk. Returns False when ``old`` is held nowhere it can be replaced. Never enters a
+    ``NoGraph``: what it points to stays as the user set it.
+    """
+    state = getattr(owner, "__dict__", None)
+    if not isinstance(state, dict):
+        return False
+    paths = [steps] if steps and steps[0][0] == "attr" and _resolve(state, steps) is old else []
+    if not paths:
+        attrs = [(("attr", k), v) for k, v in state.items()]
+        paths = [found for value, found in datapipe_references(attrs) if value is old]
+    for path in paths:
+        name = path[0][1]
+        state[name] = _replaced(state[name], path[1:], old, new)
+    return bool(paths)
+
+
+_MISSING = object()
+
+
+def _resolve(state: dict[str, Any], steps: tuple[Step, ...]) -> Any:
+    value: Any = state.get(steps[0][1], _MISSING)
+    for kind, key in steps[1:]:
+        if kind != "item":
+            return _MISSING
+        try:
+            value = value[key]
+        except Exception:
+            return _MISSING
+    return value
+
+
+def _replaced(value: Any, steps: tuple[Step, ...], old: Any, new: Any) -> Any:
+    if not steps:
+        return new if value is old else value
+    (kind, key), rest = steps[0], steps[1:]
+    if kind == "member":
+        members = [_replaced(item, rest, old, new) if _holds(item, rest, old) else item for item in value]
+        if isinstance(value, set):
+            value.clear()
+            value.update(members)
+            return value
+        return type(value)(members)
+    if isinstance(value, tuple):
+        items = list(value)
+        items[key] = _replaced(items[key], rest, old, new)
+        return value._make(items) if hasattr(value, "_make") else type(value)(items)
+    value[key] = _replaced(value[key], rest, old, new)
+    return value
+
+
+def _holds(value: Any, steps: tuple[Step, ...], old: Any) -> bool:
+    if not steps:
+        return value is old
+    return any(_holds(item, steps[1:], old) for step, item in container_items(value))

@@ -18,7 +18,7 @@ from typing import Any
 
 from torchdata.datapipes.iter.util.sharding import ShardingRoundRobinDispatcherIterDataPipe
 
-from .errors import AmbiguousGraphError
+from .errors import AmbiguousGraphError, PlanError
 from .graph import Edge, Graph, NoGraph, Node, discover
 
 
@@ -110,6 +110,8 @@ def plan(datapipe: Any, num_workers: int) -> Plan:
     Raises:
         AmbiguousGraphError: a DataPipe holds references whose targets would run in
             different processes; the message names the attribute and the fixes.
+        PlanError: a DataPipe refers to one downstream of it (a cycle); the message names
+            the attribute. A DataPipe that refers to itself is fine, as with torch.
         ValueError: ``num_workers`` is not an int >= 0.
         TypeError: ``datapipe`` is not a DataPipe, or a ``get_parents()`` returned
             something that is not one.
@@ -119,6 +121,7 @@ def plan(datapipe: Any, num_workers: int) -> Plan:
     if isinstance(datapipe, NoGraph):
         datapipe = datapipe.target
     graph = discover(datapipe)
+    _check_acyclic(graph)
     if num_workers == 0:
         return Plan(graph, 0, (Segment.MAIN,) * len(graph.nodes), (), (), (), ())
     segments = _assign_segments(graph)
@@ -130,6 +133,35 @@ def plan(datapipe: Any, num_workers: int) -> Plan:
     )
     warnings = _footguns(graph, segments, num_workers, dispatchers, worker_outputs, sharding_points)
     return Plan(graph, num_workers, segments, dispatchers, worker_outputs, sharding_points, warnings)
+
+
+def _check_acyclic(graph: Graph) -> None:
+    """Raise ``PlanError`` naming the reference that closes a cycle (a DataPipe upstream
+    holding one downstream), which no split into processes can run."""
+    state: dict[int, bool] = {}  # False: on the current path; True: done
+    for root in range(len(graph.nodes)):
+        if root in state:
+            continue
+        state[root] = False
+        stack = [(root, iter(graph.nodes[root].edges))]
+        while stack:
+            index, edges = stack[-1]
+            edge = next(edges, None)
+            if edge is None:
+                state[index] = True
+                stack.pop()
+                continue
+            if state.get(edge.parent) is False:
+                node, target = graph.nodes[index], graph.nodes[edge.parent]
+                raise PlanError(
+                    f"{node.name}.{edge.path} points at {target.name}, which is downstream of {node.name}: "
+                    f"the references form a cycle, which cannot be split into processes. Wrap "
+                    f"{node.name}.{edge.path.split('[', 1)[0]} in NoGraph(...) if {node.name} does not iterate it, "
+                    f"or define {node.name}.get_parents() returning only its real inputs."
+                )
+            if edge.parent not in state:
+                state[edge.parent] = False
+                stack.append((edge.parent, iter(graph.nodes[edge.parent].edges)))
 
 
 def _is_dispatcher(datapipe: Any) -> bool:

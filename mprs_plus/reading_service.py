@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -92,10 +95,34 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | None = None
         self._main: Any = None
+        self._family = _Family.new()
+
+    # torchdata's public attributes, with its names and values; read-only, because the
+    # options are validated once and a running service could not follow a change anyway.
 
     @property
     def num_workers(self) -> int:
         return self.options.num_workers
+
+    @property
+    def multiprocessing_context(self) -> str | None:
+        return self.options.multiprocessing_context
+
+    @property
+    def worker_prefetch_cnt(self) -> int:
+        return self.options.worker_prefetch_cnt
+
+    @property
+    def main_prefetch_cnt(self) -> int:
+        return self.options.main_prefetch_cnt
+
+    @property
+    def worker_init_fn(self) -> Callable[..., Any] | None:
+        return self.options.worker_init_fn
+
+    @property
+    def worker_reset_fn(self) -> Callable[..., Any] | None:
+        return self.options.worker_reset_fn
 
     @property
     def plan(self) -> Plan | None:
@@ -105,14 +132,27 @@ class MultiProcessingReadingService(ReadingServiceInterface):
     def stats(self) -> Stats:
         """A snapshot of what every process has done: items in and out, time busy, waiting
         for input and handing items on, bytes moved, queue fill, and a sentence naming the
-        bottleneck (``stats().summary()``). Empty before the first epoch or without workers."""
-        if self._runtime is None:
-            return aggregate([])
-        return self._runtime.stats()
+        bottleneck (``stats().summary()``). Empty before the first epoch or without workers.
+
+        ``DataLoader2`` runs a copy of the service it is given; the object you created
+        reports that copy's statistics (the last one started, in this process), and after
+        ``shutdown()`` the figures as they stood when it stopped.
+        """
+        if self._runtime is not None and not self._family.stopped_by(self._runtime):
+            return self._runtime.stats()
+        return self._family.stats()
 
     def __getstate__(self) -> dict[str, Any]:
-        # DataLoader2 copies the service before use; a running one is never copied.
-        return {"options": self.options, "_plan": None, "_runtime": None, "_main": None}
+        # DataLoader2 copies the service before use; a running one is never copied. The copy
+        # stays in the family of the original, so that the original can report its stats.
+        return {"options": self.options, "family": self._family.token}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.options = state["options"]
+        self._plan = None
+        self._runtime = None
+        self._main = None
+        self._family = _Family.joined(state["family"])
 
     def initialize(self, datapipe: Any) -> Any:
         self._plan = plan(datapipe, self.options.num_workers)
@@ -132,6 +172,7 @@ class MultiProcessingReadingService(ReadingServiceInterface):
             return self._main
         self._runtime = ServiceRuntime(self._plan, self.options)
         self._main = self._runtime.start()
+        self._family.started(self._runtime)
         return self._main
 
     def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
@@ -150,6 +191,7 @@ class MultiProcessingReadingService(ReadingServiceInterface):
 
     def finalize(self) -> None:
         if self._runtime is not None:
+            self._family.stopping(self._runtime)
             self._runtime.stop()
 
     # -- pause, resume, limit: called by DataLoader2 (its iterator's limit() and resume()) --
@@ -192,3 +234,51 @@ class MultiProcessingReadingService(ReadingServiceInterface):
     def _require_main(self, what: str) -> None:
         if self._main is None:
             raise RuntimeError(f"{what}() called before initialize(): use the service through DataLoader2")
+
+
+class _Family:
+    """A service and the copies made of it in this process (DataLoader2 runs a copy), so
+    that the object a user created can report the statistics of the copy that runs.
+
+    Found again on unpickling through a token that names the process, so a copy made in
+    another process starts a family of its own. Holds the running service only weakly.
+    """
+
+    _registry: weakref.WeakValueDictionary[str, _Family] = weakref.WeakValueDictionary()
+    _counter = itertools.count()
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._running: weakref.ref[ServiceRuntime] | None = None
+        self._final: Stats | None = None  # as they stood when the last one stopped
+        self._stopped: weakref.WeakSet[ServiceRuntime] = weakref.WeakSet()
+
+    @classmethod
+    def new(cls) -> _Family:
+        family = cls(f"{os.getpid()}:{next(cls._counter)}")
+        cls._registry[family.token] = family
+        return family
+
+    @classmethod
+    def joined(cls, token: str) -> _Family:
+        return cls._registry.get(token) or cls.new()
+
+    def started(self, runtime: ServiceRuntime) -> None:
+        self._running = weakref.ref(runtime)
+        self._final = None
+
+    def stopping(self, runtime: ServiceRuntime) -> None:
+        if runtime in self._stopped:
+            return
+        self._stopped.add(runtime)
+        if self._running is not None and self._running() is runtime:
+            self._final = runtime.stats()
+
+    def stopped_by(self, runtime: ServiceRuntime) -> bool:
+        return runtime in self._stopped
+
+    def stats(self) -> Stats:
+        running = self._running() if self._running is not None else None
+        if running is not None and running not in self._stopped:
+            return running.stats()
+        return self._final if self._final is not None else aggregate([])

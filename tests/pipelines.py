@@ -471,3 +471,46 @@ def _rebuild_outside_main(value: Any, main_pid: int) -> Any:
 def unloadable_in_main(item: Any, main_pid: int, first_bad: int = 5) -> Any:
     """Items from ``first_bad`` on fail to unpickle in the main process ``main_pid``."""
     return _RebuiltOutsideMain(item, main_pid) if item >= first_bad else item
+
+
+# -- NoGraph references and aliased tensors ---------------------------------------------------
+
+
+class ReadsItsSource(IterDataPipe):
+    """Runs in the main process (not replicable) and reads attributes of a DataPipe of
+    another segment through ``NoGraph``: the reason most users keep such a reference."""
+
+    def __init__(self, dp: Any, source: Any, attribute: str) -> None:
+        self.dp = dp
+        self.source = NoGraph(source)
+        self.attribute = attribute
+
+    def __iter__(self) -> Any:
+        value = getattr(self.source, self.attribute)
+        label = getattr(value, "__name__", value)
+        for item in self.dp:
+            yield item, type(self.source.target).__name__, label
+
+    def is_replicable(self) -> bool:
+        return False
+
+
+def worker_target_pipe(n: int = 6) -> IterDataPipe:
+    """The NoGraph target is the worker segment's output, a ``map``: its ``fn`` is read."""
+    mid = IterableWrapper(range(n)).sharding_filter().map(double)
+    return ReadsItsSource(mid, mid, "fn")
+
+
+def dispatch_target_pipe(n: int = 6) -> IterDataPipe:
+    """The NoGraph target is the dispatch segment's source: its ``iterable`` is read."""
+    source = IterableWrapper(list(range(n)))
+    dispatched = source.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(double)
+    return ReadsItsSource(dispatched, source, "iterable")
+
+
+def tensor_and_views(item: Any) -> Any:
+    """An item whose tensors share one storage, as a model input and its reshapes do."""
+    import torch
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * item
+    return {"base": base, "transposed": base.t(), "flat": base.view(-1), "row": base[1]}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mprs_plus.__main__ import main
+from mprs_plus._cli import bench, demo, explain  # noqa: F401  (loaded before isolated_imports looks)
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -153,3 +154,23 @@ def test_demo_runs_each_stage_in_its_own_role():
     assert post == {main_pid}
     assert len(pre) == 1 and len(worker) == 2
     assert not (pre & worker) and main_pid not in pre | worker
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_commands_print_no_torchdata_deprecation_banner(context):
+    result = run_cli("demo", "--context", context, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "deprecated" not in result.stderr and "WARNING!" not in result.stderr, result.stderr
+
+
+def test_the_library_still_shows_the_banner_and_main_leaves_no_filter_behind():
+    # Only the command line is quieted: importing the library is as it was.
+    code = "import mprs_plus; mprs_plus.MultiProcessingReadingService"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTHONWARNINGS", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "modules are deprecated" in result.stderr
+    before = os.environ.get("PYTHONWARNINGS")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert os.environ.get("PYTHONWARNINGS") == before

@@ -132,5 +132,5 @@ def test_an_item_that_cannot_travel_is_an_error_not_a_crash(dispatch):
     with pytest.raises(TypeError, match="cannot pickle 'generator' object") as info:
         list(loader)
     loader.shutdown()
-    where = "dispatch process" if dispatch else "worker"
+    where = "dispatching process" if dispatch else "worker process"
     assert any(where in note for note in info.value.__notes__)

@@ -86,3 +86,22 @@ def test_dispatch_buffer_size_sets_the_dispatch_channels(monkeypatch, buffer, ex
         loader.shutdown()
     # control (dispatch), dispatch -> 2 workers, then per worker: control, data.
     assert opened[1:3] == [expected, expected]
+
+
+def test_torchdatas_public_attributes_read_as_torchdatas():
+    kwargs = dict(
+        num_workers=3,
+        multiprocessing_context="spawn",
+        worker_prefetch_cnt=4,
+        main_prefetch_cnt=0,
+        worker_init_fn=pipelines.identity,
+        worker_reset_fn=pipelines.identity,
+    )
+    ours, theirs = MultiProcessingReadingService(**kwargs), TorchdataService(**kwargs)
+    for name in kwargs:
+        assert getattr(ours, name) == getattr(theirs, name), name
+    defaults, their_defaults = MultiProcessingReadingService(), TorchdataService(1)
+    for name in ("multiprocessing_context", "worker_prefetch_cnt", "main_prefetch_cnt", "worker_init_fn"):
+        assert getattr(defaults, name) == getattr(their_defaults, name), name
+    with pytest.raises(AttributeError):
+        ours.worker_prefetch_cnt = 1  # validated once: read-only

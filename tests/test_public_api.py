@@ -41,3 +41,19 @@ def test_layers_point_one_way():
         assert not any("runtime" in i or "reading_service" in i for i in imports(package / name)), name
     for path in (package / "transport").glob("*.py"):
         assert not any(i.split(".")[0] in {"torch", "torchdata"} for i in imports(path)), path.name
+
+
+def test_public_names_load_on_first_use_and_plan_stays_the_function():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mprs_plus\n"
+        "assert 'torchdata' not in sys.modules  # so the command line can quiet its banner first\n"
+        "import mprs_plus.reading_service, mprs_plus.plan\n"
+        "assert callable(mprs_plus.plan) and not isinstance(mprs_plus.plan, type(sys))\n"
+        "from mprs_plus import MultiProcessingReadingService, plan\n"
+        "assert plan.__module__ == 'mprs_plus.plan'\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -105,3 +105,35 @@ def test_periodic_summary_is_logged(caplog):
 def test_stats_interval_needs_collection():
     with pytest.raises(ValueError, match="needs collect_stats=True"):
         MultiProcessingReadingService(2, collect_stats=False, stats_interval=1.0)
+
+
+def test_the_service_object_the_user_created_reports_the_running_copy():
+    service = MultiProcessingReadingService(2)
+    assert service.stats().processes == ()
+    loader = DataLoader2(IterableWrapper(range(40)).sharding_filter(), reading_service=service)
+    try:
+        for _ in range(2):
+            assert len(list(loader)) == 40
+        assert loader.reading_service is not service  # DataLoader2 runs a copy
+        live = service.stats()
+        assert live.segment("main").items_in == 80
+        assert live.segment("worker").items_out == loader.reading_service.stats().segment("worker").items_out
+    finally:
+        loader.shutdown()
+    final = service.stats()  # as they stood at shutdown
+    assert final.segment("main").items_in == 80
+    assert loader.reading_service.stats().segment("main").items_in == 80
+
+
+def test_copies_in_two_loaders_report_the_last_one_started():
+    service = MultiProcessingReadingService(2)
+    first = DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=service)
+    second = DataLoader2(IterableWrapper(range(30)).sharding_filter(), reading_service=service)
+    try:
+        list(first)
+        list(second)
+        assert service.stats().segment("main").items_in == 30
+        assert first.reading_service.stats().segment("main").items_in == 10
+    finally:
+        first.shutdown()
+        second.shutdown()

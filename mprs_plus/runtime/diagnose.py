@@ -8,13 +8,14 @@ first attribute path that fails on its own.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..graph import NoGraph
+from ..graph import MAX_DEPTH, NoGraph, container_items, render_path, state_items
+from . import segments
 
-_MAX_DEPTH = 12
+# Objects nest inside containers: a little deeper than the graph walk's container limit.
+_MAX_DEPTH = MAX_DEPTH + 4
 
 
 def find_unpicklable(obj: Any, name: str = "segment") -> tuple[str, Any, Exception] | None:
@@ -28,7 +29,7 @@ def _search(obj: Any, path: str, seen: set[int], depth: int) -> tuple[str, Any, 
         return None
     seen.add(id(obj))
     try:
-        pickle.dumps(obj)
+        segments.dumps_segment(obj)  # as the segment itself is sent: pickle, then dill if installed
         return None
     except Exception as exc:
         failure = (path, obj, exc)
@@ -40,21 +41,19 @@ def _search(obj: Any, path: str, seen: set[int], depth: int) -> tuple[str, Any, 
 
 
 def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """What pickle would descend into, read the way the graph walk reads it (graph.py)."""
     if isinstance(obj, NoGraph):
         yield f"{path}.target", obj.target
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield f"{path}[{key!r}]", value
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for index, value in enumerate(obj):
-            yield f"{path}[{index}]", value
-    else:
-        state = getattr(obj, "__dict__", None)
-        if isinstance(state, dict):
-            # Name attributes after their owner's class: "MapperIterDataPipe.fn" says
-            # more to a user than the path from the top of the segment.
-            for key, value in state.items():
-                yield f"{type(obj).__name__}.{key}", value
+        return
+    members = container_items(obj)
+    if members or isinstance(obj, (list, tuple, set, frozenset, Mapping)):
+        for step, value in members:
+            yield path + render_path((step,)), value
+        return
+    # Name attributes after their owner's class: "MapperIterDataPipe.fn" says more to a
+    # user than the path from the top of the segment.
+    for step, value in state_items(obj):
+        yield f"{type(obj).__name__}.{render_path((step,))}", value
 
 
 def unpicklable_error(setup: Any, method: str, process_name: str) -> TypeError:
@@ -62,10 +61,12 @@ def unpicklable_error(setup: Any, method: str, process_name: str) -> TypeError:
     if found is None:
         return TypeError(f"could not start {process_name} with the {method!r} start method (see the cause above)")
     path, value, exc = found
+    # As with torchdata, dill (when installed) carries what pickle cannot, such as lambdas.
+    dill_hint = " (or install dill, which then carries them)" if segments._dill() is None else ""
     return TypeError(
         f"{process_name} cannot be started with the {method!r} start method: {path} = {_short(value)} "
         f"cannot be pickled ({type(exc).__name__}: {exc}). Under {method!r} every DataPipe of the segment "
-        "is pickled into the child: use a module-level function instead of a lambda or local function, "
+        f"is pickled into the child: use a module-level function instead of a lambda or local function{dill_hint}, "
         "open files and connections inside __iter__ rather than in __init__, or use "
         "multiprocessing_context='fork'."
     )

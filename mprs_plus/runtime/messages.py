@@ -85,39 +85,42 @@ class Batcher:
         self._send((kind, self.epoch, payload))
 
 
-class RemoteTraceback(Exception):
-    """Carries the traceback text of an exception raised in another process."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
 @dataclass(frozen=True)
 class RemoteError:
-    """An exception captured in a child process, ready to be raised again in the main one."""
+    """An exception captured in a child process, ready to be raised again in the main one.
 
+    Raised the way torch's DataLoader and torchdata raise a worker's exception, so code
+    that reads ``str(exc)`` works unchanged: the same type, built from one message
+
+        Caught ValueError in worker process 0 (pid 4242).
+        Original Traceback (most recent call last):
+          ...
+        ValueError: bad sample 5
+
+    The type travels on its own (pickled by reference), so it survives even when the
+    exception's other attributes cannot be pickled; those that can are copied over.
+    """
+
+    type_pickled: bytes | None  # the exception's class, when main can import it
     pickled: bytes | None  # the exception itself, when it survives a pickle round trip
     type_name: str
     message: str
     traceback_text: str
-    where: str  # "worker 1 (pid 4242)"
+    where: str  # "worker process 1 (pid 4242)"
     datapipe: str | None  # the innermost DataPipe on the failing stack
 
     @classmethod
     def capture(cls, exc: BaseException, where: str) -> RemoteError:
+        passed_on = getattr(exc, _ORIGIN, None)
+        if isinstance(passed_on, RemoteError):
+            # Raised again as it arrived (a dispatch error in a worker): it still names
+            # the process where it happened, not the one that passes it on.
+            return passed_on
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        try:
-            pickled: bytes | None = pickle.dumps(exc, protocol=5)
-            pickle.loads(pickled)
-        except Exception:
-            pickled = None
         return cls(
-            pickled=pickled,
-            type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            type_pickled=_round_trip(type(exc)),
+            pickled=_round_trip(exc),
+            type_name=type(exc).__name__,
             message=str(exc),
             traceback_text=text,
             where=where,
@@ -128,24 +131,86 @@ class RemoteError:
         by = f" by {self.datapipe}" if self.datapipe else ""
         return f"raised in {self.where}{by}"
 
+    def text(self) -> str:
+        """torch's wording: which type, where, then the original traceback."""
+        return f"Caught {self.type_name} in {self.where}.\nOriginal {self.traceback_text.rstrip()}"
+
     def rebuild(self) -> BaseException:
-        """The original exception when it can be rebuilt, else ``WorkerError`` with its text."""
+        """The original type built from ``text()``, as torch does.
+
+        Falls back, in order, to the original exception object with ``text()`` as a note
+        (its constructor does not take one message), then to ``WorkerError`` carrying
+        ``text()`` (its type cannot be imported in the main process).
+        """
+        text = self.text()
+        kind = _load(self.type_pickled)
+        original = _load(self.pickled)
         exc: BaseException | None = None
-        if self.pickled is not None:
+        if isinstance(kind, type) and issubclass(kind, BaseException):
             try:
-                exc = pickle.loads(self.pickled)
+                # KeyError's str() is the repr of its argument: keep the text readable.
+                exc = kind(_VerbatimText(text) if issubclass(kind, KeyError) else text)
             except Exception:
                 exc = None
+        if exc is not None and isinstance(original, BaseException):
+            try:  # attributes such as errno or a custom field still read as raised
+                for name, value in vars(original).items():
+                    if name not in ("__notes__", "__traceback__", _ORIGIN):
+                        setattr(exc, name, value)
+            except Exception:
+                pass
+        if exc is None and isinstance(original, BaseException):
+            exc = original
+            exc.add_note(text)
         if exc is None:
-            exc = WorkerError(f"{self.type_name}: {self.message} ({self.context()})")
-        else:
-            exc.add_note(f"({self.context()})")
-        exc.__cause__ = RemoteTraceback(f"\n\"\"\"\n{self.traceback_text}\"\"\"")
+            exc = WorkerError(text)
+        exc.add_note(f"({self.context()})")
+        try:
+            setattr(exc, _ORIGIN, self)
+        except Exception:  # no instance dict: it would be wrapped again if passed on
+            pass
         return exc
 
 
+_ORIGIN = "_mprs_plus_remote_error"  # on a rebuilt exception: where it came from
+
+
+class _VerbatimText(str):
+    """A message whose repr is itself, so that ``str(KeyError(msg))`` shows it as is."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _round_trip(obj: Any) -> bytes | None:
+    """``obj`` pickled, if it also unpickles here (a sign it will in the main process)."""
+    try:
+        data = pickle.dumps(obj, protocol=5)
+        pickle.loads(data)
+    except Exception:
+        return None
+    return data
+
+
+def _load(data: bytes | None) -> Any:
+    if data is None:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception:
+        return None
+
+
 def describe_process(role: str, worker_id: int | None = None) -> str:
-    name = role if worker_id is None else f"{role} {worker_id}"
+    """Where an error was raised, in torch's words: ``worker process 0``, ``dispatching process``."""
+    if role.startswith("dispatch"):
+        name = "dispatching process"
+    elif worker_id is None:
+        name = role
+    else:
+        name = f"{role} process {worker_id}" if role == "worker" else f"{role} {worker_id}"
     return f"{name} (pid {os.getpid()})"
 
 

@@ -3,8 +3,9 @@
 The dispatch and worker segments are deep-copied with the boundary nodes swapped for
 stand-ins through ``copy.deepcopy``'s memo: every dispatcher becomes a ``DispatchedInput``
 in the workers' copy. The copies are built once, in the main process; children receive
-them. The main segment is the planned graph itself, with a reader of worker channels
-spliced in for every worker output (see ``build_main_pipeline``).
+them. The main segment is the planned graph's main-process nodes, with the graph walk's
+recorded edges to worker outputs replayed onto readers of the worker channels (see
+``build_main_pipeline``); nothing else of the user's graph changes.
 
 A segment may have several outputs (worker outputs joined in the main process by a
 non-replicable DataPipe; several dispatchers). Outputs whose upstream DataPipes overlap
@@ -14,13 +15,16 @@ form a *group*: their lanes share a compute lock in the child (see ``lanes.py``)
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
+import pickle
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
-from torch.utils.data import IterDataPipe, MapDataPipe
-
 from ..explain import describe
-from ..graph import NoGraph, discover
+from ..errors import PlanError
+from ..graph import replace_reference
 from ..plan import Plan, Segment
 from .worker import DispatchedInput, WorkerProgram
 
@@ -36,7 +40,7 @@ def build_worker_program(plan: Plan) -> WorkerProgram:
     roots = [graph.datapipes[i] for i in _sharding_roots(plan)]
     outputs_copy, roots_copy = copy.deepcopy((outputs, roots), memo)
     groups = _groups(plan, plan.worker_outputs, Segment.WORKER)
-    return WorkerProgram(tuple(outputs_copy), tuple(placeholders.values()), tuple(roots_copy), groups)
+    return PortableWorkerProgram(tuple(outputs_copy), tuple(placeholders.values()), tuple(roots_copy), groups)
 
 
 def build_dispatch_sources(plan: Plan) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
@@ -44,77 +48,101 @@ def build_dispatch_sources(plan: Plan) -> tuple[tuple[Any, ...], tuple[int, ...]
     if not plan.dispatchers:
         return None
     sources = copy.deepcopy([plan.graph.datapipes[i] for i in plan.dispatchers])
-    return tuple(sources), _groups(plan, plan.dispatchers, Segment.DISPATCH)
+    return PortableSources(sources), _groups(plan, plan.dispatchers, Segment.DISPATCH)
 
 
 def build_main_pipeline(plan: Plan, readers: Sequence[Any]) -> Any:
     """The main segment, reading worker output ``plan.worker_outputs[k]`` through ``readers[k]``.
 
-    Unlike the other segments, the main one is the planned graph itself, with the readers
-    spliced in where its nodes referred to worker outputs: that graph is DataLoader2's own
-    copy, and a service chained before this one (DistributedReadingService) keeps it and
-    seeds it every epoch. Once spliced, it reaches only the main segment, as with torchdata,
-    so it draws the same seeds as with torchdata. Call it after the other segments are
-    copied. Should a reference hide where splicing cannot reach, the main segment is a deep
-    copy instead (then the seeds such a service draws may differ from torchdata's).
+    The main segment is the planned graph's own main-process nodes: each edge the graph
+    walk recorded from one of them to a worker output is replayed to point at that
+    output's reader instead. That graph is DataLoader2's private copy, and a service
+    chained before this one (DistributedReadingService) keeps it and seeds it every
+    epoch; once its edges are replayed it reaches only the main segment, as with
+    torchdata, so it draws the same seeds as with torchdata.
+
+    Only those edges change. No class changes, and nothing behind a ``NoGraph`` is
+    touched: a ``NoGraph`` reference to a worker or dispatch node still reaches that
+    node as built, with its attributes as set (the children run copies of it).
     """
     graph = plan.graph
-    stand_ins = {id(graph.datapipes[i]): reader for i, reader in zip(plan.worker_outputs, readers)}
-    output = graph.datapipes[graph.output]
-    if id(output) in stand_ins:
-        return stand_ins[id(output)]
+    reader_of = dict(zip(plan.worker_outputs, readers))
+    if graph.output in reader_of:
+        return reader_of[graph.output]
     for index in plan.nodes_in(Segment.MAIN):
-        node = graph.datapipes[index]
-        state = getattr(node, "__dict__", None)
-        if state is None:
-            continue
-        for name, value in list(state.items()):
-            replaced, changed = _splice(value, stand_ins, depth=0)
-            if changed:
-                state[name] = replaced
-    main_nodes = {id(graph.datapipes[i]) for i in plan.nodes_in(Segment.MAIN)}
-    readers_by_id = {id(reader) for reader in readers}
-    if all(id(dp) in main_nodes or id(dp) in readers_by_id for dp in discover(output).datapipes):
-        return output
-    return copy.deepcopy(output, dict(stand_ins))
+        owner = graph.datapipes[index]
+        for edge in graph.nodes[index].edges:
+            if edge.parent not in reader_of:
+                continue
+            parent = graph.datapipes[edge.parent]
+            if not replace_reference(owner, edge.steps, parent, reader_of[edge.parent]):
+                raise PlanError(
+                    f"{graph.nodes[index].name}.get_parents() lists {graph.nodes[edge.parent].name}, which runs in "
+                    f"the worker processes, but {graph.nodes[index].name} holds it nowhere in its attributes "
+                    "(lists, tuples, dicts and sets included) where its reader could take its place. Keep "
+                    "the DataPipes that get_parents() returns as plain attributes, not inside NoGraph(...)."
+                )
+    return graph.datapipes[graph.output]
 
 
-_MAX_DEPTH = 8  # as deep as graph discovery looks
+# -- crossing into a spawned or forkserver child ----------------------------------------
+#
+# As torchdata does, a segment is pickled with pickle, and with dill when pickle cannot
+# (a lambda, a local function) and dill is installed. Each segment is serialized as one
+# piece, so DataPipes shared by several outputs stay shared in the child. Under fork
+# nothing is pickled and none of this runs.
 
 
-def _splice(value: Any, stand_ins: dict[int, Any], depth: int) -> tuple[Any, bool]:
-    """``value`` with every reference to a key of ``stand_ins`` replaced; lists, dicts and
-    NoGraph proxies are changed in place, tuples and sets rebuilt (then ``changed``)."""
-    if id(value) in stand_ins:
-        return stand_ins[id(value)], True
-    if isinstance(value, NoGraph):
-        target, changed = _splice(value.target, stand_ins, depth + 1)
-        if changed:
-            object.__setattr__(value, "_target", target)
-        return value, False
-    if depth >= _MAX_DEPTH or isinstance(value, (IterDataPipe, MapDataPipe, str, bytes)):
-        return value, False
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            replaced, changed = _splice(item, stand_ins, depth + 1)
-            if changed:
-                value[i] = replaced
-        return value, False
-    if isinstance(value, dict):
-        for key, item in list(value.items()):
-            replaced, changed = _splice(item, stand_ins, depth + 1)
-            if changed:
-                value[key] = replaced
-        return value, False
-    if isinstance(value, (tuple, set, frozenset)):
-        items = [_splice(item, stand_ins, depth + 1) for item in value]
-        if not any(changed for _, changed in items):
-            return value, False
-        rebuilt = [item for item, _ in items]
-        if isinstance(value, tuple) and hasattr(value, "_make"):  # a namedtuple
-            return value._make(rebuilt), True  # type: ignore[attr-defined]
-        return type(value)(rebuilt), True
-    return value, False
+def _dill() -> ModuleType | None:
+    try:
+        return importlib.import_module("dill")
+    except ImportError:
+        return None
+
+
+def dumps_segment(obj: Any) -> tuple[bytes, bool]:
+    """``obj`` pickled, with dill if pickle fails and dill is installed; and whether dill was used.
+
+    Raises pickle's error when neither can (then ``diagnose`` names the culprit)."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), False
+    except Exception:
+        dill = _dill()
+        if dill is None:
+            raise
+        try:
+            return dill.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), True
+        except Exception:
+            pass
+        raise
+
+
+def _loads_segment(data: bytes, used_dill: bool) -> Any:
+    if used_dill:
+        dill = _dill()
+        if dill is None:
+            raise ImportError("this segment was pickled with dill, which this process cannot import")
+        return dill.loads(data)
+    return pickle.loads(data)
+
+
+class PortableWorkerProgram(WorkerProgram):
+    """A ``WorkerProgram`` that crosses into a child as one blob (see ``dumps_segment``)
+    and arrives as a plain ``WorkerProgram``."""
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        plain = WorkerProgram(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerProgram)})
+        return _loads_segment, dumps_segment(plain)
+
+
+class PortableSources(tuple):
+    """The dispatch segment's copied dispatchers, crossing into the child as one blob and
+    arriving as a plain tuple."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return _loads_segment, dumps_segment(tuple(self))
 
 
 def _groups(plan: Plan, outputs: Sequence[int], segment: Segment) -> tuple[int, ...]:
