@@ -98,6 +98,10 @@ class Target:
         return float(getattr(settings, self.threshold_setting)) if self.threshold_setting else self.threshold
 
 
+# Bytes delivered per second of main-process CPU time (see ``stream``). Against memcpy:
+# 20x memcpy means the main process spends at most 5% of one copy's time on an item.
+MAIN_CPU = Metric("main_cpu_gbps", "GB/s")
+
 Runner = Callable[[Settings], Mapping[str, Any]]
 
 
@@ -202,12 +206,18 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
     yields ``items`` items unless the time budget stops it early; an epoch that ends with
     another count is an error (a contender that duplicates or drops items is not faster).
     Stopping early shuts the loader down mid-epoch, as a ``break`` out of a training loop does.
+
+    Also returns the main process's CPU time per item over the same timed window
+    (``main_cpu_per_item``, seconds of CPU, every thread of the main process), and with
+    ``item_bytes`` the bytes delivered per second of that CPU time (``main_cpu_gbps``).
+    Unlike throughput, these do not depend on how many cores the machine has: they show
+    what every item costs the one process that trains, whatever the workers do.
     """
     warm_items = max(1, items // 10)
     warm_s = settings.budget_s / 5
-    clock = time.perf_counter
+    clock, cpu_clock = time.perf_counter, time.process_time
     count = timed_from = 0
-    first = start = end = 0.0
+    first = start = end = cpu_start = cpu_end = 0.0
     stopped_early = False
     loader = open_()
     try:
@@ -218,11 +228,11 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
                 if count == 1:
                     first = now
                 if count >= warm_items or now - first >= warm_s:
-                    start, timed_from = now, count
+                    start, timed_from, cpu_start = now, count, cpu_clock()
             elif count & 15 == 0 and clock() - start >= settings.budget_s:
                 stopped_early = True
                 break
-        end = clock()
+        end, cpu_end = clock(), cpu_clock()
     except BaseException:
         close_within(loader, settings)
         raise
@@ -231,12 +241,19 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
         raise RuntimeError(f"the epoch yielded {count} items, expected {items}")
     if not timed_from or count == timed_from:
         raise RuntimeError(f"too few items ({count}) to time after the warm-up")
-    rate = (count - timed_from) / (end - start)
+    timed = count - timed_from
+    rate = timed / (end - start)
+    cpu_per_item = (cpu_end - cpu_start) / timed
     result: dict[str, Any] = {
         "throughput": rate * item_bytes / GB if item_bytes else rate,
-        "items_timed": count - timed_from,
+        "items_timed": timed,
         "stopped_early": stopped_early,
+        "main_cpu_per_item": cpu_per_item,
     }
+    if item_bytes:
+        # process_time ticks in clock ticks at worst; a window with no measurable CPU is
+        # reported as the largest figure that window can show rather than a division by zero.
+        result["main_cpu_gbps"] = item_bytes * timed / max(cpu_end - cpu_start, 1e-6) / GB
     if problem:
         result["problems"] = [f"after {'an early stop' if stopped_early else 'the epoch'}: {problem}"]
     return result

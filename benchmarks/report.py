@@ -323,3 +323,94 @@ def write(results: Results, rows: list[Row], out_dir: Path, stem: str) -> dict[s
     else:
         paths["plot"] = out_dir / f"{stem}.png"
     return paths
+
+
+# -- workers sweep ---------------------------------------------------------------------------
+
+
+def _sweep_series(runs: list[Results]) -> list[tuple[Workload, Metric, dict[str, list[float | None]]]]:
+    """Per workload and metric, each contender's medians in the order of the runs."""
+    series = []
+    for workload in runs[0].workloads:
+        for metric in workload.metrics:
+            by_contender = {
+                c: [run.cells[workload.name][c].median(metric.key) for run in runs] for c in CONTENDERS
+            }
+            if any(v is not None for values in by_contender.values() for v in values):
+                series.append((workload, metric, by_contender))
+    return series
+
+
+def sweep_table(runs: list[Results]) -> str:
+    """Every metric against the worker count, one line per workload, metric and contender."""
+    counts = [run.settings.num_workers for run in runs]
+    header = ["workload", "metric", "contender", *(f"{n} workers" for n in counts)]
+    body = []
+    for workload, metric, by_contender in _sweep_series(runs):
+        for contender, values in by_contender.items():
+            if any(v is not None for v in values):
+                unit = _display_unit(metric.unit)
+                cells = [format_value(v, metric.unit).replace(" ms", "") for v in values]
+                body.append([workload.title, f"{metric.key} ({unit})", contender, *cells])
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([f"workers sweep: {runs[0].settings.context}", line(header), line(["-" * w for w in widths])] + [line(r) for r in body])
+
+
+def sweep_plot(runs: list[Results], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = _sweep_series(runs)
+    counts = [run.settings.num_workers for run in runs]
+    columns = min(3, len(series))
+    rows = -(-len(series) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    for ax, (workload, metric, by_contender) in zip(axes.flat, series):
+        scale = 1e3 if metric.unit == "s" else 1.0  # times are shown in ms
+        for contender, values in by_contender.items():
+            points = [(n, v * scale) for n, v in zip(counts, values) if v is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=contender)
+        if metric.unit == "items/s":
+            ax.set_yscale("log")  # contenders differ by orders of magnitude on small items
+        ax.set_title(f"{workload.title}: {metric.key.replace('_', ' ')}", fontsize=8)
+        ax.set_xlabel("workers", fontsize=7)
+        ax.set_ylabel(_display_unit(metric.unit), fontsize=7)
+        ax.set_xticks(counts)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(series):]:
+        ax.set_visible(False)
+    fig.suptitle(f"mprs_plus workers sweep ({runs[0].settings.context}, {runs[0].environment['usable_cores']} usable cores)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_sweep(runs: list[Results], out_dir: Path, stem: str) -> dict[str, Path]:
+    """The sweep as JSON (medians per worker count, each run's own file holds the rest) and a plot."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{stem}.json"}
+    data = {
+        "suite": "mprs_plus benchmarks: workers sweep",
+        "environment": runs[0].environment,
+        "workers": [run.settings.num_workers for run in runs],
+        "series": [
+            {"workload": w.name, "metric": m.key, "unit": m.unit, "medians": values}
+            for w, m, values in _sweep_series(runs)
+        ],
+    }
+    paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
+    try:
+        sweep_plot(runs, out_dir / f"{stem}.png")
+    except ImportError as exc:
+        print(f"no plot: {exc}; 'pip install matplotlib' (or the 'bench' extra) brings it", file=sys.stderr)
+    else:
+        paths["plot"] = out_dir / f"{stem}.png"
+    return paths

@@ -5,6 +5,8 @@ DataLoader and in-process iteration, on the same workloads, measured interleaved
     python benchmarks/run.py                 full run (5 repetitions, memory check included)
     python benchmarks/run.py --quick         the whole suite in under a minute (smoke test)
     python benchmarks/run.py --context spawn
+    python benchmarks/run.py --workers 1,2,4,8   a sweep: the suite once per worker count,
+                                             then every throughput against the count
 
 Prints a table of medians, ratios and target verdicts; writes JSON (with environment
 metadata), Markdown and a PNG plot to benchmarks/results/ or --out DIR. Speed figures are
@@ -44,7 +46,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="few items, 1 repetition, no memory check (<1 min)")
     parser.add_argument("--repetitions", type=int, default=None, help="interleaved repetitions (default 5; 1 with --quick)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes of every loader (default 2)")
+    parser.add_argument(
+        "--workers",
+        type=_worker_counts,
+        default=(2,),
+        metavar="N[,N...]",
+        help="worker processes of every loader (default 2); several counts run the suite once per count",
+    )
     parser.add_argument(
         "--context",
         default="fork",
@@ -71,6 +79,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _worker_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or comma-separated counts, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"worker counts must be at least 1, got {text!r}")
+    return tuple(dict.fromkeys(counts))  # in the order given, each once
+
+
 def _select(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[harness.Workload]:
     if args.only:
         wanted = [name.strip() for name in args.only.split(",") if name.strip()]
@@ -88,33 +106,56 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     unknown = sorted(set(contenders) - set(harness.CONTENDERS))
     if unknown or not contenders:
         parser.error(f"unknown contender(s) {unknown}; choose from {list(harness.CONTENDERS)}")
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
     workloads = _select(args, parser)
+    contenders = tuple(c for c in harness.CONTENDERS if c in contenders)  # canonical order
+    cpu_loops = calibrate_loops(0.002)
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    runs = []
+    for workers in args.workers:
+        results = _run_once(args, workloads, contenders, workers, cpu_loops, stamp, sweep=len(args.workers) > 1)
+        runs.append(results)
+    if len(runs) > 1:
+        print()
+        print(report.sweep_table(runs))
+        stem = f"sweep-{stamp}-{args.context}{'-quick' if args.quick else ''}"
+        for kind, path in report.write_sweep(runs, args.out, stem).items():
+            print(f"{kind:>8}: {path}")
+    return 0
+
+
+def _run_once(
+    args: argparse.Namespace,
+    workloads: list[harness.Workload],
+    contenders: tuple[str, ...],
+    workers: int,
+    cpu_loops: int,
+    stamp: str,
+    sweep: bool,
+) -> harness.Results:
     settings = harness.Settings(
         quick=args.quick,
-        num_workers=args.workers,
+        num_workers=workers,
         context=args.context,
         repetitions=args.repetitions or (1 if args.quick else 5),
         budget_s=args.budget or (0.3 if args.quick else 3.0),
         deadline_s=20.0 if args.quick else 120.0,
         shutdown_limit_s=3.0 if args.quick else 10.0,
         reap_grace_s=1.0 if args.quick else 3.0,
-        cpu_loops=calibrate_loops(0.002),
+        cpu_loops=cpu_loops,
         memory_gb=args.memory_gb,
         memory_bound_mib=args.memory_bound_mib,
     )
-    contenders = tuple(c for c in harness.CONTENDERS if c in contenders)  # canonical order
     results = harness.run_suite(workloads, settings, contenders, progress=not args.no_progress)
     rows = report.summarize(results)
     print(report.table(results, rows))
-    stem = f"bench-{datetime.now():%Y%m%d-%H%M%S}-{settings.context}{'-quick' if settings.quick else ''}"
+    workers_part = f"-w{workers}" if sweep else ""
+    stem = f"bench-{stamp}-{settings.context}{workers_part}{'-quick' if settings.quick else ''}"
     paths = report.write(results, rows, args.out, stem)
     print()
     for kind, path in paths.items():
         print(f"{kind:>8}: {path}")
     print(f"    wall: {results.wall_s:.0f} s")
-    return 0
+    return results
 
 
 if __name__ == "__main__":

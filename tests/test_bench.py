@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mprs_plus._cli import bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +23,7 @@ QUICK_WORKLOADS = {
     "tiny_items",
     "numpy_arrays",
     "torch_tensors",
+    "large_tensors",
     "cpu_bound",
     "dispatch_pipeline",
     "seed_wrapper",
@@ -64,6 +67,44 @@ def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
     assert result["memcpy"]["median_gbps"] > 0
     assert list(tmp_path.glob("*.png")), "no plot written"
     assert "PASS" in done.stdout or "MISS" in done.stdout  # the table has its verdict column
+    for name in ("numpy_arrays", "torch_tensors", "large_tensors"):
+        # Main-process CPU per byte is reported for every contender that ran.
+        for contender, cell in result["workloads"][name]["contenders"].items():
+            if cell["status"] == "ok":
+                assert cell["samples"]["main_cpu_gbps"][0] > 0, (name, contender)
+
+
+def test_workers_sweep_runs_the_suite_once_per_count(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--no-progress", "--only", "tiny_items",
+         "--contenders", "mprs_plus,in-process", "--workers", "1,2", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=105,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    per_count = sorted(json.loads(p.read_text())["settings"]["num_workers"] for p in tmp_path.glob("bench-*.json"))
+    assert per_count == [1, 2]
+    [sweep_file] = tmp_path.glob("sweep-*.json")
+    sweep = json.loads(sweep_file.read_text())
+    assert sweep["workers"] == [1, 2]
+    [series] = [s for s in sweep["series"] if s["workload"] == "tiny_items"]
+    assert all(v > 0 for v in series["medians"]["mprs_plus"])
+    assert len(series["medians"]["mprs_plus"]) == 2
+    assert list(tmp_path.glob("sweep-*.png")), "no sweep plot written"
+    assert "workers sweep" in done.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "two", "1,,0", ""])
+def test_workers_option_rejects_what_is_not_a_count(value: str, capsys) -> None:
+    from benchmarks import run
+
+    with pytest.raises(SystemExit) as exit_info:
+        run.build_parser().parse_args(["--workers", value])
+    assert exit_info.value.code == 2
+    assert "--workers" in capsys.readouterr().err
 
 
 def test_bench_command_forwards_help_to_the_suite() -> None:

@@ -10,6 +10,7 @@ from ..harness import Workload
 from . import (
     cpu_bound,
     dispatch_pipeline,
+    large_tensors,
     memory_growth,
     numpy_arrays,
     seed_wrapper,
@@ -22,6 +23,7 @@ WORKLOADS: tuple[Workload, ...] = (
     tiny_items.WORKLOAD,
     numpy_arrays.WORKLOAD,
     torch_tensors.WORKLOAD,
+    large_tensors.WORKLOAD,
     cpu_bound.WORKLOAD,
     dispatch_pipeline.WORKLOAD,
     seed_wrapper.WORKLOAD,

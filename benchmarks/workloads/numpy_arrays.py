@@ -17,7 +17,7 @@ WORKLOAD = harness.Workload(
     name="numpy_arrays",
     title="1 MiB numpy arrays",
     description="np.full of 1 MiB (uint8) made in the workers; GB/s received by the main process",
-    metrics=(harness.Metric("throughput", "GB/s"),),
+    metrics=(harness.Metric("throughput", "GB/s"), harness.MAIN_CPU),
     runners=mapped_range_runners(
         items=lambda s: 256 if s.quick else 4096,
         make_fn=lambda s: functools.partial(numpy_array, nbytes=NBYTES),
@@ -25,6 +25,7 @@ WORKLOAD = harness.Workload(
     ),
     targets=(
         harness.Target("throughput", harness.MEMCPY, 0.6),
+        harness.Target("main_cpu_gbps", harness.MEMCPY, 20.0),
         harness.Target("throughput", harness.TORCHDATA, 10.0),
     ),
     notes={harness.TORCH: "DataLoader converts the arrays to tensors (batch_size=None)"},

@@ -19,7 +19,7 @@ WORKLOAD = harness.Workload(
     name="torch_tensors",
     title="4 MiB torch tensors",
     description="torch.full of 1 Mi float32 (4 MiB) made in the workers; GB/s received by the main process",
-    metrics=(harness.Metric("throughput", "GB/s"),),
+    metrics=(harness.Metric("throughput", "GB/s"), harness.MAIN_CPU),
     runners=mapped_range_runners(
         items=lambda s: 64 if s.quick else 1024,
         make_fn=lambda s: functools.partial(torch_tensor, numel=NUMEL),
@@ -27,6 +27,8 @@ WORKLOAD = harness.Workload(
     ),
     targets=(
         harness.Target("throughput", harness.IN_PROCESS, 1.2),
+        harness.Target("throughput", harness.TORCH, 4.0),
+        harness.Target("main_cpu_gbps", harness.MEMCPY, 20.0),
         harness.Target("throughput", harness.TORCHDATA, 4.0),
     ),
 )
