@@ -228,6 +228,15 @@ EXIT_CASES = {
         it = iter(loader)
         next(it)
     """,
+    "iterators_kept_after_shutdown": """
+        import mprs_plus
+        for _ in range(2):
+            loader = DataLoader2(pipelines.sharded_pipe(100000), reading_service=mprs_plus.MultiProcessingReadingService(2))
+            it = iter(loader)
+            next(it)
+            print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
+            loader.shutdown()  # the iterator outlives the service, until interpreter exit
+    """,
     "loop_broken_early": """
         loader = DataLoader2(pipelines.sharded_pipe(100000), reading_service=MultiProcessingReadingService(2))
         for i, x in enumerate(loader):

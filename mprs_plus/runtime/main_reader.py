@@ -162,6 +162,10 @@ def _guarded(
                 stats.items_in += 1
             yield item
         gate.check()
+    except GeneratorExit:
+        # Closed unfinished: by its owner, or at interpreter exit, when this module's
+        # globals (the exception types below) may already be gone. Nothing to translate.
+        raise
     except KeyboardInterrupt:
         # Ctrl-C: the children ignore SIGINT and wait for us; end them before unwinding.
         interrupted()
