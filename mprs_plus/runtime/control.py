@@ -19,6 +19,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+# torchdata's per-epoch reseeding seeds numpy's global generator, and numpy loads its
+# random module on first use. Loaded here, before any child is forked, it is not imported
+# again in every child on the path to its first item (about 8 ms each on 2 cores).
+import numpy.random  # noqa: F401
 from torch.utils.data import IterDataPipe
 from torchdata.dataloader2.graph import list_dps, traverse_dps
 
