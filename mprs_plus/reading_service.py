@@ -6,6 +6,8 @@
                                           PAUSE / RESUME every child
                 --_limit----------------> limit_fn to the children and the main segment
                 --finalize--------------> ServiceRuntime.stop()
+                --checkpoint------------> bytes: the epoch as the user has seen it (runtime/resume.py)
+                --restore(dp, bytes)----> initialize(dp); the next initialize_iteration resumes
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ from collections.abc import Callable
 from typing import Any
 
 from torchdata.dataloader2.graph import list_dps, set_graph_random_seed, traverse_dps
-from torchdata.dataloader2.reading_service import ReadingServiceInterface
+from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
 from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 
 from .options import Options
 from .plan import Plan, plan
+from .resume_state import Phase, ResumeState
+from .runtime import resume
 from .runtime.service import ServiceRuntime
 from .runtime.stats import Stats, aggregate
 
 
-class MultiProcessingReadingService(ReadingServiceInterface):
+class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
     """Run a DataPipe graph across a dispatch process, N worker processes and the main process.
 
     Same arguments and meaning as torchdata's ``MultiProcessingReadingService``. The graph
@@ -57,6 +61,12 @@ class MultiProcessingReadingService(ReadingServiceInterface):
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
+
+    Checkpoints: ``DataLoader2.state_dict()`` mid-epoch and ``DataLoader2.from_state()`` /
+    ``load_state_dict()`` in a new process go on exactly after the last item the user
+    received (the same items in the same order with ``in_order=True``, the same set with
+    ``in_order=False``), given a pipeline that is deterministic for its seed and the same
+    ``num_workers``. See the checkpoint page of the documentation for the limits.
     """
 
     def __init__(
@@ -92,6 +102,8 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | None = None
         self._main: Any = None
+        self._epoch_seed: bytes | None = None  # the seed generator as the current epoch received it
+        self._resume: ResumeState | None = None  # a restored epoch, begun by the next initialize_iteration
 
     @property
     def num_workers(self) -> int:
@@ -112,7 +124,14 @@ class MultiProcessingReadingService(ReadingServiceInterface):
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader2 copies the service before use; a running one is never copied.
-        return {"options": self.options, "_plan": None, "_runtime": None, "_main": None}
+        return {
+            "options": self.options,
+            "_plan": None,
+            "_runtime": None,
+            "_main": None,
+            "_epoch_seed": None,
+            "_resume": None,
+        }
 
     def initialize(self, datapipe: Any) -> Any:
         self._plan = plan(datapipe, self.options.num_workers)
@@ -137,13 +156,50 @@ class MultiProcessingReadingService(ReadingServiceInterface):
     def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
         if self._main is None:
             raise RuntimeError("initialize_iteration() called before initialize(): use the service through DataLoader2")
+        restored, self._resume = self._resume, None
+        if restored is not None and restored.seed_state is not None:
+            resume.set_seed_state(seed_generator, restored.seed_state)
+        self._epoch_seed = resume.seed_state(seed_generator)
         set_graph_random_seed(self._main, seed_generator)
         if self._runtime is not None:
-            self._runtime.begin_epoch(seed_generator, iter_reset_fn)
+            if restored is not None:
+                self._runtime.begin_epoch(seed_generator, iter_reset_fn, restored.consumed, restored.next_worker)
+            else:
+                self._runtime.begin_epoch(seed_generator, iter_reset_fn)
         elif self.options.worker_reset_fn is not None:
             self._main = self.options.worker_reset_fn(self._main, WorkerInfo(1, 0), seed_generator)
             return lambda _: self._main
         return None
+
+    # -- checkpoint and restore: called by DataLoader2.state_dict() / from_state() ---------------
+
+    def checkpoint(self) -> bytes:
+        """The current epoch as the user has seen it: per worker, the items handed out (not
+        those produced ahead), whose turn is next, and the epoch's seed generator.
+
+        Raises ``ValueError`` mid-epoch when the position cannot be recorded exactly (a main
+        segment with DataPipes of its own, or ``num_workers=0``); between epochs it always works.
+        """
+        state = resume.capture(
+            self.options.num_workers, self.options.in_order, self._runtime, self._main, self._epoch_seed
+        )
+        return state.to_bytes()
+
+    def restore(self, datapipe: Any, serialized_state: bytes) -> Any:
+        """Start as ``initialize`` does; the next epoch goes on where the checkpoint was taken:
+        each worker is re-seeded as at that epoch's start and drops, itself, the items the
+        user already had. A checkpoint of another worker count is a ``ValueError``."""
+        state = ResumeState.from_bytes(serialized_state)
+        state.check_workers(self.options.num_workers)
+        main = self.initialize(datapipe)
+        if state.phase is Phase.RUNNING:
+            try:
+                resume.check_resumable(self._runtime, main)
+            except ValueError:
+                self.finalize()
+                raise
+            self._resume = state
+        return main
 
     def finalize_iteration(self) -> None:
         return None

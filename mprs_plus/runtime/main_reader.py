@@ -27,7 +27,7 @@ from ..errors import ServiceClosedError
 from ..transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
 from .gate import CLOSED_MESSAGE, ReadGate
 from .mux import ChannelMux, Message
-from .reader import read_as_ready, read_in_order
+from .reader import ReadCursor, read_as_ready, read_in_order
 from .stats import StatsWriter
 from .topology import Topology
 
@@ -135,18 +135,26 @@ class MainReader:
         self._channels = [
             [position[id(receiver)] for receiver in topology.receivers_of(k)] for k in range(topology.outputs)
         ]
+        # What each output's reader handed out this epoch (checkpoints); None before it is read.
+        self.cursors: list[ReadCursor | None] = [None] * topology.outputs
+        self._next_worker = 0  # whose turn comes first in the epoch being begun
 
-    def begin_epoch(self) -> int:
-        """Move on to the next epoch: readers of the previous one end, its leftovers are dropped."""
+    def begin_epoch(self, next_worker: int = 0) -> int:
+        """Move on to the next epoch: readers of the previous one end, its leftovers are dropped.
+        ``next_worker``: whose turn comes first (a restored epoch goes on where it stopped)."""
         self._gate.check()
         self.epoch += 1
         self._mux.advance(self.epoch)
+        self.cursors = [None] * len(self._channels)
+        self._next_worker = next_worker
         return self.epoch
 
     def iterate(self, branch: int) -> Iterator[Any]:
         """The current epoch's items of worker output ``branch``."""
         self._gate.check()
-        items = self._read(self._take, self._channels[branch], self.epoch)
+        channels = self._channels[branch]
+        cursor = self.cursors[branch] = ReadCursor(len(channels), self._next_worker)
+        items = self._read(self._take, channels, self.epoch, cursor)
         return _guarded(items, self._gate, self._stats, self._interrupted)
 
 
