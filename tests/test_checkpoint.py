@@ -1,0 +1,201 @@
+"""Mid-epoch checkpoints: take one, resume it in a new Python process, compare with the
+uninterrupted run (same seed) item by item, for the rest of that epoch and 3 more."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from torch.utils.data import IterDataPipe
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+import mprs_plus
+from mprs_plus.resume_state import Phase, ResumeState
+
+SCRIPT = pathlib.Path(__file__).with_name("checkpoint_script.py")
+EPOCH = 43  # items per epoch of the script's pipelines (n=50, 7 filtered out)
+
+
+def _run(action: str, config: dict, state: pathlib.Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(SCRIPT), action, json.dumps(config), str(state)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
+    config = {
+        "pipe": "workers",
+        "n": 50,
+        "workers": 3,
+        "ctx": "fork",
+        "in_order": True,
+        "at": 13,
+        "paused": False,
+        "load": "from_state",
+    }
+    config.update(overrides)
+    state = tmp_path / "state.pkl"
+    saved = _run("save", config, state)
+    resumed = _run("resume", config, state)["epochs"]
+    reference, got = saved["reference"], saved["got"]
+    assert all(len(epoch) == EPOCH for epoch in reference)
+    if config["at"] == "end":
+        assert len(resumed) == 3
+        expected_rest, later, resumed_later = None, reference[1:], resumed
+        assert sorted(got) == sorted(reference[0])
+    else:
+        assert len(got) == config["at"]
+        expected_rest, later, resumed_later = reference[0][len(got) :], reference[1:], resumed[1:]
+    if config["in_order"]:
+        if expected_rest is not None:
+            assert got == reference[0][: len(got)]
+            assert resumed[0] == expected_rest  # the same items in the same order
+        assert resumed_later == later  # and identical later epochs
+    else:
+        if expected_rest is not None:
+            # Exactly the items the user had not received: none lost, none twice.
+            assert sorted(got + resumed[0]) == sorted(reference[0])
+        assert [sorted(e) for e in resumed_later] == [sorted(e) for e in later]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"at": 0, "load": "load_state_dict"},
+        {"at": EPOCH},
+        {"at": "end"},
+        {"paused": True, "at": 20},
+        {"pipe": "dispatch"},
+        {"pipe": "dispatch", "ctx": "spawn", "at": 30},
+        {"in_order": False},
+        {"pipe": "dispatch", "in_order": False, "at": 25},
+    ],
+    ids=[
+        "mid",
+        "item0_load_state_dict",
+        "last_item",
+        "after_epoch_end",
+        "paused",
+        "dispatch",
+        "dispatch_spawn",
+        "as_ready_exact_set",
+        "dispatch_as_ready_exact_set",
+    ],
+)
+def test_resume_in_new_process(tmp_path, overrides):
+    check_resume(tmp_path, **overrides)
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize(
+    "pipe, ctx, in_order, at",
+    list(itertools.product(["workers", "dispatch"], ["fork", "spawn", "forkserver"], [True, False], [0, 7, 42, 43])),
+)
+def test_resume_matrix(tmp_path, pipe, ctx, in_order, at):
+    check_resume(tmp_path, pipe=pipe, ctx=ctx, in_order=in_order, at=at)
+
+
+# -- in-process: the limits, stated as errors ---------------------------------------------
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _loader(num_workers: int, pipe: object = None) -> DataLoader2:
+    pipe = pipe if pipe is not None else IterableWrapper(range(20)).sharding_filter().map(_square)
+    service = mprs_plus.MultiProcessingReadingService(num_workers=num_workers, multiprocessing_context="fork")
+    return DataLoader2(pipe, reading_service=service)
+
+
+def test_other_worker_count_is_refused_naming_both():
+    loader = _loader(2)
+    try:
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+    finally:
+        loader.shutdown()
+    other = DataLoader2.from_state(
+        state, mprs_plus.MultiProcessingReadingService(num_workers=3, multiprocessing_context="fork")
+    )
+    try:
+        with pytest.raises(ValueError, match=r"num_workers=2.*num_workers=3"):
+            iter(other)
+    finally:
+        other.shutdown()
+
+
+class _InMain(IterDataPipe):
+    """Not replicable: it, and what follows it, run in the main process."""
+
+    def __init__(self, source: IterDataPipe) -> None:
+        self.source = source
+
+    def __iter__(self):
+        return iter(self.source)
+
+    def is_replicable(self) -> bool:
+        return False
+
+
+def test_main_segment_with_state_is_refused_mid_epoch_but_not_between_epochs():
+    pipe = _InMain(IterableWrapper(range(20)).sharding_filter().map(_square)).shuffle()
+    loader = _loader(2, pipe)
+    try:
+        before = ResumeState.from_bytes(loader.state_dict()["reading_service_state"])
+        assert before.phase is Phase.NOT_STARTED
+        iterator = iter(loader)
+        next(iterator)
+        with pytest.raises(ValueError, match="main process"):
+            loader.state_dict()
+    finally:
+        loader.shutdown()
+
+
+def test_in_process_service_is_refused_mid_epoch():
+    loader = _loader(0)
+    try:
+        next(iter(loader))
+        with pytest.raises(ValueError, match="num_workers >= 1"):
+            loader.state_dict()
+    finally:
+        loader.shutdown()
+
+
+def test_checkpoint_before_the_first_epoch_starts_as_new():
+    loader = _loader(2)
+    loader.seed(3)
+    try:
+        expected = list(loader)
+    finally:
+        loader.shutdown()
+    fresh = _loader(2)
+    fresh.seed(3)
+    state = fresh.state_dict()
+    fresh.shutdown()
+    restored = DataLoader2.from_state(
+        state, mprs_plus.MultiProcessingReadingService(num_workers=2, multiprocessing_context="fork")
+    )
+    try:
+        assert list(restored) == expected
+    finally:
+        restored.shutdown()
+
+
+def test_bytes_that_are_no_checkpoint_are_refused():
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        ResumeState.from_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        ResumeState.from_bytes(b"\x80\x04K\x01.")  # a pickled 1
