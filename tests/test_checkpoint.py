@@ -106,6 +106,19 @@ def test_resume_matrix(tmp_path, pipe, ctx, in_order, at):
     check_resume(tmp_path, pipe=pipe, ctx=ctx, in_order=in_order, at=at)
 
 
+def test_restore_benchmark_runs_and_checks_where_it_resumes():
+    # The benchmark asserts that each restored loader yields the item that followed the checkpoint.
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent.parent / "benchmarks" / "checkpoint.py"), "--items", "200", "--kib", "16",
+         "--repetitions", "1"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["10%", "50%", "90%"]
+
+
 # -- in-process: the limits, stated as errors ---------------------------------------------
 
 
