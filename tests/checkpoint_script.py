@@ -6,7 +6,8 @@
 CONFIG is JSON: pipe ("workers": shuffle and filter in the worker segment; "dispatch": a
 shuffle in the dispatch segment, another in the worker segment), n, workers, ctx, in_order,
 at (items before the checkpoint, or "end": after the whole first epoch), paused (take the
-checkpoint with the loader paused by ``limit``), load ("from_state" or "load_state_dict").
+checkpoint with the loader paused by ``limit``), load ("from_state" or "load_state_dict"),
+again (items after the restore before a second checkpoint, restored in turn).
 The reference run and the checkpointed run use seed 7; the resumed run sets no seed.
 """
 
@@ -85,10 +86,21 @@ def resume(config: dict, path: str) -> dict:
     else:
         loader = DataLoader2(make_pipe(config), reading_service=make_service(config))
         loader.load_state_dict(state)
+    head = []
+    if config.get("again"):
+        # A second checkpoint inside the resumed epoch, restored by yet another loader.
+        try:
+            iterator = iter(loader)
+            head = [next(iterator) for _ in range(config["again"])]
+            state = loader.state_dict()
+        finally:
+            loader.shutdown()
+        loader = DataLoader2.from_state(state, make_service(config))
     try:
         epochs = [list(loader) for _ in range(3 if config["at"] == "end" else 4)]
     finally:
         loader.shutdown()
+    epochs[0] = head + epochs[0]
     return {"epochs": epochs}
 
 

@@ -79,6 +79,7 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
         {"pipe": "dispatch"},
         {"pipe": "dispatch", "ctx": "spawn", "at": 30},
         {"in_order": False},
+        {"again": 9},
         {"pipe": "dispatch", "in_order": False, "at": 25},
     ],
     ids=[
@@ -90,6 +91,7 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
         "dispatch",
         "dispatch_spawn",
         "as_ready_exact_set",
+        "checkpoint_of_a_restored_epoch",
         "dispatch_as_ready_exact_set",
     ],
 )

@@ -31,14 +31,15 @@ class ReadCursor:
     """What one reader has handed out this epoch (see the module docstring).
 
     ``consumed[w]`` items of worker w were yielded; ``next_worker`` is whose turn comes next
-    (in order); ``ended`` once the epoch was read to its end. ``next_worker`` given at the
-    start makes an in-order reader begin there, as after a restore.
+    (in order); ``ended`` once the epoch was read to its end. A restored epoch starts from
+    the recorded counts and turn: an in-order reader begins at ``next_worker``.
     """
 
     __slots__ = ("consumed", "next_worker", "ended")
 
-    def __init__(self, workers: int, next_worker: int = 0) -> None:
-        self.consumed = [0] * workers
+    def __init__(self, workers: int, next_worker: int = 0, consumed: Sequence[int] = ()) -> None:
+        # A restored epoch counts on from what the user had before the checkpoint.
+        self.consumed = list(consumed) if consumed else [0] * workers
         self.next_worker = next_worker
         self.ended = False
 

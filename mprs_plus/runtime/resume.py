@@ -44,8 +44,8 @@ def capture(
     check_resumable(runtime, main)
     assert runtime is not None
     cursor = runtime.read_cursor()
-    if cursor is None:  # the epoch began but its reader was not made yet: nothing handed out
-        return ResumeState(num_workers, in_order, Phase.RUNNING, epoch_seed, (0,) * num_workers, 0)
+    if cursor is None:
+        raise RuntimeError("internal error: an epoch began without a read cursor")
     if cursor.ended:
         return ResumeState(num_workers, in_order, Phase.ENDED)
     return ResumeState(

@@ -149,7 +149,7 @@ class ServiceRuntime:
 
         A restored epoch passes ``skips[w]``, the items worker w drops before sending (the
         user had them), and ``next_worker``, whose turn comes first (``resume.py``)."""
-        epoch = self._started().begin_epoch(next_worker)
+        epoch = self._started().begin_epoch(next_worker, skips)
         topology, send = self._topology, self._supervisor.send
         if topology.dispatch is not None:
             send(topology.dispatch, Reset(epoch, pack((seed_generator, iter_reset_fn))))
