@@ -24,7 +24,7 @@ from .options import Options
 from .plan import Plan, plan
 from .resume_state import Phase, ResumeState
 from .runtime import resume
-from .runtime.service import ServiceRuntime
+from .runtime.service import ServiceRuntime, WorkerReader
 from .runtime.stats import Stats, aggregate
 
 
@@ -104,6 +104,8 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._main: Any = None
         self._epoch_seed: bytes | None = None  # the seed generator as the current epoch received it
         self._resume: ResumeState | None = None  # a restored epoch, begun by the next initialize_iteration
+        # Around a main segment with state of its own: counts what the user received (checkpoints).
+        self._counter: resume.MainCounter | None = None
 
     @property
     def num_workers(self) -> int:
@@ -131,6 +133,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             "_main": None,
             "_epoch_seed": None,
             "_resume": None,
+            "_counter": None,
         }
 
     def initialize(self, datapipe: Any) -> Any:
@@ -148,10 +151,14 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         if not self._plan.uses_processes:
             # In-process, as torchdata does: worker 0 of 1 runs the whole graph.
             self._main = process_init_fn(datapipe, WorkerInfo(1, 0), self.options.worker_init_fn)
-            return self._main
+            self._counter = resume.MainCounter(self._main)
+            return self._counter
         self._runtime = ServiceRuntime(self._plan, self.options)
         self._main = self._runtime.start()
-        return self._main
+        if isinstance(self._main, WorkerReader):
+            return self._main  # the workers' items as they are: counted per worker by the reader
+        self._counter = resume.MainCounter(self._main)
+        return self._counter
 
     def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
         if self._main is None:
@@ -161,14 +168,20 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             resume.set_seed_state(seed_generator, restored.seed_state)
         self._epoch_seed = resume.seed_state(seed_generator)
         set_graph_random_seed(self._main, seed_generator)
+        if self._counter is not None:
+            self._counter.begin(restored.main_skip if restored is not None else 0)
         if self._runtime is not None:
-            if restored is not None:
+            if restored is not None and any(restored.consumed):
                 self._runtime.begin_epoch(seed_generator, iter_reset_fn, restored.consumed, restored.next_worker)
             else:
                 self._runtime.begin_epoch(seed_generator, iter_reset_fn)
         elif self.options.worker_reset_fn is not None:
             self._main = self.options.worker_reset_fn(self._main, WorkerInfo(1, 0), seed_generator)
-            return lambda _: self._main
+            counter = self._counter
+            if counter is None:
+                return lambda _: self._main
+            counter.source = self._main
+            return lambda _: counter
         return None
 
     # -- checkpoint and restore: called by DataLoader2.state_dict() / from_state() ---------------
@@ -177,11 +190,12 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         """The current epoch as the user has seen it: per worker, the items handed out (not
         those produced ahead), whose turn is next, and the epoch's seed generator.
 
-        Raises ``ValueError`` mid-epoch when the position cannot be recorded exactly (a main
-        segment with DataPipes of its own, or ``num_workers=0``); between epochs it always works.
+        A main segment with DataPipes of its own (or ``num_workers=0``) is counted after it
+        and replayed from the epoch start on restore; mid-epoch that needs ``in_order=True``
+        (else ``ValueError``). Between epochs a checkpoint always works.
         """
         state = resume.capture(
-            self.options.num_workers, self.options.in_order, self._runtime, self._main, self._epoch_seed
+            self.options.num_workers, self.options.in_order, self._runtime, self._counter, self._epoch_seed
         )
         return state.to_bytes()
 
@@ -194,7 +208,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         main = self.initialize(datapipe)
         if state.phase is Phase.RUNNING:
             try:
-                resume.check_resumable(self._runtime, main)
+                resume.check_shape(state, self._counter)
             except ValueError:
                 self.finalize()
                 raise

@@ -10,6 +10,9 @@
                       resumed epoch draws the same seeds and the later ones follow on
       consumed        per worker, the items the user received from it this epoch
       next_worker     in order: whose turn the next item is
+      main_skip       a main segment with DataPipes of its own (or num_workers=0): the items
+                      the user received from it; it is replayed from the epoch start and
+                      drops that many (``consumed`` is then all zeros)
 
 Counts are taken where the items leave the service for the user, so items a worker
 produced ahead (in channels, in the reader's batches) are not consumed: after a restore
@@ -41,6 +44,7 @@ class ResumeState:
     seed_state: bytes | None = None
     consumed: tuple[int, ...] = ()
     next_worker: int = 0
+    main_skip: int = 0
 
     def to_bytes(self) -> bytes:
         record = {
@@ -52,6 +56,7 @@ class ResumeState:
             "seed_state": self.seed_state,
             "consumed": list(self.consumed),
             "next_worker": self.next_worker,
+            "main_skip": self.main_skip,
         }
         # Plain built-in types only, so that loading it never imports anything.
         return pickle.dumps(record, protocol=4)
@@ -76,6 +81,7 @@ class ResumeState:
             seed_state=record["seed_state"],
             consumed=tuple(int(n) for n in record["consumed"]),
             next_worker=int(record["next_worker"]),
+            main_skip=int(record.get("main_skip", 0)),
         )
         if state.phase is Phase.RUNNING and (
             len(state.consumed) != state.num_workers or state.seed_state is None or min(state.consumed, default=0) < 0

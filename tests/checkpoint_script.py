@@ -4,7 +4,8 @@
     python checkpoint_script.py resume CONFIG STATE_FILE  prints {"epochs": [the rest, 3 more]}
 
 CONFIG is JSON: pipe ("workers": shuffle and filter in the worker segment; "dispatch": a
-shuffle in the dispatch segment, another in the worker segment), n, workers, ctx, in_order,
+shuffle in the dispatch segment, another in the worker segment; "main": a shuffle in the
+main process), n, workers, ctx, in_order,
 at (items before the checkpoint, or "end": after the whole first epoch), paused (take the
 checkpoint with the loader paused by ``limit``), load ("from_state" or "load_state_dict"),
 again (items after the restore before a second checkpoint, restored in turn).
@@ -19,7 +20,7 @@ import sys
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
-from torchdata.datapipes.iter import IterableWrapper
+from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 import mprs_plus
 
@@ -32,13 +33,29 @@ def keep(x: int) -> bool:
     return x % 7 != 3  # uneven counts per worker: some workers end before others
 
 
+class InMain(IterDataPipe):
+    """Not replicable: it and what follows run in the main process."""
+
+    def __init__(self, source: IterDataPipe) -> None:
+        self.source = source
+
+    def __iter__(self):
+        return iter(self.source)
+
+    def is_replicable(self) -> bool:
+        return False
+
+
 def make_pipe(config: dict) -> object:
     pipe = IterableWrapper(range(config["n"])).shuffle()
     if config["pipe"] == "dispatch":
         pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
     else:
         pipe = pipe.sharding_filter()
-    return pipe.filter(keep).shuffle(buffer_size=8).map(square)
+    pipe = pipe.filter(keep)
+    if config["pipe"] == "main":
+        pipe = InMain(pipe)  # the shuffle and map that follow run in the main process
+    return pipe.shuffle(buffer_size=8).map(square)
 
 
 def make_service(config: dict) -> mprs_plus.MultiProcessingReadingService:

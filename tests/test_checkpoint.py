@@ -80,6 +80,8 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
         {"pipe": "dispatch", "ctx": "spawn", "at": 30},
         {"in_order": False},
         {"again": 9},
+        {"pipe": "main", "at": 17},
+        {"workers": 0, "at": 11},
         {"pipe": "dispatch", "in_order": False, "at": 25},
     ],
     ids=[
@@ -92,6 +94,8 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
         "dispatch_spawn",
         "as_ready_exact_set",
         "checkpoint_of_a_restored_epoch",
+        "main_segment_replayed",
+        "in_process",
         "dispatch_as_ready_exact_set",
     ],
 )
@@ -165,26 +169,20 @@ class _InMain(IterDataPipe):
         return False
 
 
-def test_main_segment_with_state_is_refused_mid_epoch_but_not_between_epochs():
+def test_main_segment_with_state_needs_in_order_mid_epoch_but_not_between_epochs():
     pipe = _InMain(IterableWrapper(range(20)).sharding_filter().map(_square)).shuffle()
-    loader = _loader(2, pipe)
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, multiprocessing_context="fork", in_order=False)
+    loader = DataLoader2(pipe, reading_service=service)
     try:
         before = ResumeState.from_bytes(loader.state_dict()["reading_service_state"])
         assert before.phase is Phase.NOT_STARTED
         iterator = iter(loader)
         next(iterator)
-        with pytest.raises(ValueError, match="main process"):
+        with pytest.raises(ValueError, match="in_order=True"):
             loader.state_dict()
-    finally:
-        loader.shutdown()
-
-
-def test_in_process_service_is_refused_mid_epoch():
-    loader = _loader(0)
-    try:
-        next(iter(loader))
-        with pytest.raises(ValueError, match="num_workers >= 1"):
-            loader.state_dict()
+        list(iterator)
+        after = ResumeState.from_bytes(loader.state_dict()["reading_service_state"])
+        assert after.phase is Phase.ENDED
     finally:
         loader.shutdown()
 

@@ -19,30 +19,89 @@ epoch again from its start, and each worker drops the dispatched items behind it
 outputs (the count of inputs behind a worker's output is not known without running it).
 Nothing skipped reaches the main process.
 
-What is refused, with a ``ValueError`` at ``checkpoint()``: a mid-epoch checkpoint of a main
-segment that is more than one worker output read as is (main-process DataPipes such as a
-shuffle or a join hold state of their own this service does not record), and of a service
-running in-process (``num_workers=0``).
+A main segment with DataPipes of its own (a shuffle, a join, the ``fullsync`` that
+``DistributedReadingService`` adds) holds state this service does not record; so does a
+service running in-process (``num_workers=0``). Then the items the user received are counted
+after the whole main segment (``MainCounter``), and a restore replays the epoch from its
+start through the main segment, which drops that many items before handing any out: exact
+with ``in_order=True``; with ``in_order=False`` the replayed order differs, so such a
+checkpoint is refused mid-epoch with a ``ValueError``.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
+from torch.utils.data import IterDataPipe
+
 from ..resume_state import Phase, ResumeState
-from .service import ServiceRuntime, WorkerReader
+from .service import ServiceRuntime
+
+
+class MainCounter(IterDataPipe):
+    """The outermost DataPipe of a main segment that holds state of its own: counts the items
+    handed to the user this epoch, and drops the first ``skip`` of a restored epoch.
+
+    The count is taken before each item is yielded, that is when it leaves for the user."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.count = 0
+        self.ended = False
+        self._skip = 0
+
+    def begin(self, skip: int = 0) -> None:
+        """A new epoch; a restored one first drops ``skip`` items."""
+        self.count, self.ended, self._skip = 0, False, skip
+
+
+def _iterate_counted(self: MainCounter) -> Iterator[Any]:
+    items = iter(self.source)
+    skip, self._skip = self._skip, 0
+    for _ in range(skip):
+        try:
+            next(items)
+        except StopIteration:
+            break
+        self.count += 1
+    for item in items:
+        self.count += 1
+        yield item
+    self.ended = True
+
+
+# Assigned after the class is made, as for the workers' reader: torch's DataPipe metaclass
+# would wrap an ``__iter__`` of the class body with per-item bookkeeping.
+MainCounter.__iter__ = _iterate_counted  # type: ignore[method-assign]
 
 
 def capture(
-    num_workers: int, in_order: bool, runtime: ServiceRuntime | None, main: Any, epoch_seed: bytes | None
+    num_workers: int,
+    in_order: bool,
+    runtime: ServiceRuntime | None,
+    counter: MainCounter | None,
+    epoch_seed: bytes | None,
 ) -> ResumeState:
     """The state of the epoch as the user has seen it; ``epoch_seed``: the pickled seed
     generator as the current epoch received it, None before the first epoch."""
     if epoch_seed is None:
         return ResumeState(num_workers, in_order, Phase.NOT_STARTED)
-    check_resumable(runtime, main)
-    assert runtime is not None
+    if counter is not None:
+        if counter.ended:
+            return ResumeState(num_workers, in_order, Phase.ENDED)
+        if not in_order and runtime is not None:
+            raise ValueError(
+                "a mid-epoch checkpoint of a pipeline with DataPipes in the main process needs in_order=True: "
+                "its main segment is replayed from the epoch start on restore, and with in_order=False the "
+                "replayed order differs. Use in_order=True, or checkpoint between epochs"
+            )
+        return ResumeState(
+            num_workers, in_order, Phase.RUNNING, epoch_seed, (0,) * num_workers, 0, main_skip=counter.count
+        )
+    if runtime is None:
+        raise RuntimeError("internal error: a service without worker processes has no main counter")
     cursor = runtime.read_cursor()
     if cursor is None:
         raise RuntimeError("internal error: an epoch began without a read cursor")
@@ -53,18 +112,15 @@ def capture(
     )
 
 
-def check_resumable(runtime: ServiceRuntime | None, main: Any) -> None:
-    if runtime is None:
+def check_shape(state: ResumeState, counter: MainCounter | None) -> None:
+    """A checkpoint counted after the main segment restores only into one that is counted
+    there too, and the other way round: otherwise the pipeline changed shape."""
+    if state.phase is not Phase.RUNNING:
+        return
+    if (counter is None and state.main_skip > 0) or (counter is not None and any(state.consumed)):
         raise ValueError(
-            "a mid-epoch checkpoint needs worker processes (num_workers >= 1): with num_workers=0 the whole "
-            "pipeline runs in the calling process, and its position is not recorded"
-        )
-    if not isinstance(main, WorkerReader):
-        raise ValueError(
-            "a mid-epoch checkpoint needs the main process to hand out the workers' items as they are: this "
-            f"pipeline runs {type(main).__name__} in the main process, whose own state (a buffer, a position) is "
-            "not recorded. Move it into the worker segment (before the last non-replicable DataPipe), or "
-            "checkpoint between epochs"
+            "this checkpoint was taken with a pipeline split differently between the processes (DataPipes "
+            "were added to or removed from the main process): restore it with the pipeline it was taken with"
         )
 
 
