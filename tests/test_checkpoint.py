@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -212,3 +214,56 @@ def test_bytes_that_are_no_checkpoint_are_refused():
         ResumeState.from_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a checkpoint"):
         ResumeState.from_bytes(b"\x80\x04K\x01.")  # a pickled 1
+
+
+# -- two ranks: SequentialReadingService(DistributedReadingService(), ours) -----------------
+
+DISTRIBUTED_SCRIPT = pathlib.Path(__file__).with_name("distributed_checkpoint_script.py")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(folder: pathlib.Path, action: str) -> list[dict]:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
+    root = str(pathlib.Path(__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    port = _free_port()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(DISTRIBUTED_SCRIPT), str(rank), "2", str(port), str(folder), action],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    logs = []
+    try:
+        for process in processes:
+            logs.append(process.communicate(timeout=100)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log[-4000:]
+    return [json.loads((folder / f"{rank}-{action}.json").read_text()) for rank in range(2)]
+
+
+def test_each_rank_resumes_its_own_stream(tmp_path):
+    saved = _run_ranks(tmp_path, "save")
+    resumed = _run_ranks(tmp_path, "resume")
+    for rank in range(2):
+        reference, got, epochs = saved[rank]["reference"], saved[rank]["got"], resumed[rank]["epochs"]
+        assert all(len(epoch) == 20 for epoch in reference)
+        assert got == reference[0][:7]
+        assert epochs[0] == reference[0][7:]
+        assert epochs[1:] == reference[1:]
+    # The ranks read disjoint shards that cover the dataset, before and after the restore.
+    assert sorted(saved[0]["reference"][1] + saved[1]["reference"][1]) == [3 * x for x in range(40)]
