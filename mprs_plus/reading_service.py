@@ -103,7 +103,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._runtime: ServiceRuntime | None = None
         self._main: Any = None
         self._epoch_seed: bytes | None = None  # the seed generator as the current epoch received it
-        self._resume: ResumeState | None = None  # a restored epoch, begun by the next initialize_iteration
+        self._restored: ResumeState | None = None  # a restored epoch, begun by the next initialize_iteration
         # Around a main segment with state of its own: counts what the user received (checkpoints).
         self._counter: resume.MainCounter | None = None
 
@@ -132,7 +132,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             "_runtime": None,
             "_main": None,
             "_epoch_seed": None,
-            "_resume": None,
+            "_restored": None,
             "_counter": None,
         }
 
@@ -163,7 +163,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
     def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
         if self._main is None:
             raise RuntimeError("initialize_iteration() called before initialize(): use the service through DataLoader2")
-        restored, self._resume = self._resume, None
+        restored, self._restored = self._restored, None
         if restored is not None and restored.seed_state is not None:
             resume.set_seed_state(seed_generator, restored.seed_state)
         self._epoch_seed = resume.seed_state(seed_generator)
@@ -212,7 +212,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             except ValueError:
                 self.finalize()
                 raise
-            self._resume = state
+            self._restored = state
         return main
 
     def finalize_iteration(self) -> None:

@@ -88,11 +88,20 @@ def save(config: dict, path: str) -> dict:
             else:
                 got = [next(iterator) for _ in range(config["at"])]
         state = loader.state_dict()
+        tail = None
+        if config.get("paused"):
+            tail = []
+            while True:  # the checkpointed loader itself goes on as if nothing happened
+                iterator.resume()
+                chunk = list(iterator)  # paused again after every ``at`` items
+                tail += chunk
+                if len(chunk) < config["at"]:
+                    break
     finally:
         loader.shutdown()
     with open(path, "wb") as file:
         pickle.dump(state, file)
-    return {"reference": reference, "got": got}
+    return {"reference": reference, "got": got, "tail": tail}
 
 
 def resume(config: dict, path: str) -> dict:

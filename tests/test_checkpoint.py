@@ -63,6 +63,8 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
             assert got == reference[0][: len(got)]
             assert resumed[0] == expected_rest  # the same items in the same order
         assert resumed_later == later  # and identical later epochs
+        if saved["tail"] is not None:
+            assert got + saved["tail"] == reference[0]  # taking it while paused changed nothing
     else:
         if expected_rest is not None:
             # Exactly the items the user had not received: none lost, none twice.
