@@ -81,7 +81,7 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
         {"at": "end"},
         {"paused": True, "at": 20},
         {"pipe": "dispatch"},
-        {"pipe": "dispatch", "ctx": "spawn", "at": 30},
+        {"pipe": "dispatch", "ctx": "spawn", "at": 30, "workers": 2},
         {"in_order": False},
         {"again": 9},
         {"pipe": "main", "at": 17},
@@ -269,3 +269,50 @@ def test_each_rank_resumes_its_own_stream(tmp_path):
         assert epochs[1:] == reference[1:]
     # The ranks read disjoint shards that cover the dataset, before and after the restore.
     assert sorted(saved[0]["reference"][1] + saved[1]["reference"][1]) == [3 * x for x in range(40)]
+
+
+# -- the resume_from hook --------------------------------------------------------------------
+
+
+class IndexedSource(IterDataPipe):
+    """A sharded source that can start at any position: it implements ``resume_from`` and
+    leaves a note (shard -> items skipped) in ``notes`` when it is used."""
+
+    def __init__(self, n: int, notes: str) -> None:
+        self.n, self.notes = n, notes
+        self.shards, self.shard = 1, 0
+
+    def apply_sharding(self, num_of_instances: int, instance_id: int, sharding_group: object = None) -> None:
+        self.shards, self.shard = num_of_instances, instance_id
+
+    def __iter__(self):
+        return iter(range(self.shard, self.n, self.shards))
+
+    def resume_from(self, skip: int):
+        (pathlib.Path(self.notes) / str(self.shard)).write_text(str(skip))
+        return iter(range(self.shard + skip * self.shards, self.n, self.shards))
+
+
+def test_a_datapipe_with_resume_from_starts_there_instead_of_producing_the_skipped_items(tmp_path):
+    def loader_of(source: IterDataPipe) -> DataLoader2:
+        service = mprs_plus.MultiProcessingReadingService(num_workers=2, multiprocessing_context="fork")
+        return DataLoader2(source, reading_service=service)
+
+    loader = loader_of(IndexedSource(30, str(tmp_path)))
+    try:
+        iterator = iter(loader)
+        got = [next(iterator) for _ in range(7)]
+        state = loader.state_dict()
+    finally:
+        loader.shutdown()
+    assert got == list(range(7))
+    restored = DataLoader2.from_state(
+        state, mprs_plus.MultiProcessingReadingService(num_workers=2, multiprocessing_context="fork")
+    )
+    try:
+        assert list(restored) == list(range(7, 30))
+        assert list(restored) == list(range(30))  # the next epoch starts from the beginning
+    finally:
+        restored.shutdown()
+    # Worker 0 had handed out 0, 2, 4, 6 and worker 1 had handed out 1, 3, 5.
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"0": "4", "1": "3"}

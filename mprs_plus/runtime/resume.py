@@ -14,6 +14,9 @@ so "worker w's items after its first consumed[w]" from "worker next_worker on" i
 uninterrupted rest of the epoch. With ``in_order=False`` the same per-worker counts make
 the remaining *set* exact; its order depends on timing, as it always does.
 
+A worker segment whose last DataPipe has ``resume_from(n)`` (documented on the checkpoint
+page) starts there instead of producing and dropping ``n`` items: the one hook, never a guess.
+
 What stays exact only by replay: with a dispatch process, the dispatch segment deals the
 epoch again from its start, and each worker drops the dispatched items behind its skipped
 outputs (the count of inputs behind a worker's output is not known without running it).
