@@ -2,7 +2,8 @@
 
     checkpoint  capture(...)      the main reader's cursor (items handed out per worker,
                                   whose turn is next) + the epoch's seed generator state
-    restore     check_restorable  the same worker count, a shape that can resume
+    restore     check_workers,    the same worker count, the same split between processes
+                check_shape
                 begin the epoch   the seed generator set back, in place, to the recorded
                                   state; every worker re-seeded as at the epoch start, told
                                   to drop its first consumed[w] items itself (``child.py``);
