@@ -22,8 +22,7 @@ from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 
 from .options import Options
 from .plan import Plan, plan
-from .resume_state import Phase, ResumeState
-from .runtime import resume
+from .runtime.resume import Checkpoints
 from .runtime.service import ServiceRuntime, WorkerReader
 from .runtime.stats import Stats, aggregate
 
@@ -102,10 +101,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | None = None
         self._main: Any = None
-        self._epoch_seed: bytes | None = None  # the seed generator as the current epoch received it
-        self._restored: ResumeState | None = None  # a restored epoch, begun by the next initialize_iteration
-        # Around a main segment with state of its own: counts what the user received (checkpoints).
-        self._counter: resume.MainCounter | None = None
+        self._checkpoints = Checkpoints(num_workers, in_order)
 
     @property
     def num_workers(self) -> int:
@@ -131,9 +127,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             "_plan": None,
             "_runtime": None,
             "_main": None,
-            "_epoch_seed": None,
-            "_restored": None,
-            "_counter": None,
+            "_checkpoints": Checkpoints(self.options.num_workers, self.options.in_order),
         }
 
     def initialize(self, datapipe: Any) -> Any:
@@ -151,37 +145,22 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         if not self._plan.uses_processes:
             # In-process, as torchdata does: worker 0 of 1 runs the whole graph.
             self._main = process_init_fn(datapipe, WorkerInfo(1, 0), self.options.worker_init_fn)
-            self._counter = resume.MainCounter(self._main)
-            return self._counter
+            return self._checkpoints.adapt(self._main, counted_by_reader=False)
         self._runtime = ServiceRuntime(self._plan, self.options)
         self._main = self._runtime.start()
-        if isinstance(self._main, WorkerReader):
-            return self._main  # the workers' items as they are: counted per worker by the reader
-        self._counter = resume.MainCounter(self._main)
-        return self._counter
+        return self._checkpoints.adapt(self._main, counted_by_reader=isinstance(self._main, WorkerReader))
 
     def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
         if self._main is None:
             raise RuntimeError("initialize_iteration() called before initialize(): use the service through DataLoader2")
-        restored, self._restored = self._restored, None
-        if restored is not None and restored.seed_state is not None:
-            resume.set_seed_state(seed_generator, restored.seed_state)
-        self._epoch_seed = resume.seed_state(seed_generator)
+        skips, next_worker = self._checkpoints.begin_epoch(seed_generator)  # a restored epoch: where to go on
         set_graph_random_seed(self._main, seed_generator)
-        if self._counter is not None:
-            self._counter.begin(restored.main_skip if restored is not None else 0)
         if self._runtime is not None:
-            if restored is not None and any(restored.consumed):
-                self._runtime.begin_epoch(seed_generator, iter_reset_fn, restored.consumed, restored.next_worker)
-            else:
-                self._runtime.begin_epoch(seed_generator, iter_reset_fn)
+            self._runtime.begin_epoch(seed_generator, iter_reset_fn, skips, next_worker)
         elif self.options.worker_reset_fn is not None:
             self._main = self.options.worker_reset_fn(self._main, WorkerInfo(1, 0), seed_generator)
-            counter = self._counter
-            if counter is None:
-                return lambda _: self._main
-            counter.source = self._main
-            return lambda _: counter
+            adapted = self._checkpoints.adapt(self._main, counted_by_reader=False)
+            return lambda _: adapted
         return None
 
     # -- checkpoint and restore: called by DataLoader2.state_dict() / from_state() ---------------
@@ -194,25 +173,19 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         and replayed from the epoch start on restore; mid-epoch that needs ``in_order=True``
         (else ``ValueError``). Between epochs a checkpoint always works.
         """
-        state = resume.capture(
-            self.options.num_workers, self.options.in_order, self._runtime, self._counter, self._epoch_seed
-        )
-        return state.to_bytes()
+        return self._checkpoints.checkpoint(self._runtime)
 
     def restore(self, datapipe: Any, serialized_state: bytes) -> Any:
         """Start as ``initialize`` does; the next epoch goes on where the checkpoint was taken:
         each worker is re-seeded as at that epoch's start and drops, itself, the items the
         user already had. A checkpoint of another worker count is a ``ValueError``."""
-        state = ResumeState.from_bytes(serialized_state)
-        state.check_workers(self.options.num_workers)
+        state = self._checkpoints.load(serialized_state)
         main = self.initialize(datapipe)
-        if state.phase is Phase.RUNNING:
-            try:
-                resume.check_shape(state, self._counter)
-            except ValueError:
-                self.finalize()
-                raise
-            self._restored = state
+        try:
+            self._checkpoints.arm(state)
+        except ValueError:
+            self.finalize()
+            raise
         return main
 
     def finalize_iteration(self) -> None:

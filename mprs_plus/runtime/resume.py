@@ -147,3 +147,57 @@ def set_seed_state(seed_generator: Any, state: bytes) -> None:
             f"{type(seed_generator).__name__}"
         )
     seed_generator.__setstate__(recorded.__getstate__())
+
+
+class Checkpoints:
+    """The reading service's checkpoint side, in one object so that the adapter only calls it.
+
+        adapt(main, runtime)       what DataLoader2 iterates: the main segment, wrapped in a
+                                   ``MainCounter`` unless it is one worker output as is
+        begin_epoch(generator)     a restored epoch: set the generator back; record the
+                                   epoch's seeds; returns what each worker skips, whose
+                                   turn is first (nothing and worker 0 for a normal epoch)
+        checkpoint(runtime)        the bytes for ``DataLoader2.state_dict()``
+        load(bytes) / arm(state)   read and check a checkpoint; the next epoch resumes it
+    """
+
+    def __init__(self, num_workers: int, in_order: bool) -> None:
+        self._num_workers = num_workers
+        self._in_order = in_order
+        self._epoch_seed: bytes | None = None  # the seed generator as the current epoch received it
+        self._restored: ResumeState | None = None  # resumed by the next begin_epoch
+        self._counter: MainCounter | None = None
+
+    def adapt(self, main: Any, counted_by_reader: bool) -> Any:
+        if counted_by_reader:
+            return main
+        if self._counter is None:
+            self._counter = MainCounter(main)
+        self._counter.source = main
+        return self._counter
+
+    def begin_epoch(self, seed_generator: Any) -> tuple[tuple[int, ...], int]:
+        restored, self._restored = self._restored, None
+        if restored is not None and restored.seed_state is not None:
+            set_seed_state(seed_generator, restored.seed_state)
+        self._epoch_seed = seed_state(seed_generator)
+        if self._counter is not None:
+            self._counter.begin(restored.main_skip if restored is not None else 0)
+        if restored is None or not any(restored.consumed):
+            return (), 0
+        return restored.consumed, restored.next_worker
+
+    def checkpoint(self, runtime: ServiceRuntime | None) -> bytes:
+        return capture(self._num_workers, self._in_order, runtime, self._counter, self._epoch_seed).to_bytes()
+
+    def load(self, serialized_state: bytes) -> ResumeState:
+        state = ResumeState.from_bytes(serialized_state)
+        state.check_workers(self._num_workers)
+        return state
+
+    def arm(self, state: ResumeState) -> None:
+        """Resume ``state`` in the next epoch (after ``adapt``); ValueError if the pipeline
+        was split differently when it was taken."""
+        if state.phase is Phase.RUNNING:
+            check_shape(state, self._counter)
+            self._restored = state
