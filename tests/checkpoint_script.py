@@ -8,7 +8,8 @@ shuffle in the dispatch segment, another in the worker segment; "main": a shuffl
 main process), n, workers, ctx, in_order,
 at (items before the checkpoint, or "end": after the whole first epoch), paused (take the
 checkpoint with the loader paused by ``limit``), load ("from_state" or "load_state_dict"),
-again (items after the restore before a second checkpoint, restored in turn).
+again (items after the restore before a second checkpoint, restored in turn), resume_ctx
+(the start method of the restored service, if not ctx).
 The reference run and the checkpointed run use seed 7; the resumed run sets no seed.
 """
 
@@ -58,10 +59,10 @@ def make_pipe(config: dict) -> object:
     return pipe.shuffle(buffer_size=8).map(square)
 
 
-def make_service(config: dict) -> mprs_plus.MultiProcessingReadingService:
+def make_service(config: dict, ctx: str | None = None) -> mprs_plus.MultiProcessingReadingService:
     return mprs_plus.MultiProcessingReadingService(
         num_workers=config["workers"],
-        multiprocessing_context=config["ctx"],
+        multiprocessing_context=ctx or config["ctx"],
         in_order=config["in_order"],
         worker_prefetch_cnt=4,
         timeout=60,
@@ -107,10 +108,11 @@ def save(config: dict, path: str) -> dict:
 def resume(config: dict, path: str) -> dict:
     with open(path, "rb") as file:
         state = pickle.load(file)
+    ctx = config.get("resume_ctx")  # the restored service may use another start method
     if config["load"] == "from_state":
-        loader = DataLoader2.from_state(state, make_service(config))
+        loader = DataLoader2.from_state(state, make_service(config, ctx))
     else:
-        loader = DataLoader2(make_pipe(config), reading_service=make_service(config))
+        loader = DataLoader2(make_pipe(config), reading_service=make_service(config, ctx))
         loader.load_state_dict(state)
     head = []
     if config.get("again"):
@@ -121,7 +123,7 @@ def resume(config: dict, path: str) -> dict:
             state = loader.state_dict()
         finally:
             loader.shutdown()
-        loader = DataLoader2.from_state(state, make_service(config))
+        loader = DataLoader2.from_state(state, make_service(config, ctx))
     try:
         epochs = [list(loader) for _ in range(3 if config["at"] == "end" else 4)]
     finally:
