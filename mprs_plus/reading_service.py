@@ -6,6 +6,8 @@
                                           PAUSE / RESUME every child
                 --_limit----------------> limit_fn to the children and the main segment
                 --finalize--------------> ServiceRuntime.stop()
+                --checkpoint------------> bytes: the epoch as the user has seen it (runtime/resume.py)
+                --restore(dp, bytes)----> initialize(dp); the next initialize_iteration resumes
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 from torchdata.dataloader2.graph import list_dps, set_graph_random_seed, traverse_dps
-from torchdata.dataloader2.reading_service import ReadingServiceInterface
+from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
 from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 
 from .options import Options
 from .plan import Plan, plan
-from .runtime.service import ServiceRuntime
+from .runtime.resume import Checkpoints
+from .runtime.service import ServiceRuntime, WorkerReader
 from .runtime.stats import Stats, aggregate
 
 
-class MultiProcessingReadingService(ReadingServiceInterface):
+class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
     """Run a DataPipe graph across a dispatch process, N worker processes and the main process.
 
     Same arguments and meaning as torchdata's ``MultiProcessingReadingService``. The graph
@@ -60,6 +63,12 @@ class MultiProcessingReadingService(ReadingServiceInterface):
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
+
+    Checkpoints: ``DataLoader2.state_dict()`` mid-epoch and ``DataLoader2.from_state()`` /
+    ``load_state_dict()`` in a new process go on exactly after the last item the user
+    received (the same items in the same order with ``in_order=True``, the same set with
+    ``in_order=False``), given a pipeline that is deterministic for its seed and the same
+    ``num_workers``. See the checkpoint page of the documentation for the limits.
     """
 
     def __init__(
@@ -96,6 +105,7 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         self._runtime: ServiceRuntime | None = None
         self._main: Any = None
         self._family = _Family.new()
+        self._checkpoints = Checkpoints(num_workers, in_order)
 
     # torchdata's public attributes, with its names and values; read-only, because the
     # options are validated once and a running service could not follow a change anyway.
@@ -144,7 +154,8 @@ class MultiProcessingReadingService(ReadingServiceInterface):
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader2 copies the service before use; a running one is never copied. The copy
-        # stays in the family of the original, so that the original can report its stats.
+        # stays in the family of the original, so that the original can report its stats,
+        # and starts with no checkpoint state of its own.
         return {"options": self.options, "family": self._family.token}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -153,6 +164,7 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         self._runtime = None
         self._main = None
         self._family = _Family.joined(state["family"])
+        self._checkpoints = Checkpoints(self.options.num_workers, self.options.in_order)
 
     def initialize(self, datapipe: Any) -> Any:
         self._plan = plan(datapipe, self.options.num_workers)
@@ -169,22 +181,49 @@ class MultiProcessingReadingService(ReadingServiceInterface):
         if not self._plan.uses_processes:
             # In-process, as torchdata does: worker 0 of 1 runs the whole graph.
             self._main = process_init_fn(datapipe, WorkerInfo(1, 0), self.options.worker_init_fn)
-            return self._main
+            return self._checkpoints.adapt(self._main, counted_by_reader=False)
         self._runtime = ServiceRuntime(self._plan, self.options)
         self._main = self._runtime.start()
         self._family.started(self._runtime)
-        return self._main
+        return self._checkpoints.adapt(self._main, counted_by_reader=isinstance(self._main, WorkerReader))
 
     def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
         if self._main is None:
             raise RuntimeError("initialize_iteration() called before initialize(): use the service through DataLoader2")
+        skips, next_worker = self._checkpoints.begin_epoch(seed_generator)  # a restored epoch: where to go on
         set_graph_random_seed(self._main, seed_generator)
         if self._runtime is not None:
-            self._runtime.begin_epoch(seed_generator, iter_reset_fn)
+            self._runtime.begin_epoch(seed_generator, iter_reset_fn, skips, next_worker)
         elif self.options.worker_reset_fn is not None:
             self._main = self.options.worker_reset_fn(self._main, WorkerInfo(1, 0), seed_generator)
-            return lambda _: self._main
+            adapted = self._checkpoints.adapt(self._main, counted_by_reader=False)
+            return lambda _: adapted
         return None
+
+    # -- checkpoint and restore: called by DataLoader2.state_dict() / from_state() ---------------
+
+    def checkpoint(self) -> bytes:
+        """The current epoch as the user has seen it: per worker, the items handed out (not
+        those produced ahead), whose turn is next, and the epoch's seed generator.
+
+        A main segment with DataPipes of its own (or ``num_workers=0``) is counted after it
+        and replayed from the epoch start on restore; mid-epoch that needs ``in_order=True``
+        (else ``ValueError``). Between epochs a checkpoint always works.
+        """
+        return self._checkpoints.checkpoint(self._runtime)
+
+    def restore(self, datapipe: Any, serialized_state: bytes) -> Any:
+        """Start as ``initialize`` does; the next epoch goes on where the checkpoint was taken:
+        each worker is re-seeded as at that epoch's start and drops, itself, the items the
+        user already had. A checkpoint of another worker count is a ``ValueError``."""
+        state = self._checkpoints.load(serialized_state)
+        main = self.initialize(datapipe)
+        try:
+            self._checkpoints.arm(state)
+        except ValueError:
+            self.finalize()
+            raise
+        return main
 
     def finalize_iteration(self) -> None:
         return None

@@ -155,6 +155,7 @@ class ChildLoop:
         self.lanes = tuple(lanes)
         self.where = where
         self.states = [LaneState.IDLE] * len(self.lanes)
+        self.skips = [0] * len(self.lanes)  # items lane k still drops before sending (a restore)
         self.epoch = 0
         self.paused = False
         self.inbox = Inbox(len(self.lanes) - 1)
@@ -171,13 +172,20 @@ class ChildLoop:
         self.epoch = epoch
         for k, lane in enumerate(self.lanes):
             self.states[k] = LaneState.IDLE
+            self.skips[k] = 0
             lane.set_epoch(epoch)
 
-    def start(self, k: int, datapipe: Any) -> None:
-        """Begin lane k's stream; a failure to begin is that stream's error."""
+    def start(self, k: int, datapipe: Any, skip: int = 0) -> None:
+        """Begin lane k's stream, which first drops ``skip`` items (a restored epoch: the
+        user had them before the checkpoint), or starts after them through the DataPipe's
+        ``resume_from(skip)`` when it has one; a failure to begin is that stream's error."""
         lane = self.lanes[k]
+        # The documented hook (``resume_from``, checkpoint page): a DataPipe that can start
+        # after its first ``skip`` items faster than by producing them says so itself.
+        fast = getattr(datapipe, "resume_from", None) if skip else None
+        self.skips[k] = 0 if callable(fast) else skip
         try:
-            lane.begin(datapipe)
+            lane.begin(fast(skip) if callable(fast) else datapipe)
         except Exception as exc:
             self.states[k] = LaneState.IDLE
             lane.fail(RemoteError.capture(exc, self.where))
@@ -224,7 +232,10 @@ class ChildLoop:
         try:
             while True:
                 if states[k] is LaneState.RUNNING and not self.paused and not inbox.interrupt:
-                    if produce(lane, inbox, self.where):
+                    if self.skips[k]:
+                        if skip_items(lane, inbox, self.where, self.skips, k):
+                            states[k] = LaneState.IDLE
+                    elif produce(lane, inbox, self.where):
                         states[k] = LaneState.IDLE  # its stream ended (END or ERROR sent)
                     continue
                 lane.flush()
@@ -248,6 +259,30 @@ class ChildLoop:
         finally:
             going_on = self.inbox.applied()
         return going_on
+
+
+def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -> bool:
+    """Produce lane k's next ``skips[k]`` items and drop them, in this process: a restored
+    epoch goes on after the items the user already had, and none of them is sent. Stops
+    when interrupted (False, ``skips[k]`` says what is left) or when the stream ends first
+    (True: END or ERROR sent)."""
+    lock, next_item = lane.lock, lane.next_item
+    while skips[k] and not inbox.interrupt:  # unlocked read, as in produce()
+        if lock is not None:
+            lock.acquire()  # a skipping lane holds no unsent items: waiting here blocks nobody
+        try:
+            next_item()
+        except StopIteration:
+            lane.finish()
+            return True
+        except Exception as exc:
+            lane.fail(RemoteError.capture(exc, where))
+            return True
+        finally:
+            if lock is not None:
+                lock.release()
+        skips[k] -= 1
+    return False
 
 
 def produce(lane: Lane, inbox: Inbox, where: str) -> bool:

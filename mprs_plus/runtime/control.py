@@ -3,6 +3,7 @@
 Lane 0 of a child (see ``child.py``) calls ``SegmentControl.apply`` with every lane parked:
 
     Reset(e)   reseed and reset the segment, then start every lane's stream for epoch e
+               (a restored epoch: each lane first drops the items the user already had)
     Pause      pause() every DataPipe of the segment (graph order), then run pause_fn
     Resume     run resume_fn, then resume() every DataPipe (reverse graph order)
     Limit      run limit_fn(segment, num_batches)
@@ -111,8 +112,8 @@ class SegmentControl:
             return
         try:
             match message:
-                case Reset(epoch=epoch):
-                    self._begin_epoch(loop, epoch, value)
+                case Reset(epoch=epoch, skip=skip):
+                    self._begin_epoch(loop, epoch, value, skip)
                 case Pause():
                     loop.paused = True
                     for datapipe in list_dps(traverse_dps(self.root)):
@@ -140,7 +141,7 @@ class SegmentControl:
         else:
             self._deferred = error
 
-    def _begin_epoch(self, loop: ChildLoop, epoch: int, value: Any) -> None:
+    def _begin_epoch(self, loop: ChildLoop, epoch: int, value: Any, skip: tuple[int, ...] = ()) -> None:
         loop.begin_epoch(epoch)
         error, self._deferred = self._failure or self._deferred, None
         if error is not None:
@@ -154,4 +155,4 @@ class SegmentControl:
             loop.fail_all(RemoteError.capture(exc, self._where), every=True)
             return
         for k, output in enumerate(outputs):
-            loop.start(k, output)
+            loop.start(k, output, skip[k] if k < len(skip) else 0)

@@ -20,14 +20,14 @@ the facade, so no reference cycle keeps a dropped service alive until a garbage 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from ..errors import ServiceClosedError
 from ..transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
 from .gate import CLOSED_MESSAGE, ReadGate
 from .mux import ChannelMux, Message
-from .reader import read_as_ready, read_in_order
+from .reader import ReadCursor, read_as_ready, read_in_order
 from .stats import StatsWriter
 from .topology import Topology
 
@@ -135,18 +135,23 @@ class MainReader:
         self._channels = [
             [position[id(receiver)] for receiver in topology.receivers_of(k)] for k in range(topology.outputs)
         ]
+        # What each output's reader handed out this epoch (checkpoints); None before the first.
+        self.cursors: list[ReadCursor | None] = [None] * topology.outputs
 
-    def begin_epoch(self) -> int:
-        """Move on to the next epoch: readers of the previous one end, its leftovers are dropped."""
+    def begin_epoch(self, next_worker: int = 0, consumed: Sequence[int] = ()) -> int:
+        """Move on to the next epoch: readers of the previous one end, its leftovers are dropped.
+        A restored epoch goes on where it stopped: ``next_worker``'s turn comes first, and
+        ``consumed[w]`` items of worker w count as handed out."""
         self._gate.check()
         self.epoch += 1
         self._mux.advance(self.epoch)
+        self.cursors = [ReadCursor(len(channels), next_worker, consumed) for channels in self._channels]
         return self.epoch
 
     def iterate(self, branch: int) -> Iterator[Any]:
         """The current epoch's items of worker output ``branch``."""
         self._gate.check()
-        items = self._read(self._take, self._channels[branch], self.epoch)
+        items = self._read(self._take, self._channels[branch], self.epoch, self.cursors[branch])
         return _guarded(items, self._gate, self._stats, self._interrupted)
 
 

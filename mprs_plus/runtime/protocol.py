@@ -1,6 +1,7 @@
 """Control messages, main process -> each child, as types (data messages: ``messages.py``).
 
-    Reset(epoch, payload)    start epoch ``epoch``; payload: (seed_generator, iter_reset_fn)
+    Reset(epoch, payload)    start epoch ``epoch``; payload: (seed_generator, iter_reset_fn);
+                             ``skip[k]``: items lane k drops first (a restored epoch)
     Pause(epoch, payload)    stop at the next item boundary; payload: pause_fn | None
     Resume(epoch, payload)   go on; payload: resume_fn | None
     Limit(epoch, payload)    payload: (num_batches | None, limit_fn)
@@ -26,6 +27,7 @@ from .messages import RemoteError
 class Reset:
     epoch: int
     payload: bytes
+    skip: tuple[int, ...] = ()  # per lane: items to produce and drop before the first one sent
 
 
 @dataclass(frozen=True, slots=True)

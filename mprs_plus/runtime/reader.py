@@ -11,6 +11,10 @@ messages from every other channel, and a newer epoch ends an older reader.
 
 Items of a batch already read wait in the reader (``pending``) until their turn: pausing
 the DataLoader2 suspends the reader between two items and loses none of them.
+
+Each reader keeps a ``ReadCursor``: how many items of each worker it has handed out, whose
+turn is next, and whether the epoch ended. It is updated just before an item is yielded,
+so it counts what the user received, never what waits in ``pending`` (checkpoints).
 """
 
 from __future__ import annotations
@@ -23,17 +27,43 @@ from .messages import Kind
 from .mux import ChannelMux
 
 
-def read_in_order(mux: ChannelMux, channels: Sequence[int], epoch: int) -> Iterator[Any]:
+class ReadCursor:
+    """What one reader has handed out this epoch (see the module docstring).
+
+    ``consumed[w]`` items of worker w were yielded; ``next_worker`` is whose turn comes next
+    (in order); ``ended`` once the epoch was read to its end. A restored epoch starts from
+    the recorded counts and turn: an in-order reader begins at ``next_worker``.
+    """
+
+    __slots__ = ("consumed", "next_worker", "ended")
+
+    def __init__(self, workers: int, next_worker: int = 0, consumed: Sequence[int] = ()) -> None:
+        # A restored epoch counts on from what the user had before the checkpoint.
+        self.consumed = list(consumed) if consumed else [0] * workers
+        self.next_worker = next_worker
+        self.ended = False
+
+
+def read_in_order(
+    mux: ChannelMux, channels: Sequence[int], epoch: int, cursor: ReadCursor | None = None
+) -> Iterator[Any]:
+    if cursor is None:
+        cursor = ReadCursor(len(channels))
+    consumed = cursor.consumed
     pending: list[deque[Any]] = [deque() for _ in channels]
     active = list(range(len(channels)))
-    position = 0
+    # A worker that ended before the restored position is dropped at its turn, as before.
+    position = cursor.next_worker if cursor.next_worker < len(active) else 0
     take = mux.take
     while active:
         worker_id = active[position]
         queue = pending[worker_id]
         if queue:
-            yield queue.popleft()
+            item = queue.popleft()
             position = position + 1 if position + 1 < len(active) else 0
+            consumed[worker_id] += 1
+            cursor.next_worker = active[position]
+            yield item
             continue
         message = take(channels[worker_id], epoch)
         if message is None:
@@ -47,9 +77,16 @@ def read_in_order(mux: ChannelMux, channels: Sequence[int], epoch: int) -> Itera
                 position = 0
         else:
             raise payload.rebuild()
+    cursor.ended = True
 
 
-def read_as_ready(mux: ChannelMux, channels: Sequence[int], epoch: int) -> Iterator[Any]:
+def read_as_ready(
+    mux: ChannelMux, channels: Sequence[int], epoch: int, cursor: ReadCursor | None = None
+) -> Iterator[Any]:
+    if cursor is None:
+        cursor = ReadCursor(len(channels))
+    consumed = cursor.consumed
+    worker_of = {channel: w for w, channel in enumerate(channels)}
     open_channels = list(channels)
     take_any = mux.take_any
     while open_channels:
@@ -58,8 +95,12 @@ def read_as_ready(mux: ChannelMux, channels: Sequence[int], epoch: int) -> Itera
             return
         kind, _, payload = message
         if kind == Kind.ITEMS:
-            yield from payload
+            worker_id = worker_of[channel]
+            for item in payload:
+                consumed[worker_id] += 1
+                yield item
         elif kind == Kind.END:
             open_channels.remove(channel)
         else:
             raise payload.rebuild()
+    cursor.ended = True

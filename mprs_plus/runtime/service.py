@@ -42,7 +42,7 @@ import multiprocessing
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.utils.data import IterDataPipe
@@ -54,6 +54,7 @@ from .dispatch import DispatchSetup, dispatch_main
 from .lifecycle import stop_at_exit
 from .main_reader import MainReader
 from .protocol import Limit, Pause, Reset, Resume, pack
+from .reader import ReadCursor
 from .segments import build_dispatch_sources, build_main_pipeline, build_worker_program
 from .stats import Stats, StatsTable, StatsView, aggregate
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
@@ -141,14 +142,25 @@ class ServiceRuntime:
 
     # -- epochs, pause, resume, limit ----------------------------------------------------
 
-    def begin_epoch(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
-        """Open a new epoch everywhere; items of earlier epochs still in flight are dropped."""
-        epoch = self._started().begin_epoch()
+    def begin_epoch(
+        self, seed_generator: Any, iter_reset_fn: Any = None, skips: Sequence[int] = (), next_worker: int = 0
+    ) -> None:
+        """Open a new epoch everywhere; items of earlier epochs still in flight are dropped.
+
+        A restored epoch passes ``skips[w]``, the items worker w drops before sending (the
+        user had them), and ``next_worker``, whose turn comes first (``resume.py``)."""
+        epoch = self._started().begin_epoch(next_worker, skips)
         topology, send = self._topology, self._supervisor.send
         if topology.dispatch is not None:
             send(topology.dispatch, Reset(epoch, pack((seed_generator, iter_reset_fn))))
         for link in topology.workers:
-            send(link, Reset(epoch, pack((seed_generator.spawn(link.index), iter_reset_fn))))
+            skip = (skips[link.index],) if skips else ()
+            send(link, Reset(epoch, pack((seed_generator.spawn(link.index), iter_reset_fn)), skip))
+
+    def read_cursor(self) -> ReadCursor | None:
+        """What the main process handed out of the current epoch (one worker output), or
+        None before it was read."""
+        return self._started().cursors[0]
 
     def iterate(self, branch: int = 0) -> Iterator[Any]:
         return self._started().iterate(branch)
