@@ -2,8 +2,11 @@
 
     sender, receiver = open_channel(ctx, capacity_items=..., capacity_bytes=...)
     sender.send(obj)          # blocks while the channel is full: backpressure
+    sender.send(obj, timeout) # ... at most timeout s (0: a try), then TimeoutError, nothing sent
     sender.close()            # end of stream
     receiver.recv(timeout)    # -> obj | raises EndOfStream / ChannelBroken / TimeoutError
+    receiver.skip()           # -> True: the next message was dropped unread; False: none is
+                              #    buffered (never blocks); raises EndOfStream / ChannelBroken
     receiver.watch(sentinel)  # a ready waitable while blocked means: the sender is gone
     endpoint.release()        # drop this process's handle of an endpoint another one owns
     release_all_except(keep)  # in a forked child: drop every inherited endpoint but these

@@ -92,6 +92,56 @@ class ShmReceiver(Endpoint):
                             signal(self._signal_fd)  # a sender that is gone needs no wake-up
         return self._recv_frame(timeout)
 
+    def skip(self) -> bool:
+        """Discard the next whole message without unpickling it; False, without blocking,
+        when none is buffered. A message larger than the ring that has begun arriving is
+        read through to its end.
+
+        Raises ``EndOfStream`` / ``ChannelBroken`` as ``recv`` would when the stream ended /
+        the sender is gone and nothing is buffered."""
+        if not self._open:
+            raise ChannelClosed("skip on a closed channel: this receiver was closed or released")
+        if self._ended:
+            raise EndOfStream()
+        ctl, words, size = self._ctl, self._words, self._size
+        while True:
+            closed = ctl[SENDER_CLOSED]  # read before write_pos: see the module's rules
+            read = ctl[READ_POS]
+            available = ctl[WRITE_POS] - read
+            if not available:
+                if closed:
+                    self._ended = True
+                    raise EndOfStream()
+                if self._sleeper.check_peer_gone() and ctl[WRITE_POS] == read:
+                    raise ChannelBroken(
+                        "the sending process is gone (it exited or was killed without closing the channel) "
+                        "and nothing is buffered"
+                    )
+                return False
+            index = (read % size) >> 3
+            head = words[index]
+            frame = words[index + 2]
+            kind = head & LOW32
+            if kind == SKIP:
+                ctl[READ_POS] = read + frame
+                continue
+            if kind != MESSAGE:
+                raise ChannelBroken(f"internal error: corrupt frame header {head:#x} at position {read}")
+            if available >= frame:
+                ctl[READ_POS] = read + frame
+                ctl[ITEMS_READ] += 1
+                self._wake_sender()
+                return True
+            # Only a frame larger than the ring is ever published in part: read it through.
+            nbuf, pickle_len = head >> 32, words[index + 1]
+            self._advance(read + HEADER)
+            lengths = struct.unpack(f"<{nbuf}Q", self._stream_in(8 * nbuf)) if nbuf else ()
+            rest = pickle_len + sum(lengths)
+            self._stream_in(rest + (-(HEADER + 8 * nbuf + rest) % HEADER), keep=False)
+            ctl[ITEMS_READ] += 1
+            self._wake_sender()
+            return True
+
     def _recv_frame(self, timeout: float | None) -> Any:
         if self._ended:
             raise EndOfStream()

@@ -6,6 +6,7 @@ See ``_ring.py`` for the layout and the rules both ends follow.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,9 +46,14 @@ class ShmSender(Endpoint):
     def _extra_state(self) -> tuple[Any, ...]:
         return (self._capacity_items,)
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: Any, timeout: float | None = None) -> None:
         """Pickle ``obj`` into the ring; block while ``capacity_items`` messages or the
         ring's bytes are in flight. An error while pickling sends nothing.
+
+        ``timeout`` (seconds; None: forever, 0: do not wait) bounds the wait for room: when
+        it passes, ``TimeoutError`` is raised and nothing of the message was written. A
+        message larger than the ring is written in pieces once its first piece is; only
+        the wait for that first piece is bounded.
 
         Raises ``ChannelClosed`` after ``close()`` / ``release()`` here, ``ChannelBroken``
         when the receiver is gone or closed, or a watched waitable became ready."""
@@ -71,7 +77,7 @@ class ShmSender(Endpoint):
                 or self._size - (write - ctl[READ_POS]) < frame
                 or ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items
             ):
-                self._write_frame(stream, buffers)
+                self._write_frame(stream, buffers, None if timeout is None else time.monotonic() + timeout)
             else:
                 words, index = self._words, offset >> 3
                 words[index] = MESSAGE
@@ -107,20 +113,20 @@ class ShmSender(Endpoint):
 
     # -- writing -------------------------------------------------------------------------
 
-    def _write_frame(self, stream: bytes | memoryview, buffers: list[memoryview]) -> None:
+    def _write_frame(self, stream: bytes | memoryview, buffers: list[memoryview], deadline: float | None) -> None:
         ctl, size = self._ctl, self._size
         nbuf = len(buffers)
         body = HEADER + 8 * nbuf + len(stream) + sum(b.nbytes for b in buffers)
         frame = (body + HEADER - 1) & -HEADER
         if ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items:
             limit = self._capacity_items
-            self._wait_for_room(lambda: ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] < limit)
+            self._wait_for_room(lambda: ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] < limit, deadline)
         if frame > size:
-            self._write_streamed(stream, buffers, frame, frame - body)
+            self._write_streamed(stream, buffers, frame, frame - body, deadline)
             return
         write = ctl[WRITE_POS]
         if size - (write - ctl[READ_POS]) < frame:
-            self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= frame)
+            self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= frame, deadline)
         offset = write % size
         if offset >= self._recycle_at and frame <= offset and write == ctl[READ_POS]:
             self._put_header(offset, SKIP, 0, 0, size - offset)
@@ -139,12 +145,14 @@ class ShmSender(Endpoint):
         ctl[WRITE_POS] = write + frame  # publishes the whole frame at once
         ctl[ITEMS_WRITTEN] += 1
 
-    def _write_streamed(self, stream: bytes | memoryview, buffers: list[memoryview], frame: int, padding: int) -> None:
+    def _write_streamed(
+        self, stream: bytes | memoryview, buffers: list[memoryview], frame: int, padding: int, deadline: float | None
+    ) -> None:
         """A frame larger than the ring: header first, then pieces as room appears."""
         stream = memoryview(stream)  # slices of it must not copy
         ctl, size = self._ctl, self._size
-        self._torn = True
-        self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= HEADER)
+        self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= HEADER, deadline)
+        self._torn = True  # from the header on, an interruption leaves half a message
         write = ctl[WRITE_POS]
         lengths = [b.nbytes for b in buffers]
         self._put_header(write % size, MESSAGE, len(buffers), stream.nbytes, frame)
@@ -207,13 +215,15 @@ class ShmSender(Endpoint):
             if not signal(self._signal_fd) and strict:
                 raise ChannelBroken("the receiving process is gone (it exited or was killed)")
 
-    def _wait_for_room(self, room: Callable[[], bool]) -> None:
+    def _wait_for_room(self, room: Callable[[], bool], deadline: float | None = None) -> None:
         ctl = self._ctl
-        outcome = self._sleeper.wait(lambda: room() or ctl[RECEIVER_CLOSED])
+        outcome = self._sleeper.wait(lambda: room() or ctl[RECEIVER_CLOSED], deadline)
         if ctl[RECEIVER_CLOSED]:
             raise ChannelBroken("the receiver closed the channel while this sender waited for room")
         if outcome == Outcome.READY:
             return
+        if outcome == Outcome.TIMEOUT:
+            raise TimeoutError("no room in the channel within the timeout; nothing was sent")
         if outcome == Outcome.WATCHED:
             raise ChannelBroken("a watched process ended while this sender waited for room in the channel")
         raise ChannelBroken(

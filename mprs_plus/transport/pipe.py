@@ -10,7 +10,9 @@ of by polling.
 
 from __future__ import annotations
 
+import math
 import pickle
+import select
 import weakref
 from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
@@ -58,9 +60,16 @@ class PipeSender(_Endpoint):
     """Writing end. ``send`` blocks while the kernel buffer is full (backpressure);
     a reader whose every handle is closed breaks the pipe."""
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: Any, timeout: float | None = None) -> None:
+        """``timeout`` (seconds; None: forever, 0: do not wait) bounds the wait for room in
+        the pipe before the first byte: ``TimeoutError`` then, and nothing was written."""
         conn = self._live()
         data = pickle.dumps(obj, protocol=5)
+        if timeout is not None:
+            probe = select.poll()
+            probe.register(conn.fileno(), select.POLLOUT)
+            if not probe.poll(max(0, math.ceil(timeout * 1000))):
+                raise TimeoutError("no room in the channel within the timeout; nothing was sent")
         try:
             conn.send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
@@ -117,6 +126,23 @@ class PipeReceiver(_Endpoint):
             self._ended = True
             raise EndOfStream()
         return pickle.loads(data)
+
+    def skip(self) -> bool:
+        """Discard the next message without unpickling it; False, without blocking, when
+        nothing is buffered (a message that has begun arriving is read through)."""
+        conn = self._live()
+        if self._ended:
+            raise EndOfStream()
+        if not conn.poll(0):
+            return False
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, ConnectionResetError) as exc:
+            raise ChannelBroken("the sending end closed without ending the stream") from exc
+        if data == _END_OF_STREAM:
+            self._ended = True
+            raise EndOfStream()
+        return True
 
     def close(self) -> None:
         self.release()
