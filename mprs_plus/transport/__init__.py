@@ -3,6 +3,7 @@
     sender, receiver = open_channel(ctx, capacity_items=..., capacity_bytes=...)
     sender.send(obj)          # blocks while the channel is full: backpressure
     sender.send(obj, timeout) # ... at most timeout s (0: a try), then TimeoutError, nothing sent
+    sender.peer_waiting()     # -> the receiver is blocked waiting for data now (no system call)
     sender.close()            # end of stream
     receiver.recv(timeout)    # -> obj | raises EndOfStream / ChannelBroken / TimeoutError
     receiver.skip()           # -> True: the next message was dropped unread; False: none is

@@ -75,6 +75,10 @@ class PipeSender(_Endpoint):
         except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
             raise ChannelBroken("the receiving end of the channel is gone") from exc
 
+    def peer_waiting(self) -> bool:
+        """Unknown through a pipe: always False (a batching caller relies on its timer)."""
+        return False
+
     def close(self) -> None:
         """End the stream: the receiver gets everything sent so far, then ``EndOfStream``."""
         conn, self._conn = self._conn, None
