@@ -44,7 +44,7 @@ warnings.filterwarnings("ignore", message=r"\s*#+\s*WARNING!")
 
 from torchdata.dataloader2 import DataLoader2  # noqa: E402
 from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
-from torchdata.dataloader2.graph import SHARDING_PRIORITIES  # noqa: E402
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES  # noqa: E402
 
 from mprs_plus import MultiProcessingReadingService  # noqa: E402
 
