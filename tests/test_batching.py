@@ -137,6 +137,9 @@ def test_the_first_of_slow_items_arrives_when_it_is_ready_not_with_the_next():
             got.append((item, time.monotonic() - started))
         assert [item for item, _ in got] == list(range(6))
         assert got[0][1] < 1.8, f"first item after {got[0][1]:.2f} s"
+        # The workers slept and woke many times; no wake-up needed the watchdog.
+        processes = loader.reading_service.stats().processes
+        assert processes and all(process.rescues == 0 for process in processes)
     finally:
         loader.shutdown()
 

@@ -4,6 +4,26 @@
                              one SharedRegion per channel  _memory.py, layout in _ring.py
                              wake-ups through two pipes    _wakeup.py
                              pickling, out-of-band buffers serialize.py
+
+Every blocking wait of this transport, and what ends it (the protocol that makes a lost
+wake-up impossible, and the watchdog behind it, are in ``_wakeup.py``):
+
+    wait                              flag / pipe           ended by
+    send: room for items or bytes     tx_sleeping / space   receiver's read (byte), receiver
+                                                            closed, peer gone (EOF), watched
+                                                            waitable, timeout, watchdog
+    send: next piece of a big frame   tx_sleeping / space   same, without a timeout
+    recv: a message                   rx_sleeping / data    sender's publish (byte), end of
+                                                            stream, peer gone, watched, timeout,
+                                                            watchdog
+    recv: rest of a big frame         rx_sleeping / data    same, without a timeout
+    wait_readable: any of n receivers rx_sleeping of each   as recv, for each; the ``also``
+                                                            waitables (process sentinels: the
+                                                            kernel's, no flag involved)
+
+All go through ``Sleeper.wait`` except ``wait_readable``, which runs the same steps over
+several receivers. ``poll()``, ``skip()`` and ``traffic()`` never block and never read a
+wake-up pipe. Control channels are channels like any other.
 """
 
 from __future__ import annotations
