@@ -10,7 +10,8 @@ blocked writing to one worker would hold back the items it already dealt to anot
 which can close a wait cycle with the main process (see ``service.py``). So:
 
 * an item is handed on at once when the reader is asleep waiting for data (its flag is in
-  the channel's shared memory), since batching then only adds latency;
+  the channel's shared memory) and no batch left in the last ``max_delay``: batching then
+  only adds latency (while batches flow, a one-item message would only cost a wake-up);
 * otherwise within ``max_delay`` of being produced, whatever the owner is doing: a
   per-process flusher thread sends a batch that has waited that long, with a send that
   never blocks (``timeout=0``), retrying later while the channel is full;
@@ -54,6 +55,7 @@ class Batcher:
         "_items",
         "_since",
         "_watched",
+        "_sent_at",
         "_handed",
         "_failed_epoch",
         "_lock",
@@ -78,6 +80,7 @@ class Batcher:
         self._items: list[Any] = []
         self._since = 0.0
         self._watched = False  # the flusher will look at this batcher again (at most one look pending)
+        self._sent_at = -1e9  # when the owner last sent a batch
         self._handed = 0  # items of this epoch already sent (numbers the culprit of an error)
         self._failed_epoch: int | None = None
         self._lock = threading.Lock()
@@ -101,8 +104,11 @@ class Batcher:
             items = self._items
             items.append(item)
             if len(items) == 1:
-                self._since = _clock()
-                if self.max_items > 1 and not self._reader_waiting():
+                now = self._since = _clock()
+                # At once to a reader asleep waiting for it, unless batches are flowing
+                # (the last one left less than max_delay ago): then it gets a full batch
+                # soon, and one-item messages would only cost both sides a wake-up each.
+                if self.max_items > 1 and (now - self._sent_at < self.max_delay or not self._reader_waiting()):
                     if not self._watched:
                         self._watched = True
                         _flusher().watch(self, self._since + self.max_delay)
@@ -143,6 +149,7 @@ class Batcher:
             self._cannot_send(items, exc)
         else:
             self._handed += len(items)
+            self._sent_at = _clock()
 
     def _cannot_send(self, items: list[Any], exc: Exception) -> None:
         """Send the items before the one that does not pickle, then an ERROR about it."""
