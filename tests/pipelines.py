@@ -427,6 +427,11 @@ def unpicklable(item: Any) -> Any:
     return (x for x in [item])
 
 
+def unpicklable_at_5(item: Any) -> Any:
+    """Item 5 cannot travel between processes; the others can."""
+    return (x for x in [item]) if item == 5 else item
+
+
 # -- statistics ----------------------------------------------------------------------------
 
 

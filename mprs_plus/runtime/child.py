@@ -312,7 +312,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                     lane.fail(RemoteError.capture(failure, where))
                 return True
             if stats is None:
-                emit(item)  # an item that cannot be sent becomes an ERROR (GuardedSender)
+                emit(item)  # an item that cannot be sent becomes an ERROR (batching.py)
                 continue
             produced = clock()
             emit(item)

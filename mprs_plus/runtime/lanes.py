@@ -17,7 +17,7 @@ Rules that keep a child free of deadlocks:
 * nothing waits for the listener, and the listener waits only on its channel.
 
 A message that cannot be sent (an item that does not pickle) ends that lane's epoch with
-an ERROR carrying the reason (``GuardedSender``), instead of killing the child.
+an ERROR carrying the reason (``batching.py``), instead of killing the child.
 
 What is left is the one wait a deterministic round-robin cannot avoid (a worker waiting for
 its turn of dispatched items while the dispatcher waits for another worker to make room);
@@ -30,8 +30,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..transport import ChannelError
-from .messages import Batcher, Kind, RemoteError
+from .batching import Batcher
+from .messages import Kind, RemoteError
 from .stats import StatsWriter
 
 # The lane running in the current thread, so that an input about to block can flush it.
@@ -77,32 +77,6 @@ class Lane(Protocol):
     def close(self) -> None: ...
 
 
-class GuardedSender:
-    """Sends one lane's messages on one channel. A message that cannot be sent (one of its
-    items does not pickle) becomes that epoch's ERROR, and the rest of that epoch is dropped:
-    the reader raises the error instead of losing the items silently."""
-
-    def __init__(self, sender: Any, where: str) -> None:
-        self._sender = sender
-        self._where = where
-        self._failed_epoch: int | None = None
-
-    def send(self, message: tuple[int, int, Any]) -> None:
-        epoch = message[1]
-        if epoch == self._failed_epoch:
-            return
-        try:
-            self._sender.send(message)
-        except ChannelError:
-            raise
-        except Exception as exc:
-            self._failed_epoch = epoch
-            self._sender.send((Kind.ERROR, epoch, RemoteError.capture(exc, self._where)))
-
-    def close(self) -> None:
-        self._sender.close()
-
-
 class OutputLane:
     """A worker's lane: items of one output go to one channel, in batches."""
 
@@ -113,8 +87,7 @@ class OutputLane:
         self.stats = stats
         if stats is not None:
             stats.channels = (sender,)
-        self._sender = GuardedSender(sender, where)
-        self._batcher = Batcher(self._sender.send, 0, max_items=max_items)
+        self._batcher = Batcher(sender, 0, max_items=max_items, where=where, to="the main process")
         self.emit = self._batcher.add
         self.next_item = _exhausted
 
@@ -135,7 +108,7 @@ class OutputLane:
         self._batcher.flush()
 
     def close(self) -> None:
-        self._sender.close()
+        self._batcher.close()
 
 
 class DealLane:
@@ -153,8 +126,9 @@ class DealLane:
         self.stats = stats
         if stats is not None:
             stats.channels = tuple(senders)
-        self._senders = tuple(GuardedSender(sender, where) for sender in senders)
-        self._batchers = [Batcher(sender.send, 0, max_items=max_items) for sender in self._senders]
+        self._batchers = [
+            Batcher(sender, 0, max_items=max_items, where=where, to=f"worker {w}") for w, sender in enumerate(senders)
+        ]
         self._adds = [batcher.add for batcher in self._batchers]
         self._count = len(self._adds)
         self._turn = 0
@@ -193,5 +167,5 @@ class DealLane:
             batcher.flush()
 
     def close(self) -> None:
-        for sender in self._senders:
-            sender.close()
+        for batcher in self._batchers:
+            batcher.close()

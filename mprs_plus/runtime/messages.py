@@ -10,7 +10,7 @@ There is one data channel per (dispatcher, worker) and per (worker, worker outpu
 with exactly one writing thread; see ``lanes.py`` for why that keeps the service free of
 deadlocks.
 
-Items travel in batches (see ``Batcher``): a reader takes them one by one, so order and
+Items travel in batches (see ``batching.py``): a reader takes them one by one, so order and
 round-robin are per item, whatever the batch sizes.
 
 ``epoch`` increases with every ``Reset``, so a reader drops whatever a producer sent for an
@@ -22,7 +22,6 @@ from __future__ import annotations
 import enum
 import os
 import pickle
-import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
@@ -44,45 +43,6 @@ class Kind(enum.IntEnum):
         return int, (self.value,)
 
 
-class Batcher:
-    """Groups items bound for one channel so that small items share one message.
-
-    A batch is sent when it holds ``max_items`` items or when its first item has waited
-    ``max_delay`` seconds; the owner also calls ``flush()`` before it could block (at the
-    end of an epoch, before waiting on its own input), so a held item never waits on a
-    peer that waits on it. Large items therefore travel alone and at once, tiny items in
-    batches of up to ``max_items``.
-    """
-
-    __slots__ = ("_send", "epoch", "max_items", "max_delay", "_items", "_since")
-
-    def __init__(self, send: Any, epoch: int, max_items: int = 64, max_delay: float = 0.002) -> None:
-        self._send = send
-        self.epoch = epoch
-        self.max_items = max_items
-        self.max_delay = max_delay
-        self._items: list[Any] = []
-        self._since = 0.0
-
-    def add(self, item: Any) -> None:
-        items = self._items
-        items.append(item)
-        if len(items) == 1:
-            self._since = time.perf_counter()
-            if self.max_items > 1:
-                return
-        if len(items) >= self.max_items or time.perf_counter() - self._since >= self.max_delay:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._items:
-            items, self._items = self._items, []
-            self._send((Kind.ITEMS, self.epoch, items))
-
-    def finish(self, kind: Kind, payload: Any = None) -> None:
-        """Flush, then send the epoch's last message (END or ERROR)."""
-        self.flush()
-        self._send((kind, self.epoch, payload))
 
 
 @dataclass(frozen=True)

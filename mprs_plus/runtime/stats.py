@@ -17,6 +17,8 @@ Fields, per process:
                   waiting for space in its channel (long when the next process is slow)
     bytes_out     bytes written to channels
     queued        messages written to this process's output channels and not yet read
+    rescues       wake-ups on those channels that the transport's watchdog stood in for
+                  (either end; always 0 unless the transport has a bug)
 
 There is one row per *lane* (a thread producing one output, see ``lanes.py``), so that
 every row has exactly one writer thread; ``stats()`` adds a process's rows up.
@@ -28,8 +30,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "queued", "started")
-_ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED = range(len(FIELDS))
+FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "queued", "started", "rescues")
+_ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED, _RESCUES = range(len(FIELDS))
 
 
 class StatsTable:
@@ -82,6 +84,7 @@ class StatsWriter:
             traffic = [channel.traffic() for channel in self.channels]
             table[base + _BYTES_OUT] = sum(t.bytes for t in traffic)
             table[base + _QUEUED] = sum(t.queued_messages for t in traffic)
+            table[base + _RESCUES] = sum(t.rescues for t in traffic)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class ProcessStats:
     bytes_out: int
     elapsed_s: float
     queued: int  # items waiting in this process's output channel(s), where known
+    rescues: int = 0  # lost wake-ups the transport's watchdog made up for (0 unless there is a bug)
 
     @property
     def busy_fraction(self) -> float:
@@ -135,6 +139,7 @@ def make_process_stats(role: str, index: int, pid: int, rows: list[dict[str, flo
         bytes_out=int(total("bytes_out")),
         elapsed_s=elapsed,
         queued=int(total("queued")),
+        rescues=int(total("rescues")),
     )
 
 

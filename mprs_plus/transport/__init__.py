@@ -3,6 +3,7 @@
     sender, receiver = open_channel(ctx, capacity_items=..., capacity_bytes=...)
     sender.send(obj)          # blocks while the channel is full: backpressure
     sender.send(obj, timeout) # ... at most timeout s (0: a try), then TimeoutError, nothing sent
+    sender.peer_waiting()     # -> the receiver is blocked waiting for data now (no system call)
     sender.close()            # end of stream
     receiver.recv(timeout)    # -> obj | raises EndOfStream / ChannelBroken / TimeoutError
     receiver.skip()           # -> True: the next message was dropped unread; False: none is
@@ -16,9 +17,12 @@
 Both endpoints may be handed to a child process when it is started; each endpoint has
 exactly one owner process after that.
 
-Two implementations keep this interface: shared-memory rings (``shm.py``, the default on
-Linux x86-64, where memfd exists and the ring's memory ordering argument holds) and OS
-pipes (``pipe.py``, everywhere else).
+Two implementations keep this interface, with the same capacity limits and the same
+errors: shared-memory rings (``shm.py``, the default on Linux x86-64, where memfd exists
+and the ring's memory ordering argument holds) and OS pipes (``pipe.py``, everywhere
+else). The environment variable ``MPRS_PLUS_TRANSPORT`` (``shm``, ``pipe``, or ``auto``,
+the default) chooses one when this package is first imported; child processes inherit the
+choice. ``TRANSPORT`` says which is in use.
 """
 
 import os
@@ -28,14 +32,23 @@ from .errors import ChannelBroken, ChannelClosed, ChannelError, EndOfStream
 from .serialize import register_reducer
 from .traffic import Traffic
 
-if hasattr(os, "memfd_create") and platform.machine() in ("x86_64", "AMD64"):
+_SHM_WORKS = hasattr(os, "memfd_create") and platform.machine() in ("x86_64", "AMD64")
+_CHOICE = os.environ.get("MPRS_PLUS_TRANSPORT", "auto").strip().lower() or "auto"
+if _CHOICE not in ("auto", "shm", "pipe"):
+    raise ValueError(f"MPRS_PLUS_TRANSPORT must be 'shm', 'pipe' or 'auto', not {_CHOICE!r}")
+if _CHOICE == "shm" and not _SHM_WORKS:
+    raise RuntimeError("MPRS_PLUS_TRANSPORT=shm: the shared-memory transport needs Linux on x86-64")
+
+TRANSPORT = "shm" if _CHOICE == "shm" or (_CHOICE == "auto" and _SHM_WORKS) else "pipe"
+if TRANSPORT == "shm":
     from .shm import open_shm_channel as open_channel
     from .shm import release_all_except, wait_readable
-else:  # pragma: no cover - exercised on other platforms only
+else:
     from .pipe import open_pipe_channel as open_channel
     from .pipe import release_all_except, wait_readable
 
 __all__ = [
+    "TRANSPORT",
     "ChannelBroken",
     "ChannelClosed",
     "ChannelError",

@@ -46,7 +46,8 @@ class ShmReceiver(Endpoint):
         return self._wait_fd
 
     def poll(self) -> bool:
-        """True when ``recv`` would return (or raise) without blocking."""
+        """True when ``recv`` would return (or raise) without blocking. Never reads the
+        wake-up pipe (see ``_wakeup.py``: only a waiter that just woke may drain it)."""
         if not self._open:
             raise ChannelClosed("poll on a closed channel: this receiver was closed or released")
         if self._ended:
@@ -284,8 +285,20 @@ class ShmReceiver(Endpoint):
             return
         raise ChannelBroken("the sender stopped in the middle of a message (its process ended); the message is lost")
 
+    # -- for wait_readable, which follows the Sleeper's protocol over several receivers --
+
     def _arm(self) -> None:
         self._ctl[RX_SLEEPING] = 1
 
-    def _disarm(self) -> None:
-        self._ctl[RX_SLEEPING] = 0
+    def _disarm(self) -> bool:
+        """Clear the flag; True when it was still set (no sender had begun to wake us)."""
+        ctl = self._ctl
+        unwoken = ctl[RX_SLEEPING]
+        ctl[RX_SLEEPING] = 0
+        return bool(unwoken)
+
+    def _drain(self) -> None:
+        self._sleeper.drain()
+
+    def _count_rescue(self) -> None:
+        self._sleeper.count_rescue()

@@ -13,7 +13,9 @@ buffers are copied straight into the ring (``serialize.py``): one copy in, one c
     | line 0  write_pos   items_written  sender_closed      (producer)       |
     | line 1  read_pos    items_read     receiver_closed    (consumer)       |
     | line 2  rx_sleeping  (set by the consumer, cleared by whoever wakes it) |
+    |         rx_rescues   (consumer: wake-ups the watchdog had to stand in for)|
     | line 3  tx_sleeping  (set by the producer, cleared by whoever wakes it) |
+    |         tx_rescues   (producer: the same)                              |
     +-----------------------------------------------------------------------+
     data ring: positions count bytes forever; offset = position % size
     +-----------------------------------------------------------------------+
@@ -57,8 +59,8 @@ from .traffic import NO_TRAFFIC, Traffic
 # Control words (indices of 64-bit words in the control page).
 WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED = 0, 1, 2
 READ_POS, ITEMS_READ, RECEIVER_CLOSED = 8, 9, 10
-RX_SLEEPING = 16
-TX_SLEEPING = 24
+RX_SLEEPING, RX_RESCUES = 16, 17  # a Sleeper counts its rescues in the word after its flag
+TX_SLEEPING, TX_RESCUES = 24, 25
 
 HEADER = 32  # bytes; frames start on multiples of it, so a header never wraps
 MESSAGE = 0x4D5347  # "MSG": anything else in a header is corruption, i.e. a bug here
@@ -104,7 +106,8 @@ class Endpoint:
             return NO_TRAFFIC
         ctl = self._ctl
         written, write_pos = ctl[ITEMS_WRITTEN], ctl[WRITE_POS]
-        return Traffic(written, write_pos, written - ctl[ITEMS_READ], write_pos - ctl[READ_POS])
+        queued = write_pos - ctl[READ_POS]
+        return Traffic(written, write_pos, written - ctl[ITEMS_READ], queued, ctl[RX_RESCUES] + ctl[TX_RESCUES])
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""

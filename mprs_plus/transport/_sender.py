@@ -95,6 +95,11 @@ class ShmSender(Endpoint):
             if not signal(self._signal_fd):
                 raise ChannelBroken("the receiving process is gone (it exited or was killed)")
 
+    def peer_waiting(self) -> bool:
+        """The receiver is blocked waiting for data right now (read from shared memory, no
+        system call): a caller holding messages back to batch them should send now."""
+        return self._open and self._ctl[RX_SLEEPING] != 0
+
     def _refuse(self) -> None:
         if self._torn:
             raise ChannelBroken("an earlier send was interrupted in the middle of a message; the stream is unusable")

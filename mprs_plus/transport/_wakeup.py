@@ -1,14 +1,39 @@
 """How a channel endpoint sleeps and is woken: spin briefly, then block on an OS pipe.
 
-    producer                               consumer
-    publish write position                 rx_sleeping = 1
-    fence                                  fence
-    if rx_sleeping: clear, write a byte    if nothing new: block on the pipe (+ watched)
+The protocol (both directions alike; "waiter" is the consumer waiting for data or the
+producer waiting for room, "waker" the other side, "flag" the waiter's sleeping word):
 
-(and the same the other way round when the producer waits for space). The fence makes
-the pair safe: without it each side could read the other's flag before its own store is
-visible, and the consumer would sleep through a message. A byte is written only when the
-peer said it sleeps, so a busy channel makes no system calls.
+    waker                                  waiter
+    1 publish its position (data / room)   1 set flag = 1
+    2 fence                                2 fence
+    3 if flag: flag = 0, write one byte    3 if the condition holds: flag = 0, done
+                                           4 block on the pipe (at most WATCHDOG_SECONDS)
+                                           5 flag = 0, drain the pipe, re-check: go to 1
+
+Why no wake-up can be lost
+    * Steps 1-2 on both sides make a Dekker pair: without the fences each side could read
+      the other's word before its own store is visible. With them, either the waiter's
+      check (3) sees the published position, or the waker's check (3) sees the flag and
+      writes a byte that the block (4) will see.
+    * Only the waiter reads the pipe, and only in step 5: after it woke and *before* it
+      re-checks the condition. A byte drained there was written for a position that the
+      re-check sees. Draining anywhere else (say in a non-blocking ``poll()``, between a
+      check and a block) could swallow the byte of a position published after that check:
+      the waiter would then sleep on data that is there. ``poll()`` therefore never reads
+      the pipe; it asks the kernel about end-of-file (``POLLHUP``) only.
+    * A byte that arrives after the waiter has seen its condition some other way is stale:
+      the next block returns at once, step 5 drains it, and the waiter blocks again. A flag
+      cleared late by a slow waker is always followed by a byte, so it is harmless too.
+    * A byte is written only when the peer said it sleeps, so a busy channel makes no
+      system calls.
+
+The watchdog: robust even against a bug not found yet
+    A blocked waiter never trusts the byte alone: it wakes every ``WATCHDOG_SECONDS``
+    and re-checks its condition. A missed wake-up therefore costs at most that much
+    latency, never a hang. When the watchdog finds the condition true while the flag was
+    still set (no waker had begun to wake it), that is a *rescue*: it is counted in the
+    channel's control page and shown by ``Traffic.rescues``. The protocol above says it
+    never happens; a non-zero count is a bug to report, not a state to live with.
 
 A blocked endpoint waits on its pipe *and* on the watched waitables with one ``poll``.
 Every write end of the pipe belongs to the peer, so a peer that is gone, however it
@@ -32,6 +57,16 @@ from typing import Any
 # burning the time slice, and it cut sleeps (and their system calls) from about one
 # message in five to almost none in the one-int-per-message benchmark on a busy machine.
 SPIN_SECONDS = 20e-6
+
+# The bounded re-check of a blocked waiter (see the module's docstring). 100 ms: rare
+# enough to cost nothing measurable (ten wake-ups a second per *sleeping* endpoint), short
+# enough that a lost wake-up, should one ever happen, is a hiccup rather than a stall.
+WATCHDOG_SECONDS = 0.1
+_WATCHDOG_MS = round(WATCHDOG_SECONDS * 1000)
+
+# Tests only: called with a label ("armed") between a waiter's last check and its block,
+# where a delay widens the window a waker has to race with. None in production.
+race_hook: Callable[[str], None] | None = None
 
 _fence_lock = threading.Lock()
 
@@ -97,9 +132,10 @@ class Outcome:
 class Sleeper:
     """Waits for a condition on shared memory, with the protocol above.
 
-    ``flag`` is the control word this side sets while it sleeps; ``fd`` the read end of
-    its wake-up pipe; the watched waitables (process sentinels, descriptors, objects
-    with ``fileno()``) end a wait as ``Outcome.WATCHED``.
+    ``flag`` is the control word this side sets while it sleeps, ``flag + 1`` the word
+    where it counts watchdog rescues; ``fd`` the read end of its wake-up pipe; the watched
+    waitables (process sentinels, descriptors, objects with ``fileno()``) end a wait as
+    ``Outcome.WATCHED``.
     """
 
     def __init__(self, ctl: memoryview, flag: int, fd: int) -> None:
@@ -136,15 +172,17 @@ class Sleeper:
             if ready():
                 ctl[flag] = 0
                 return Outcome.READY
-            if deadline is None:
-                timeout_ms = None
-            else:
+            timeout_ms = _WATCHDOG_MS
+            if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     ctl[flag] = 0
                     return Outcome.TIMEOUT
-                timeout_ms = math.ceil(left * 1000)
+                timeout_ms = min(timeout_ms, math.ceil(left * 1000))
+            if race_hook is not None:
+                race_hook("armed")
             events = poller.poll(timeout_ms)
+            unwoken = ctl[flag]  # still set: no waker has begun to wake us
             ctl[flag] = 0  # the waker may have cleared it already; either way we are awake
             watched = False
             for fd, _ in events:
@@ -154,21 +192,33 @@ class Sleeper:
                 else:
                     watched = True
             if ready():
+                if not events and unwoken and timeout_ms == _WATCHDOG_MS:
+                    self.count_rescue()
                 return Outcome.READY
             if watched:
                 return Outcome.WATCHED
 
+    def count_rescue(self) -> None:
+        """The watchdog found the condition true with no wake-up under way."""
+        self._ctl[self._flag + 1] += 1
+
     def check_peer_gone(self) -> bool:
-        """Without blocking: is the peer gone? (Drains stale wake-ups on the way.)"""
+        """Without blocking: is the peer gone? Never reads the pipe (see the protocol):
+        end-of-file shows as ``POLLHUP`` once every write end is closed."""
         if self.peer_gone:
             return True
         if self._probe is None:
             self._probe = select.poll()
             self._probe.register(self._fd, select.POLLIN)
-        # A poll is cheaper than a read that fails with EAGAIN, the usual answer here.
-        if self._probe.poll(0) and drain(self._fd):
-            self.peer_gone = True
+        for _, event in self._probe.poll(0):
+            if event & select.POLLHUP:
+                self.peer_gone = True
         return self.peer_gone
+
+    def drain(self) -> None:
+        """The waiter, after waking and before re-checking: discard the wake-up bytes."""
+        if drain(self._fd):
+            self.peer_gone = True
 
     def _new_poller(self) -> Any:
         poller = select.poll()

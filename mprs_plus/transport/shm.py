@@ -4,6 +4,26 @@
                              one SharedRegion per channel  _memory.py, layout in _ring.py
                              wake-ups through two pipes    _wakeup.py
                              pickling, out-of-band buffers serialize.py
+
+Every blocking wait of this transport, and what ends it (the protocol that makes a lost
+wake-up impossible, and the watchdog behind it, are in ``_wakeup.py``):
+
+    wait                              flag / pipe           ended by
+    send: room for items or bytes     tx_sleeping / space   receiver's read (byte), receiver
+                                                            closed, peer gone (EOF), watched
+                                                            waitable, timeout, watchdog
+    send: next piece of a big frame   tx_sleeping / space   same, without a timeout
+    recv: a message                   rx_sleeping / data    sender's publish (byte), end of
+                                                            stream, peer gone, watched, timeout,
+                                                            watchdog
+    recv: rest of a big frame         rx_sleeping / data    same, without a timeout
+    wait_readable: any of n receivers rx_sleeping of each   as recv, for each; the ``also``
+                                                            waitables (process sentinels: the
+                                                            kernel's, no flag involved)
+
+All go through ``Sleeper.wait`` except ``wait_readable``, which runs the same steps over
+several receivers. ``poll()``, ``skip()`` and ``traffic()`` never block and never read a
+wake-up pipe. Control channels are channels like any other.
 """
 
 from __future__ import annotations
@@ -17,7 +37,8 @@ from ._memory import PAGE, SharedRegion
 from ._receiver import ShmReceiver
 from ._ring import ENDPOINTS, MIN_RING, PREFAULT, close_fds
 from ._sender import ShmSender
-from ._wakeup import fence, wake_pipe
+from . import _wakeup
+from ._wakeup import WATCHDOG_SECONDS, fence, wake_pipe
 
 
 def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> tuple[ShmSender, ShmReceiver]:
@@ -56,7 +77,9 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
     """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout.
 
     A receiver is ready when ``recv`` would not block: a message, the end of the stream,
-    or a dead sender."""
+    or a dead sender. Follows the protocol of ``_wakeup.py`` over several receivers at
+    once: arm all, fence, check all, block (never longer than the watchdog interval),
+    disarm, drain the pipes that woke us, check again."""
     receivers = list(receivers)
     also = list(also)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -66,18 +89,29 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
             return ready
         for receiver in receivers:
             receiver._arm()  # from now on a sender writes a wake-up byte
+        unwoken = []
         try:
             fence()
             ready = [r for r in receivers if r.poll()]
             if ready:
                 return ready
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = WATCHDOG_SECONDS
+            if deadline is not None:
+                left = min(left, max(0.0, deadline - time.monotonic()))
+            if _wakeup.race_hook is not None:
+                _wakeup.race_hook("armed")
             hits = connection.wait([*receivers, *also], left)
         finally:
-            for receiver in receivers:
-                receiver._disarm()
-        ready = [r for r in receivers if r.poll()]  # also drains the wake-up bytes
+            unwoken = [receiver._disarm() for receiver in receivers]
+        for receiver in receivers:
+            if any(h is receiver for h in hits):
+                receiver._drain()  # woken: drain before the re-check, never after it
+        ready = [r for r in receivers if r.poll()]
         others = [h for h in hits if not any(h is r for r in receivers)]
+        if not hits and left == WATCHDOG_SECONDS:
+            for receiver, still_set in zip(receivers, unwoken):
+                if still_set and receiver in ready:
+                    receiver._count_rescue()  # data was there, and no wake-up came
         if ready or others:
             return ready + others
         if deadline is not None and time.monotonic() >= deadline:

@@ -11,7 +11,7 @@ import os
 import threading
 
 import pytest
-from transport_peers import FailsToUnpickle, produce, receiver_sleeps, sender_sleeps, wait_until
+from transport_peers import FailsToUnpickle, produce, receiver_sleeps, sender_sleeps, shm_only, wait_until
 
 from mprs_plus.transport import (
     ChannelBroken,
@@ -167,6 +167,7 @@ def test_recv_timeout_and_poll(channel):
     assert not receiver.poll()
 
 
+@shm_only
 def test_wait_readable(channel):
     sender, receiver = channel
     other_sender, other_receiver = open_channel(FORK, capacity_items=4, capacity_bytes=4096)
@@ -247,6 +248,7 @@ def _start_producer(sender, receiver, items):
     return process, counter
 
 
+@shm_only
 @pytest.mark.parametrize("capacity_items", [1, 3])
 def test_backpressure_by_items(capacity_items):
     sender, receiver = open_channel(FORK, capacity_items=capacity_items, capacity_bytes=1 << 20)
@@ -265,6 +267,7 @@ def test_backpressure_by_items(capacity_items):
         process.join(30)
 
 
+@shm_only
 def test_backpressure_by_bytes():
     # The smallest ring (64 KiB) holds three 20 KiB messages, not four.
     sender, receiver = open_channel(FORK, capacity_items=100, capacity_bytes=1)
@@ -301,6 +304,7 @@ def test_messages_larger_than_the_ring_stream_through_it():
         process.join(30)
 
 
+@shm_only
 def test_the_ring_restarts_at_its_beginning_when_the_reader_keeps_up():
     sender, receiver = open_channel(FORK, capacity_items=4, capacity_bytes=8 << 20)
     try:

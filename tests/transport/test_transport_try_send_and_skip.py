@@ -206,3 +206,36 @@ class _ExplodesWhenUnpickled:
 
 def _explode():
     raise AssertionError("skip must not unpickle")
+
+
+@pytest.mark.parametrize("capacity_items", [1, 3, 10])
+def test_both_transports_hold_exactly_capacity_items_messages(transport, capacity_items):
+    sender, receiver = _open(transport, capacity_items=capacity_items, capacity_bytes=1 << 20)
+    try:
+        assert _fill(sender) == capacity_items
+        receiver.recv(timeout=5)
+        assert _fill(sender) == 1  # one read makes room for exactly one
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_both_transports_hold_as_many_bytes():
+    # capacity_bytes is rounded up to the smallest ring (64 KiB) by both: three 20 KiB
+    # messages fit, a fourth does not.
+    held = []
+    for transport in sorted(OPENERS):
+        sender, receiver = _open(transport, capacity_items=100, capacity_bytes=1)
+        try:
+            count = 0
+            while True:
+                try:
+                    sender.send(bytes(20 * 1024), timeout=0)
+                except TimeoutError:
+                    break
+                count += 1
+            held.append(count)
+        finally:
+            sender.close()
+            receiver.close()
+    assert held == [3, 3]

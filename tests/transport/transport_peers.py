@@ -10,8 +10,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mprs_plus.transport import EndOfStream, release_all_except
+import pytest
+
+from mprs_plus.transport import TRANSPORT, EndOfStream, release_all_except
 from mprs_plus.transport import _ring
+
+
+# Tests that look inside the shared-memory rings (positions, sleeping flags) run only
+# when that transport is in use (MPRS_PLUS_TRANSPORT selects it; see the transport package).
+shm_only = pytest.mark.skipif(TRANSPORT != "shm", reason="looks inside the shared-memory transport")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:

@@ -1,0 +1,186 @@
+"""No lost wake-up: the sleeping protocol of ``_wakeup.py``, its races made deterministic,
+and the watchdog that stands in for a wake-up should one ever go missing.
+
+A race is forced by running the waker *inside* the waiter's critical window (between its
+last check and its block), through a hook, so each test takes the losing interleaving
+every time instead of once in thousands of runs."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+from mprs_plus.transport import EndOfStream, open_channel, release_all_except, wait_readable
+from mprs_plus.transport import _ring, _wakeup
+
+FORK = multiprocessing.get_context("fork")
+
+
+@pytest.fixture
+def channel():
+    sender, receiver = open_channel(FORK, capacity_items=1, capacity_bytes=1)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def test_a_message_sent_between_the_readers_check_and_its_block_wakes_it(channel, monkeypatch):
+    # The lost wake-up once seen in the field: wait_readable armed the receiver, saw an
+    # empty ring, and then (asking whether the sender was gone) read the wake-up pipe,
+    # swallowing the byte of a message published after its check. It then slept on data
+    # that was there. Here the message is sent exactly in that window.
+    sender, receiver = channel
+    real = _wakeup.Sleeper.check_peer_gone
+    sent = []
+
+    def check_then_race(sleeper):
+        if sleeper is receiver._sleeper and not sent and receiver._ctl[_ring.RX_SLEEPING]:
+            sender.send("in the window")  # sees the flag, clears it, writes the byte
+            sent.append(True)
+        return real(sleeper)
+
+    monkeypatch.setattr(_wakeup.Sleeper, "check_peer_gone", check_then_race)
+    started = time.monotonic()
+    ready = wait_readable([receiver], timeout=2.0)
+    slept = time.monotonic() - started
+    assert sent, "the race was not provoked"
+    # (Without a watchdog, a reader waiting with no timeout would have slept forever.)
+    assert slept < 1.0, f"the receiver slept {slept:.1f} s on a message that was there"
+    assert ready == [receiver]
+    assert receiver.recv(timeout=0) == "in the window"
+    # Woken by its byte, not rescued by the watchdog: the protocol itself holds.
+    assert slept < _wakeup.WATCHDOG_SECONDS
+    assert receiver.traffic().rescues == 0
+
+
+@pytest.mark.parametrize("how", ["recv", "wait_readable"])
+def test_a_message_sent_in_the_window_before_the_block_wakes_the_reader(channel, monkeypatch, how):
+    sender, receiver = channel
+    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
+    hits = []
+
+    def race(label):
+        if not hits:
+            hits.append(label)
+            sender.send("raced")
+
+    monkeypatch.setattr(_wakeup, "race_hook", race, raising=False)
+    if how == "recv":
+        assert receiver.recv(timeout=2.0) == "raced"
+    else:
+        assert wait_readable([receiver], timeout=2.0) == [receiver]
+        assert receiver.recv(timeout=0) == "raced"
+    assert hits == ["armed"]
+    assert receiver.traffic().rescues == 0
+
+
+@pytest.mark.parametrize("how", ["recv", "wait_readable"])
+def test_the_watchdog_rescues_a_reader_whose_wake_up_was_lost_and_counts_it(channel, monkeypatch, how):
+    # Simulates a bug not found yet: the message is published and its wake-up byte is
+    # stolen before the reader blocks. The reader must still get it, within about one
+    # watchdog interval, and the rescue must show in the channel's traffic.
+    sender, receiver = channel
+    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
+    hits = []
+
+    def lose_the_wake_up(label):
+        if not hits:
+            hits.append(label)
+            sender.send("lost wake-up")
+            assert _wakeup.drain(receiver._wait_fd) is False  # the byte is gone
+            receiver._ctl[_ring.RX_SLEEPING] = 1  # and the flag looks untouched
+
+    monkeypatch.setattr(_wakeup, "race_hook", lose_the_wake_up, raising=False)
+    started = time.monotonic()
+    if how == "recv":
+        assert receiver.recv(timeout=5.0) == "lost wake-up"
+    else:
+        assert wait_readable([receiver], timeout=5.0) == [receiver]
+    assert time.monotonic() - started < 5 * _wakeup.WATCHDOG_SECONDS + 1.0
+    assert hits == ["armed"]
+    assert receiver.traffic().rescues == 1
+    assert sender.traffic().rescues == 1  # the same shared figure from either end
+
+
+def test_the_watchdog_rescues_a_sender_whose_wake_up_was_lost(channel, monkeypatch):
+    sender, receiver = channel
+    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
+    sender.send("fills the ring")
+    hits = []
+
+    def lose_the_wake_up(label):
+        if not hits:
+            hits.append(label)
+            assert receiver.recv(timeout=0) == "fills the ring"  # makes room, wakes the sender
+            assert _wakeup.drain(sender._wait_fd) is False  # ... and the byte is stolen
+            sender._ctl[_ring.TX_SLEEPING] = 1
+
+    monkeypatch.setattr(_wakeup, "race_hook", lose_the_wake_up, raising=False)
+    sender.send("needs room", timeout=5.0)
+    assert hits == ["armed"]
+    assert receiver.recv(timeout=0) == "needs room"
+    assert sender.traffic().rescues == 1
+
+
+def test_poll_never_swallows_a_wake_up(channel):
+    # poll() may be called at any time, also between another wait's check and block;
+    # it must leave the pipe alone.
+    sender, receiver = channel
+    receiver._arm()
+    sender.send("x")  # writes the byte
+    assert receiver.poll()
+    assert not receiver._disarm()  # the sender cleared the flag
+    assert os.read(receiver._wait_fd, 16) == b"\x01"  # the byte is still there
+    assert receiver.recv(timeout=0) == "x"
+
+
+# -- stress: thousands of sleeps and wake-ups with rings of one message, both directions --
+
+ROUNDS = 10_000
+
+
+def _echo_forever(requests, replies) -> None:
+    release_all_except([requests, replies])
+    _wakeup.SPIN_SECONDS = 0.0  # every wait sleeps: the handshake runs for nearly every message
+    try:
+        while True:
+            replies.send(requests.recv(timeout=60))
+    except EndOfStream:
+        replies.close()
+
+
+@pytest.mark.timeout(120)
+def test_stress_ping_pong_with_rings_of_one_message(monkeypatch):
+    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
+    sleeps = []
+    monkeypatch.setattr(_wakeup, "race_hook", sleeps.append)  # counts this side's blocks
+    requests_tx, requests_rx = open_channel(FORK, capacity_items=1, capacity_bytes=1)
+    replies_tx, replies_rx = open_channel(FORK, capacity_items=1, capacity_bytes=1)
+    process = FORK.Process(target=_echo_forever, args=(requests_rx, replies_tx), daemon=True)
+    process.start()
+    requests_rx.release()
+    replies_tx.release()
+    replies_rx.watch(process.sentinel)
+    requests_tx.watch(process.sentinel)
+    try:
+        # Two in flight: each side keeps finding the other's ring full (the sender sleeps)
+        # or empty (the receiver sleeps); half the replies are awaited with wait_readable.
+        requests_tx.send(0)
+        for i in range(1, ROUNDS):
+            requests_tx.send(i, timeout=30)
+            if i % 2:
+                assert wait_readable([replies_rx], timeout=30) == [replies_rx]
+            assert replies_rx.recv(timeout=30) == i - 1
+        assert replies_rx.recv(timeout=30) == ROUNDS - 1
+        assert requests_tx.traffic().rescues == 0
+        requests_tx.close()
+        with pytest.raises(EndOfStream):
+            replies_rx.recv(timeout=30)
+        assert replies_rx.traffic().rescues == 0
+        assert len(sleeps) > ROUNDS // 2, "the test did not make this side sleep often"
+    finally:
+        requests_tx.close()
+        replies_rx.close()
+        process.join(30)
