@@ -155,7 +155,7 @@ def test_a_failed_send_through_the_service_names_worker_item_and_type():
                 got.append(item)
         assert got == [0, 1, 2, 3, 4]
         text = str(info.value)
-        assert "worker 1" in text and "item 2 " in text and "generator" in text
+        assert "worker process 1" in text and "item 2 " in text and "generator" in text
         assert "to the main process" in text and "cannot pickle 'generator' object" in text
     finally:
         loader.shutdown()
