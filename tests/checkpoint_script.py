@@ -21,9 +21,10 @@ import sys
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
-from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
+from torchdata.datapipes.iter import IterableWrapper
 
 import mprs_plus
+from mprs_plus._cli.demo import NonReplicable  # the demo's own main-process stage
 
 
 def square(x: int) -> int:
@@ -34,19 +35,6 @@ def keep(x: int) -> bool:
     return x % 7 != 3  # uneven counts per worker: some workers end before others
 
 
-class InMain(IterDataPipe):
-    """Not replicable: it and what follows run in the main process."""
-
-    def __init__(self, source: IterDataPipe) -> None:
-        self.source = source
-
-    def __iter__(self):
-        return iter(self.source)
-
-    def is_replicable(self) -> bool:
-        return False
-
-
 def make_pipe(config: dict) -> object:
     pipe = IterableWrapper(range(config["n"])).shuffle()
     if config["pipe"] == "dispatch":
@@ -55,7 +43,7 @@ def make_pipe(config: dict) -> object:
         pipe = pipe.sharding_filter()
     pipe = pipe.filter(keep)
     if config["pipe"] == "main":
-        pipe = InMain(pipe)  # the shuffle and map that follow run in the main process
+        pipe = NonReplicable(pipe)  # the shuffle and map that follow run in the main process
     return pipe.shuffle(buffer_size=8).map(square)
 
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
+from ranks import run_ranks
 from torch.utils.data import IterDataPipe
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 import mprs_plus
+from mprs_plus._cli.demo import NonReplicable  # the demo's own main-process stage
 from mprs_plus.resume_state import Phase, ResumeState
 
 SCRIPT = pathlib.Path(__file__).with_name("checkpoint_script.py")
@@ -161,21 +161,8 @@ def test_other_worker_count_is_refused_naming_both():
         other.shutdown()
 
 
-class _InMain(IterDataPipe):
-    """Not replicable: it, and what follows it, run in the main process."""
-
-    def __init__(self, source: IterDataPipe) -> None:
-        self.source = source
-
-    def __iter__(self):
-        return iter(self.source)
-
-    def is_replicable(self) -> bool:
-        return False
-
-
 def test_main_segment_with_state_needs_in_order_mid_epoch_but_not_between_epochs():
-    pipe = _InMain(IterableWrapper(range(20)).sharding_filter().map(_square)).shuffle()
+    pipe = NonReplicable(IterableWrapper(range(20)).sharding_filter().map(_square)).shuffle()
     service = mprs_plus.MultiProcessingReadingService(num_workers=2, multiprocessing_context="fork", in_order=False)
     loader = DataLoader2(pipe, reading_service=service)
     try:
@@ -224,38 +211,8 @@ def test_bytes_that_are_no_checkpoint_are_refused():
 DISTRIBUTED_SCRIPT = pathlib.Path(__file__).with_name("distributed_checkpoint_script.py")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(folder: pathlib.Path, action: str) -> list[dict]:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
-    root = str(pathlib.Path(__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    port = _free_port()
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(DISTRIBUTED_SCRIPT), str(rank), "2", str(port), str(folder), action],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    logs = []
-    try:
-        for process in processes:
-            logs.append(process.communicate(timeout=100)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log[-4000:]
+    run_ranks(DISTRIBUTED_SCRIPT, 2, lambda rank, port: [str(rank), "2", str(port), str(folder), action])
     return [json.loads((folder / f"{rank}-{action}.json").read_text()) for rank in range(2)]
 
 

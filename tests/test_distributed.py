@@ -6,54 +6,21 @@ service reads), and fullsync keeps uneven ranks in step."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import pytest
+from ranks import run_ranks
 
 SCRIPT = pathlib.Path(__file__).with_name("distributed_script.py")
 WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each rank read: {case: {"torchdata" | "ours": [epoch, epoch]}}, per rank."""
     folder = tmp_path_factory.mktemp("ranks")
-    port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
-    root = str(pathlib.Path(__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     outputs = [folder / f"rank{rank}.json" for rank in range(WORLD_SIZE)]
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(rank), str(WORLD_SIZE), str(port), str(outputs[rank])],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(WORLD_SIZE)
-    ]
-    logs = []
-    try:
-        for process in processes:
-            logs.append(process.communicate(timeout=100)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log[-4000:]
+    run_ranks(SCRIPT, WORLD_SIZE, lambda rank, port: [str(rank), str(WORLD_SIZE), str(port), str(outputs[rank])])
     return [json.loads(path.read_text()) for path in outputs]
 
 
