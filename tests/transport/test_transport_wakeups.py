@@ -179,7 +179,9 @@ def test_stress_ping_pong_with_rings_of_one_message(monkeypatch):
         with pytest.raises(EndOfStream):
             replies_rx.recv(timeout=30)
         assert replies_rx.traffic().rescues == 0
-        assert len(sleeps) > ROUNDS // 2, "the test did not make this side sleep often"
+        # How often this side finds its ring not ready depends on scheduling (4,500 to
+        # over 5,000 of 10,000 rounds seen); a tenth proves the sleeps were exercised.
+        assert len(sleeps) > ROUNDS // 10, "the test did not make this side sleep often"
     finally:
         requests_tx.close()
         replies_rx.close()
