@@ -37,9 +37,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
+def _run_quick_suite(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/run.py --quick`` in a subprocess, bounded in time; it must succeed."""
     done = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--quick", "--no-progress", "--out", str(tmp_path)],
+        [sys.executable, "benchmarks/run.py", "--quick", "--no-progress", *options, "--out", str(out)],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
@@ -47,6 +48,11 @@ def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
         timeout=105,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
+    done = _run_quick_suite(tmp_path)
     [result_file] = tmp_path.glob("*.json")
     result = json.loads(result_file.read_text())
 
@@ -75,16 +81,7 @@ def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
 
 
 def test_workers_sweep_runs_the_suite_once_per_count(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--quick", "--no-progress", "--only", "tiny_items",
-         "--contenders", "mprs_plus,in-process", "--workers", "1,2", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=105,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _run_quick_suite(tmp_path, "--only", "tiny_items", "--contenders", "mprs_plus,in-process", "--workers", "1,2")
     per_count = sorted(json.loads(p.read_text())["settings"]["num_workers"] for p in tmp_path.glob("bench-*.json"))
     assert per_count == [1, 2]
     [sweep_file] = tmp_path.glob("sweep-*.json")
