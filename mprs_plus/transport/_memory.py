@@ -35,34 +35,41 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class SharedRegion:
-    """``[control page][data: data_size bytes]`` shared by the two ends of one channel.
+    """``[control page][data: data_size bytes][lend area: lend_size bytes]`` shared by the
+    two ends of one channel.
 
-    ``ctl`` is the control page as unsigned 64-bit words, ``data`` the data area as
-    bytes and ``words`` the same area as unsigned 64-bit words. Both endpoints of a
+    ``ctl`` is the control page as unsigned 64-bit words, ``data`` the data area (the
+    ring) as bytes and ``words`` the same area as unsigned 64-bit words; ``lend`` is the
+    lend area (``_lend.py``), whose pages are committed only when a buffer is first
+    written there, and ``mapping`` the whole mapping, for views that must outlive an
+    endpoint (``mmap.close`` leaves it to them). Both endpoints of a
     channel in the creating process share one region; it is unmapped when the last of
     them lets go (``acquire`` / ``release`` count them).
     """
 
-    def __init__(self, fd: int, data_size: int) -> None:
+    def __init__(self, fd: int, data_size: int, lend_size: int = 0) -> None:
         self.fd: int | None = fd
         self.data_size = data_size
-        self._map = mmap.mmap(fd, PAGE + data_size)
+        self.lend_size = lend_size
+        self.mapping = self._map = mmap.mmap(fd, PAGE + data_size + lend_size)
         whole = memoryview(self._map)
         self.ctl = whole[:PAGE].cast("Q")
-        self.data = whole[PAGE:]
+        self.data = whole[PAGE : PAGE + data_size]
         self.words = self.data.cast("Q")
+        self.lend = whole[PAGE + data_size :]
+        self.lend_start = PAGE + data_size
         whole.release()
         self._users = 0
 
     @classmethod
-    def create(cls, data_size: int, name: str, prefault: int = 0) -> SharedRegion:
-        """A fresh zeroed region; ``data_size`` must be a multiple of the page size."""
-        if data_size <= 0 or data_size % PAGE:
-            raise ValueError(f"internal error: region size {data_size} is not a positive multiple of {PAGE}")
+    def create(cls, data_size: int, name: str, prefault: int = 0, lend_size: int = 0) -> SharedRegion:
+        """A fresh zeroed region; both sizes must be multiples of the page size."""
+        if data_size <= 0 or data_size % PAGE or lend_size < 0 or lend_size % PAGE:
+            raise ValueError(f"internal error: region sizes {data_size}, {lend_size} are not multiples of {PAGE}")
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, PAGE + data_size)
-            region = cls(fd, data_size)
+            os.ftruncate(fd, PAGE + data_size + lend_size)
+            region = cls(fd, data_size, lend_size)
         except BaseException:
             os.close(fd)
             raise
@@ -85,12 +92,12 @@ class SharedRegion:
         self._users -= 1
         if self._users > 0:
             return
-        for view in (self.words, self.data, self.ctl):
+        for view in (self.words, self.data, self.lend, self.ctl):
             view.release()
         try:
             self._map.close()
         except BufferError:
-            pass  # a caller still holds a slice; the mapping goes when that slice does
+            pass  # lent buffers are still alive: the mapping goes with the last of them
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)
@@ -98,9 +105,9 @@ class SharedRegion:
     def __reduce__(self) -> tuple[Any, ...]:
         if self.fd is None:
             raise RuntimeError("internal error: pickling a shared-memory region that was already released")
-        return _attach, (reduction.DupFd(self.fd), self.data_size)
+        return _attach, (reduction.DupFd(self.fd), self.data_size, self.lend_size)
 
 
-def _attach(dup: Any, data_size: int) -> SharedRegion:
+def _attach(dup: Any, data_size: int, lend_size: int) -> SharedRegion:
     """Map a region received from another process (spawn / forkserver)."""
-    return SharedRegion(dup.detach(), data_size)
+    return SharedRegion(dup.detach(), data_size, lend_size)

@@ -10,10 +10,12 @@ import struct
 import time
 from typing import Any
 
+from ._lend import DESCRIPTOR, HOLD_FACTOR, LENT_BIT, LentViews
 from ._memory import SharedRegion
 from ._ring import (
     HEADER,
     ITEMS_READ,
+    LENT_READ,
     LOW32,
     MESSAGE,
     READ_POS,
@@ -37,6 +39,9 @@ class ShmReceiver(Endpoint):
     def __init__(self, region: SharedRegion, wait_fd: int, signal_fd: int) -> None:
         super().__init__(region, wait_fd, signal_fd)
         self._ended = False
+        # What a receiver may lend its user at a time (see _lend.py).
+        hold_limit = HOLD_FACTOR * region.data_size
+        self._lent = LentViews(region.ctl, region.mapping, region.lend_start, hold_limit) if region.lend_size else None
 
     def fileno(self) -> int:
         """The wake-up pipe. It becomes readable only while this receiver is armed, which
@@ -128,17 +133,30 @@ class ShmReceiver(Endpoint):
                 continue
             if kind != MESSAGE:
                 raise ChannelBroken(f"internal error: corrupt frame header {head:#x} at position {read}")
+            nbuf, pickle_len = head >> 32, words[index + 1]
             if available >= frame:
+                if nbuf:
+                    lengths = struct.unpack(f"<{nbuf}Q", self._copy(read + HEADER, 8 * nbuf))
+                    self._discard_lent(lengths, read + HEADER + 8 * nbuf + pickle_len)
+                    ctl[LENT_READ] += _lent_bytes(lengths)
                 ctl[READ_POS] = read + frame
                 ctl[ITEMS_READ] += 1
                 self._wake_sender()
                 return True
             # Only a frame larger than the ring is ever published in part: read it through.
-            nbuf, pickle_len = head >> 32, words[index + 1]
             self._advance(read + HEADER)
             lengths = struct.unpack(f"<{nbuf}Q", self._stream_in(8 * nbuf)) if nbuf else ()
-            rest = pickle_len + sum(lengths)
-            self._stream_in(rest + (-(HEADER + 8 * nbuf + rest) % HEADER), keep=False)
+            self._stream_in(pickle_len, keep=False)
+            body = HEADER + 8 * nbuf + pickle_len
+            for length in lengths:
+                if length & LENT_BIT:
+                    self._discard_one(self._stream_in(DESCRIPTOR))
+                    body += DESCRIPTOR
+                else:
+                    self._stream_in(length, keep=False)
+                    body += length
+            self._stream_in(-body % HEADER, keep=False)
+            ctl[LENT_READ] += _lent_bytes(lengths)
             ctl[ITEMS_READ] += 1
             self._wake_sender()
             return True
@@ -181,14 +199,20 @@ class ShmReceiver(Endpoint):
     def _take_whole(self, read: int, nbuf: int, pickle_len: int, frame: int) -> Any:
         size = self._size
         position = read + HEADER
-        buffers: list[bytearray] = []
+        buffers: list[Any] = []
+        lent = 0
         if nbuf:
             lengths = struct.unpack(f"<{nbuf}Q", self._copy(position, 8 * nbuf))
+            lent = _lent_bytes(lengths)
             position += 8 * nbuf
             at = position + pickle_len
             for length in lengths:
-                buffers.append(self._copy(at, length))
-                at += length
+                if length & LENT_BIT:
+                    buffers.append(self._take_lent(self._copy(at, DESCRIPTOR), length))
+                    at += DESCRIPTOR
+                else:
+                    buffers.append(self._copy(at, length))
+                    at += length
         offset = position % size
         # The stream is unpickled in place when it does not wrap: it needs no copy.
         stream = self._data[offset : offset + pickle_len] if offset + pickle_len <= size else None
@@ -197,6 +221,8 @@ class ShmReceiver(Endpoint):
         finally:
             if stream is not None:
                 stream.release()
+            if lent:
+                self._ctl[LENT_READ] += lent
             self._ctl[READ_POS] = read + frame
             self._ctl[ITEMS_READ] += 1
             self._wake_sender()
@@ -207,12 +233,39 @@ class ShmReceiver(Endpoint):
         self._advance(read + HEADER)
         lengths = struct.unpack(f"<{nbuf}Q", self._stream_in(8 * nbuf)) if nbuf else ()
         stream = self._stream_in(pickle_len)
-        buffers = [self._stream_in(length) for length in lengths]
-        body = HEADER + 8 * nbuf + pickle_len + sum(lengths)
+        buffers: list[Any] = []
+        body = HEADER + 8 * nbuf + pickle_len
+        for length in lengths:
+            if length & LENT_BIT:
+                buffers.append(self._take_lent(self._stream_in(DESCRIPTOR), length))
+                body += DESCRIPTOR
+            else:
+                buffers.append(self._stream_in(length))
+                body += length
         self._stream_in(-body % HEADER, keep=False)
+        ctl[LENT_READ] += _lent_bytes(lengths)
         ctl[ITEMS_READ] += 1
         self._wake_sender()
         return pickle.loads(stream, buffers=buffers)
+
+    def _take_lent(self, descriptor: bytearray, length: int) -> Any:
+        offset, slot = struct.unpack("<QQ", descriptor)
+        if self._lent is None:
+            raise ChannelBroken("internal error: a lent buffer on a channel without a lend area")
+        return self._lent.take(offset, slot, length & ~LENT_BIT)
+
+    def _discard_lent(self, lengths: tuple[int, ...], position: int) -> None:
+        """Give back the extents of a whole frame's lent buffers, starting at ``position``."""
+        for length in lengths:
+            if length & LENT_BIT:
+                self._discard_one(self._copy(position, DESCRIPTOR))
+                position += DESCRIPTOR
+            else:
+                position += length
+
+    def _discard_one(self, descriptor: bytearray) -> None:
+        if self._lent is not None:
+            self._lent.discard(struct.unpack("<QQ", descriptor)[1])
 
     def _stream_in(self, length: int, keep: bool = True) -> bytearray:
         ctl, data, size = self._ctl, self._data, self._size
@@ -302,3 +355,7 @@ class ShmReceiver(Endpoint):
 
     def _count_rescue(self) -> None:
         self._sleeper.count_rescue()
+
+
+def _lent_bytes(lengths: tuple[int, ...]) -> int:
+    return sum(length & ~LENT_BIT for length in lengths if length & LENT_BIT)

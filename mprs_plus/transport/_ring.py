@@ -3,19 +3,22 @@
 Each channel is a bounded single-producer/single-consumer ring. The ring and its
 positions live in one shared region (``_memory.py``); each side spins briefly and then
 sleeps on an OS pipe that the other side writes to only when told that somebody sleeps
-(``_wakeup.py``). A message is pickled with protocol 5 and its large
-buffers are copied straight into the ring (``serialize.py``): one copy in, one copy out.
+(``_wakeup.py``). A message is pickled with protocol 5 and its out-of-band buffers
+are copied straight into the ring (``serialize.py``): one copy in, one copy out; a
+large one goes to the lend area instead and reaches the receiver as a view of it, with
+no copy out (``_lend.py``).
 
 ::
 
     control page: 64-bit words, one cache line per writer
     +-----------------------------------------------------------------------+
-    | line 0  write_pos   items_written  sender_closed      (producer)       |
-    | line 1  read_pos    items_read     receiver_closed    (consumer)       |
+    | line 0  write_pos   items_written  sender_closed  lent_bytes (producer)|
+    | line 1  read_pos    items_read     receiver_closed  lent_read (consumer)|
     | line 2  rx_sleeping  (set by the consumer, cleared by whoever wakes it) |
     |         rx_rescues   (consumer: wake-ups the watchdog had to stand in for)|
     | line 3  tx_sleeping  (set by the producer, cleared by whoever wakes it) |
     |         tx_rescues   (producer: the same)                              |
+    | words 64..319: the state of each lend slot (rules in _lend.py)         |
     +-----------------------------------------------------------------------+
     data ring: positions count bytes forever; offset = position % size
     +-----------------------------------------------------------------------+
@@ -24,10 +27,13 @@ buffers are copied straight into the ring (``serialize.py``): one copy in, one c
           read_pos                           write_pos
     frame: [kind|nbuf  pickle_len  frame_len  0]  32-byte header, never split
            [nbuf x u64 buffer lengths][pickle stream][buffer 0][buffer 1]...[pad to 32]
+           a lent buffer: its length word has LENT_BIT set, and in place of its bytes
+           the frame holds [u64 offset in the lend area, u64 slot]
 
 Rules
     * Backpressure: ``send`` waits while ``capacity_items`` messages or ``capacity_bytes``
-      bytes are in flight. A frame up to the ring's size is written whole and published
+      bytes are in flight, lent bytes (``lent_bytes - lent_read``) counted separately
+      against the same size (``_lend.py``). A frame up to the ring's size is written whole and published
       with one store of ``write_pos``; a larger one is streamed through the ring in pieces
       while the receiver copies them out.
     * An empty ring whose write offset is past ``recycle_at`` restarts at its beginning
@@ -57,8 +63,8 @@ from .errors import ChannelClosed
 from .traffic import NO_TRAFFIC, Traffic
 
 # Control words (indices of 64-bit words in the control page).
-WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED = 0, 1, 2
-READ_POS, ITEMS_READ, RECEIVER_CLOSED = 8, 9, 10
+WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES = 0, 1, 2, 3
+READ_POS, ITEMS_READ, RECEIVER_CLOSED, LENT_READ = 8, 9, 10, 11
 RX_SLEEPING, RX_RESCUES = 16, 17  # a Sleeper counts its rescues in the word after its flag
 TX_SLEEPING, TX_RESCUES = 24, 25
 
@@ -107,7 +113,8 @@ class Endpoint:
         ctl = self._ctl
         written, write_pos = ctl[ITEMS_WRITTEN], ctl[WRITE_POS]
         queued = write_pos - ctl[READ_POS]
-        return Traffic(written, write_pos, written - ctl[ITEMS_READ], queued, ctl[RX_RESCUES] + ctl[TX_RESCUES])
+        sent = write_pos + ctl[LENT_BYTES]
+        return Traffic(written, sent, written - ctl[ITEMS_READ], queued, ctl[RX_RESCUES] + ctl[TX_RESCUES])
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""

@@ -10,11 +10,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._lend import LENT_BIT, LendArea
 from ._memory import SharedRegion
 from ._ring import (
     HEADER,
     ITEMS_READ,
     ITEMS_WRITTEN,
+    LENT_BYTES,
+    LENT_READ,
     MESSAGE,
     READ_POS,
     RECEIVER_CLOSED,
@@ -42,6 +45,7 @@ class ShmSender(Endpoint):
         self._recycle_at = min(self._size // 2, RECYCLE_AT)
         self._encoder = Encoder()
         self._torn = False  # a streamed frame was interrupted half-written
+        self._area = LendArea(region.ctl, region.lend) if region.lend_size else None
 
     def _extra_state(self) -> tuple[Any, ...]:
         return (self._capacity_items,)
@@ -119,19 +123,58 @@ class ShmSender(Endpoint):
     # -- writing -------------------------------------------------------------------------
 
     def _write_frame(self, stream: bytes | memoryview, buffers: list[memoryview], deadline: float | None) -> None:
+        # Large buffers go to the lend area (_lend.py): first wait while too many lent
+        # bytes are in flight, then reserve their extents (never waited for), so that the
+        # frame's size is known. Reserved extents are given back if nothing is sent.
+        places = None
+        if buffers and self._area is not None:
+            planned = self._area.planned(buffers)
+            if planned:
+                ctl, size = self._ctl, self._size
+
+                def lend_room() -> bool:
+                    in_flight = ctl[LENT_BYTES] - ctl[LENT_READ]
+                    return in_flight == 0 or in_flight + planned <= size
+
+                if not lend_room():
+                    self._wait_for_room(lend_room, deadline)
+                places = self._area.reserve(buffers)
+        try:
+            self._write_frame_placed(stream, buffers, places, deadline)
+        except BaseException:
+            if places is not None and not self._torn:
+                self._area.unreserve(places)  # type: ignore[union-attr]
+            raise
+
+    def _write_frame_placed(
+        self,
+        stream: bytes | memoryview,
+        buffers: list[memoryview],
+        places: list[tuple[int, int] | None] | None,
+        deadline: float | None,
+    ) -> None:
         ctl, size = self._ctl, self._size
         nbuf = len(buffers)
-        body = HEADER + 8 * nbuf + len(stream) + sum(b.nbytes for b in buffers)
+        if places is None:
+            lengths = [b.nbytes for b in buffers]
+            parts: list[Any] = buffers
+        else:
+            lengths = [b.nbytes if p is None else b.nbytes | LENT_BIT for b, p in zip(buffers, places)]
+            parts = [b if p is None else struct.pack("<QQ", *p) for b, p in zip(buffers, places)]
+        body = HEADER + 8 * nbuf + len(stream) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         frame = (body + HEADER - 1) & -HEADER
         if ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items:
             limit = self._capacity_items
             self._wait_for_room(lambda: ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] < limit, deadline)
         if frame > size:
-            self._write_streamed(stream, buffers, frame, frame - body, deadline)
+            lent = self._area.fill(buffers, places) if places is not None else 0  # type: ignore[union-attr]
+            self._write_streamed(stream, parts, lengths, frame, frame - body, deadline)
+            ctl[LENT_BYTES] += lent
             return
         write = ctl[WRITE_POS]
         if size - (write - ctl[READ_POS]) < frame:
             self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= frame, deadline)
+        lent = self._area.fill(buffers, places) if places is not None else 0  # type: ignore[union-attr]
         offset = write % size
         if offset >= self._recycle_at and frame <= offset and write == ctl[READ_POS]:
             self._put_header(offset, SKIP, 0, 0, size - offset)
@@ -140,18 +183,25 @@ class ShmSender(Endpoint):
         self._put_header(offset, MESSAGE, nbuf, len(stream), frame)
         position = write + HEADER
         if nbuf:
-            position = self._put(position, struct.pack(f"<{nbuf}Q", *(b.nbytes for b in buffers)))
+            position = self._put(position, struct.pack(f"<{nbuf}Q", *lengths))
         position = self._put(position, stream)
-        for buffer in buffers:
-            position = self._put(position, buffer)
+        for part in parts:
+            position = self._put(position, part)
         # memcpy may copy large buffers with non-temporal stores, which x86 does not keep
         # in order with later stores: fence them before the store that publishes them.
         fence()
         ctl[WRITE_POS] = write + frame  # publishes the whole frame at once
         ctl[ITEMS_WRITTEN] += 1
+        ctl[LENT_BYTES] += lent
 
     def _write_streamed(
-        self, stream: bytes | memoryview, buffers: list[memoryview], frame: int, padding: int, deadline: float | None
+        self,
+        stream: bytes | memoryview,
+        parts: list[Any],
+        lengths: list[int],
+        frame: int,
+        padding: int,
+        deadline: float | None,
     ) -> None:
         """A frame larger than the ring: header first, then pieces as room appears."""
         stream = memoryview(stream)  # slices of it must not copy
@@ -159,14 +209,14 @@ class ShmSender(Endpoint):
         self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= HEADER, deadline)
         self._torn = True  # from the header on, an interruption leaves half a message
         write = ctl[WRITE_POS]
-        lengths = [b.nbytes for b in buffers]
-        self._put_header(write % size, MESSAGE, len(buffers), stream.nbytes, frame)
+        self._put_header(write % size, MESSAGE, len(parts), stream.nbytes, frame)
         self._publish(write + HEADER)
-        if buffers:
+        if parts:
             self._stream_out(memoryview(struct.pack(f"<{len(lengths)}Q", *lengths)), len(lengths) * 8)
         self._stream_out(stream, stream.nbytes)
-        for buffer in buffers:
-            self._stream_out(buffer, buffer.nbytes)
+        for part in parts:
+            part = memoryview(part)
+            self._stream_out(part, part.nbytes)
         self._stream_out(None, padding)
         ctl[ITEMS_WRITTEN] += 1
         self._torn = False

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from multiprocessing import connection
 from typing import Any
 
+from ._lend import LEND_FACTOR
 from ._memory import PAGE, SharedRegion
 from ._receiver import ShmReceiver
 from ._ring import ENDPOINTS, MIN_RING, PREFAULT, close_fds
@@ -43,8 +44,9 @@ from ._wakeup import WATCHDOG_SECONDS, fence, wake_pipe
 
 def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> tuple[ShmSender, ShmReceiver]:
     """A one-way channel holding at most ``capacity_items`` messages and ``capacity_bytes``
-    bytes (rounded up to whole pages). ``ctx`` is not needed: the endpoints travel to
-    children of any start method."""
+    bytes (rounded up to whole pages) in its ring, plus large buffers lent through its lend
+    area (``LEND_FACTOR`` times the ring, committed only as it is used; see ``_lend.py``).
+    ``ctx`` is not needed: the endpoints travel to children of any start method."""
     del ctx
     if isinstance(capacity_items, bool) or not isinstance(capacity_items, int) or capacity_items < 1:
         raise ValueError(f"capacity_items must be an int >= 1, got {capacity_items!r}")
@@ -57,7 +59,7 @@ def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> t
         fds += [data_r, data_w]
         space_r, space_w = wake_pipe()  # consumer -> producer: "there is room"
         fds += [space_r, space_w]
-        region = SharedRegion.create(size, "mprs_plus channel", prefault=PREFAULT)
+        region = SharedRegion.create(size, "mprs_plus channel", prefault=PREFAULT, lend_size=LEND_FACTOR * size)
     except BaseException:
         close_fds(fds)
         raise
