@@ -519,3 +519,10 @@ def tensor_and_views(item: Any) -> Any:
 
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * item
     return {"base": base, "transposed": base.t(), "flat": base.view(-1), "row": base[1]}
+
+
+def filled_tensor(index: int, numel: int = 64 << 10) -> Any:
+    """A float32 tensor of ``numel`` elements (256 KiB by default), every one ``index``."""
+    import torch
+
+    return torch.full((numel,), float(index))

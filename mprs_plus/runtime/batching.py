@@ -18,6 +18,12 @@ which can close a wait cycle with the main process (see ``service.py``). So:
 * the owner's own sends and the flusher's are serialised by the batch's lock, so the
   channel keeps one writer at a time and the items their order.
 
+Large items are not batched: an item of ``LARGE_ITEM`` bytes or more (an array or a
+tensor, or a tuple, list or dict holding one at its top level) is sent at once, with the
+batch before it. Batching saves a per-message cost that is nothing beside such an item's
+bytes, and a batch of them would make the reader unpickle, and hold, many at a time: the
+transport lends a reader's user only so many bytes of shared memory (``transport/_lend.py``).
+
 The flusher only ever sends the happy path. A batch that fails to pickle is left to the
 owner, which sends the items before the culprit, then an ERROR naming it (which process,
 which item, its type, the reason), and drops the rest of that epoch: the reader raises the
@@ -37,6 +43,30 @@ from ..transport import ChannelError
 from .messages import Kind, RemoteError
 
 _clock = time.perf_counter
+
+LARGE_ITEM = 64 << 10  # bytes: as the transport's smallest lent buffer
+_SCALARS = frozenset((int, float, bool, str, type(None)))
+
+
+def is_large(item: Any) -> bool:
+    """``item`` is, or holds at its top level, an array or tensor of ``LARGE_ITEM`` bytes
+    or more. Looks at ``nbytes`` only (numpy and torch both have it): no traversal, no
+    pickling, so that small items pay next to nothing."""
+    kind = type(item)
+    if kind in _SCALARS:
+        return False
+    if kind is tuple or kind is list:
+        return any(_large_leaf(value) for value in item[:8])
+    if kind is dict:
+        return any(_large_leaf(value) for _, value in zip(range(8), item.values()))
+    return _large_leaf(item)
+
+
+def _large_leaf(value: Any) -> bool:
+    if type(value) in _SCALARS:
+        return False
+    nbytes = getattr(value, "nbytes", None)
+    return isinstance(nbytes, int) and nbytes >= LARGE_ITEM
 
 
 class Batcher:
@@ -103,7 +133,9 @@ class Batcher:
         with self._lock:
             items = self._items
             items.append(item)
-            if len(items) == 1:
+            if is_large(item):
+                pass  # sent at once, with what came before it (see the module's docstring)
+            elif len(items) == 1:
                 now = self._since = _clock()
                 # At once to a reader asleep waiting for it, unless batches are flowing
                 # (the last one left less than max_delay ago): then it gets a full batch

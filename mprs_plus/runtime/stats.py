@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..transport import Lending, lending
+
 FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "queued", "started", "rescues")
 _ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED, _RESCUES = range(len(FIELDS))
 
@@ -164,6 +166,10 @@ class Stats:
     processes: tuple[ProcessStats, ...]
     segments: tuple[SegmentStats, ...]
     bottleneck: str
+    # Large buffers the main process received since the service started: lent as views
+    # of shared memory, or copied because the user held too many already; and those held
+    # now, by any service of this process (docs/stats.md).
+    large_buffers: Lending = Lending(0, 0, 0, 0)
 
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)
@@ -176,10 +182,16 @@ class Stats:
                 f"busy {s.busy_fraction:4.0%}  waiting for input {s.input_wait_fraction:4.0%}  "
                 f"waiting for space {s.output_wait_fraction:4.0%}  {s.bytes_out / 1e6:,.1f} MB sent"
             )
+        large = self.large_buffers
+        if large.lent or large.copied:
+            lines.append(
+                f"  large buffers: {large.lent:,} handed over as views of shared memory, {large.copied:,} copied "
+                f"(too many held); {large.held_buffers:,} held now, {large.held_bytes / 1e6:,.1f} MB"
+            )
         return "\n".join(lines)
 
 
-def aggregate(processes: list[ProcessStats]) -> Stats:
+def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = None) -> Stats:
     segments = []
     for role in ("dispatch", "worker", "main"):
         members = [p for p in processes if p.role == role]
@@ -198,7 +210,8 @@ def aggregate(processes: list[ProcessStats]) -> Stats:
                 bytes_out=sum(p.bytes_out for p in members),
             )
         )
-    return Stats(tuple(processes), tuple(segments), bottleneck(segments))
+    large = large_buffers if large_buffers is not None else Lending(0, 0, 0, 0)
+    return Stats(tuple(processes), tuple(segments), bottleneck(segments), large)
 
 
 def bottleneck(segments: list[SegmentStats]) -> str:
@@ -243,6 +256,7 @@ class StatsView:
         self.main.start()
         self._topology = topology
         self._pid = pid
+        self._lending_before = lending()  # the process's counters run across services
 
     def writers(self, link: Any) -> tuple[StatsWriter, ...]:
         """The rows ``link``'s lanes write, in lane order."""
@@ -272,4 +286,5 @@ class StatsView:
         # The main process's queue is the workers' channels towards it.
         mine = make_process_stats("main", 0, self._pid, [table.read(topology.main_row)])
         processes.append(replace(mine, queued=queued_to_main))
-        return aggregate(processes)
+        now, before = lending(), self._lending_before
+        return aggregate(processes, now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied))

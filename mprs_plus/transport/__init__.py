@@ -13,6 +13,8 @@
     release_all_except(keep)  # in a forked child: drop every inherited endpoint but these
     register_reducer(cls, fn) # a faster pickling for one type, in this transport only
     endpoint.traffic()        # -> Traffic: messages and bytes so far, and still queued
+    lending()                 # -> Lending: large buffers this process received as views of
+                              #    shared memory, or copied; and those its users hold now
 
 Both endpoints may be handed to a child process when it is started; each endpoint has
 exactly one owner process after that.
@@ -30,7 +32,7 @@ import platform
 
 from .errors import ChannelBroken, ChannelClosed, ChannelError, EndOfStream
 from .serialize import register_reducer
-from .traffic import Traffic
+from .traffic import Lending, Traffic
 
 _SHM_WORKS = hasattr(os, "memfd_create") and platform.machine() in ("x86_64", "AMD64")
 _CHOICE = os.environ.get("MPRS_PLUS_TRANSPORT", "auto").strip().lower() or "auto"
@@ -41,9 +43,11 @@ if _CHOICE == "shm" and not _SHM_WORKS:
 
 TRANSPORT = "shm" if _CHOICE == "shm" or (_CHOICE == "auto" and _SHM_WORKS) else "pipe"
 if TRANSPORT == "shm":
+    from ._lend import lending
     from .shm import open_shm_channel as open_channel
     from .shm import release_all_except, wait_readable
 else:
+    from .pipe import lending
     from .pipe import open_pipe_channel as open_channel
     from .pipe import release_all_except, wait_readable
 
@@ -53,8 +57,10 @@ __all__ = [
     "ChannelClosed",
     "ChannelError",
     "EndOfStream",
+    "Lending",
     "Traffic",
     "open_channel",
+    "lending",
     "register_reducer",
     "release_all_except",
     "wait_readable",

@@ -61,9 +61,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 from ._memory import PAGE
+from .traffic import Lending
 
 LEND_MIN = 64 << 10  # bytes; smaller buffers are copied through the ring
 HOLD_FACTOR = 2  # a receiver lends its user up to this many times the ring at a time
@@ -74,15 +75,6 @@ FREE, LENT = 0, 1
 LENT_BIT = 1 << 63  # in a buffer's length word: the frame holds [offset, slot], not bytes
 DESCRIPTOR = 16  # bytes of [offset, slot] in a frame
 
-
-
-class Lending(NamedTuple):
-    """What this process's receivers did with large buffers, since the process started."""
-
-    lent: int  # buffers handed over as views of shared memory
-    copied: int  # buffers copied out because their channel had lent its limit already
-    held_buffers: int  # lent buffers the user still holds now
-    held_bytes: int
 
 
 class _Holding:
@@ -102,6 +94,7 @@ _holding = _Holding()
 
 
 def lending() -> Lending:
+    """What this process's receivers lent and copied so far, and what is held now."""
     h = _holding
     with h.lock:
         return Lending(h.lent, h.copied, h.held_buffers, h.held_bytes)

@@ -44,7 +44,7 @@ from ._memory import PAGE
 from ._ring import MIN_RING
 from .errors import ChannelBroken, ChannelClosed, EndOfStream
 from .serialize import Encoder
-from .traffic import NO_TRAFFIC, Traffic
+from .traffic import NO_TRAFFIC, Lending, Traffic
 
 _END_OF_STREAM = b""
 
@@ -313,6 +313,11 @@ def _grow_kernel_buffer(fd: int, capacity_bytes: int) -> None:
                 fcntl.fcntl(fd, setsize, min(want, int(limit.read())))
         except (OSError, ValueError):
             pass
+
+
+def lending() -> Lending:
+    """Pipes copy every buffer: nothing is ever lent."""
+    return Lending(0, 0, 0, 0)
 
 
 def release_all_except(keep: Iterable[Any]) -> None:

@@ -1,4 +1,5 @@
-"""What has gone through a channel, as either end can see it (for live statistics)."""
+"""What has gone through a channel, as either end can see it, and what a process's
+receivers lent their users (for live statistics)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ class Traffic(NamedTuple):
 
 
 NO_TRAFFIC = Traffic(0, 0, 0, 0)
+
+
+class Lending(NamedTuple):
+    """What this process's receivers did with large buffers, since the process started
+    (``_lend.py``): handed over as views of shared memory, or copied."""
+
+    lent: int  # buffers handed over as views of shared memory
+    copied: int  # buffers copied out because their channel had lent its limit already
+    held_buffers: int  # lent buffers the user still holds now
+    held_bytes: int

@@ -105,3 +105,15 @@ class FailsToUnpickle:
 class ExitsWhilePickling:
     def __reduce__(self) -> tuple[Any, ...]:
         os._exit(3)
+
+
+def send_filled(sender: Any, count: int, nbytes: int, extra: Any = None) -> None:
+    """Send ``count`` uint8 arrays of ``nbytes``, array ``i`` filled with ``i % 251``
+    (with ``extra`` beside each when given), then end the stream."""
+    import numpy
+
+    release_all_except([sender])
+    for i in range(count):
+        array = numpy.full(nbytes, i % 251, dtype=numpy.uint8)
+        sender.send(array if extra is None else (extra, array))
+    sender.close()
