@@ -48,7 +48,8 @@ class ReadGate:
             depth = self._inside.pop(me) - 1
             if depth:
                 self._inside[me] = depth
-            self._cv.notify_all()
+            if self.closed:  # only a stop waits on the condition, and only once closed
+                self._cv.notify_all()
 
     def check(self) -> None:
         if self.closed:

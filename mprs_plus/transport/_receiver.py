@@ -197,34 +197,44 @@ class ShmReceiver(Endpoint):
     # -- reading -------------------------------------------------------------------------
 
     def _take_whole(self, read: int, nbuf: int, pickle_len: int, frame: int) -> Any:
-        size = self._size
+        size, data = self._size, self._data
         position = read + HEADER
         buffers: list[Any] = []
         lent = 0
         if nbuf:
-            lengths = struct.unpack(f"<{nbuf}Q", self._copy(position, 8 * nbuf))
-            lent = _lent_bytes(lengths)
+            offset = position % size  # a multiple of 8: the table of lengths never wraps
+            lengths = struct.unpack_from(f"<{nbuf}Q", data, offset) if offset + 8 * nbuf <= size else ()
+            if not lengths:
+                lengths = struct.unpack(f"<{nbuf}Q", self._copy(position, 8 * nbuf))
             position += 8 * nbuf
             at = position + pickle_len
             for length in lengths:
                 if length & LENT_BIT:
-                    buffers.append(self._take_lent(self._copy(at, DESCRIPTOR), length))
+                    length &= ~LENT_BIT
+                    lent += length
+                    where = at % size
+                    if where + DESCRIPTOR <= size:
+                        extent, slot = struct.unpack_from("<QQ", data, where)
+                    else:
+                        extent, slot = struct.unpack("<QQ", self._copy(at, DESCRIPTOR))
+                    buffers.append(self._take_lent(extent, slot, length))
                     at += DESCRIPTOR
                 else:
                     buffers.append(self._copy(at, length))
                     at += length
         offset = position % size
         # The stream is unpickled in place when it does not wrap: it needs no copy.
-        stream = self._data[offset : offset + pickle_len] if offset + pickle_len <= size else None
+        stream = data[offset : offset + pickle_len] if offset + pickle_len <= size else None
         try:
             return pickle.loads(stream if stream is not None else self._copy(position, pickle_len), buffers=buffers)
         finally:
             if stream is not None:
                 stream.release()
+            ctl = self._ctl
             if lent:
-                self._ctl[LENT_READ] += lent
-            self._ctl[READ_POS] = read + frame
-            self._ctl[ITEMS_READ] += 1
+                ctl[LENT_READ] += lent
+            ctl[READ_POS] = read + frame
+            ctl[ITEMS_READ] += 1
             self._wake_sender()
 
     def _take_streamed(self, read: int, nbuf: int, pickle_len: int) -> Any:
@@ -237,7 +247,8 @@ class ShmReceiver(Endpoint):
         body = HEADER + 8 * nbuf + pickle_len
         for length in lengths:
             if length & LENT_BIT:
-                buffers.append(self._take_lent(self._stream_in(DESCRIPTOR), length))
+                extent, slot = struct.unpack("<QQ", self._stream_in(DESCRIPTOR))
+                buffers.append(self._take_lent(extent, slot, length & ~LENT_BIT))
                 body += DESCRIPTOR
             else:
                 buffers.append(self._stream_in(length))
@@ -248,11 +259,10 @@ class ShmReceiver(Endpoint):
         self._wake_sender()
         return pickle.loads(stream, buffers=buffers)
 
-    def _take_lent(self, descriptor: bytearray, length: int) -> Any:
-        offset, slot = struct.unpack("<QQ", descriptor)
+    def _take_lent(self, extent: int, slot: int, length: int) -> Any:
         if self._lent is None:
             raise ChannelBroken("internal error: a lent buffer on a channel without a lend area")
-        return self._lent.take(offset, slot, length & ~LENT_BIT)
+        return self._lent.take(extent, slot, length)
 
     def _discard_lent(self, lengths: tuple[int, ...], position: int) -> None:
         """Give back the extents of a whole frame's lent buffers, starting at ``position``."""
