@@ -48,7 +48,7 @@ TORCHDATA = "torchdata"
 TORCH = "torch"
 IN_PROCESS = "in-process"
 # SPDL's iterate_in_subprocess with its zero-copy SharedMemorySegmentPool: optional (the
-# "bench" extra installs it); without it the suite records n/a with SPDL_MISSING_NOTE.
+# "bench" extra installs it); without it the suite records n/a, saying why (spdl_missing).
 SPDL = "spdl"
 CONTENDERS = (MPRS_PLUS, TORCHDATA, TORCH, IN_PROCESS, SPDL)
 # Said beside every SPDL figure: its design is one producer process, so --workers does
@@ -195,7 +195,8 @@ def open_loader(
     """The contender's loader over ``pipe`` (a DataPipe) or, for torch's DataLoader and
     SPDL, ``dataset`` (with ``pool``, SPDL's shared-memory arena; without, its queue only).
 
-    Every contender runs with its defaults apart from the worker count and start method.
+    Every contender runs with its defaults apart from the worker count and start method
+    (and, for SPDL, which has no worker count, its pool and a torch thread count: see _spdl).
     """
     if contender == IN_PROCESS:
         return Loader(pipe)
@@ -468,8 +469,10 @@ def run_suite(
         if runs_here and contender == SPDL and spdl_absent:
             return spdl_absent
         notes = [workload.notes.get(contender, "")]
-        if contender == SPDL:
-            notes.insert(0, SPDL_NOTE if runs_here else "" if notes[0] else "not part of this workload")
+        if contender == SPDL and runs_here:
+            notes.insert(0, SPDL_NOTE)
+        elif contender == SPDL and not notes[0]:
+            notes = ["not part of this workload"]
         return "; ".join(n for n in notes if n)
 
     cells = {w.name: {c: Cell(status=NOT_APPLICABLE, note=note(w, c)) for c in CONTENDERS} for w in workloads}
