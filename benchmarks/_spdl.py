@@ -13,6 +13,7 @@ The suite imports this module only to run this contender, so spdl stays optional
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -21,6 +22,8 @@ from typing import Any
 from spdl.pipeline import SharedMemorySegmentPool, iterate_in_subprocess
 
 from .harness import Loader, SegmentPool, Settings
+
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux, the suite's platform
 
 
 class SpdlLoader(Loader):
@@ -37,7 +40,7 @@ class SpdlLoader(Loader):
 
     def __init__(self, dataset: Any, settings: Settings, pool: SegmentPool | None) -> None:
         arena = _QuietPool(pool.segment_bytes, pool.count) if pool is not None else None
-        # What must be gone from /dev/shm once closed (the tests check it).
+        # What must be gone from /dev/shm once closed (checked by close()).
         self.segment_names = segment_names(arena) if arena is not None else []
         self._iterator: Any = None
         try:
@@ -69,9 +72,15 @@ class SpdlLoader(Loader):
             self._iterator.close()  # leaves the generator; the subprocess lives until shutdown
             self._iterator = None
         shutdown = getattr(self._iterable, "_shutdown", None)
-        if shutdown is not None:
-            shutdown()  # what the iterable's finalizer runs when it is collected
-        self._iterable = ()
+        try:
+            if shutdown is not None:
+                shutdown()  # what the iterable's finalizer runs when it is collected
+        finally:  # even when the harness cut a hung shutdown short
+            self._iterable = ()
+            left = [name for name in self.segment_names if os.path.exists(os.path.join(SHM_DIR, name))]
+            unlink_segments(left)  # so that nothing is left for the next contender
+        if left:  # reported beside the figures (see harness.close_within)
+            raise RuntimeError(f"SPDL's shutdown left {len(left)} segment(s) of its pool in {SHM_DIR}; removed")
 
 
 class _QuietPool(SharedMemorySegmentPool):
@@ -85,15 +94,20 @@ class _QuietPool(SharedMemorySegmentPool):
     """
 
     def unlink(self) -> None:
-        for name in segment_names(self):
-            try:
-                segment = shared_memory.SharedMemory(name=name)
-            except FileNotFoundError:
-                continue
-            try:
-                segment.unlink()
-            finally:
-                segment.close()
+        unlink_segments(segment_names(self))
+
+
+def unlink_segments(names: list[str]) -> None:
+    """Remove shared-memory segments by name: attach, unlink, close (those already gone skipped)."""
+    for name in names:
+        try:
+            segment = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:
+            continue
+        try:
+            segment.unlink()
+        finally:
+            segment.close()
 
 
 def segment_names(pool: SharedMemorySegmentPool) -> list[str]:

@@ -222,3 +222,20 @@ def test_spdl_pool_under_another_start_method_fails_clearly_and_leaves_nothing()
         harness.open_loader(harness.SPDL, settings, dataset=ShardedRange(10, identity), pool=spdl_pool(harness.MiB))
     assert not harness.child_processes()
     assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")}
+
+
+def test_spdl_segments_left_by_its_shutdown_are_reported_and_removed(monkeypatch) -> None:
+    pytest.importorskip("spdl.pipeline")
+    from benchmarks import _spdl, harness
+    from benchmarks.workloads._shared import ShardedRange, numpy_array, spdl_pool
+
+    monkeypatch.setattr(_spdl._QuietPool, "unlink", lambda self: None)  # a teardown that forgets
+    settings = harness.Settings(quick=True, shutdown_limit_s=15.0)
+    fn = functools.partial(numpy_array, nbytes=harness.MiB)
+    with harness.deadline(60, "the SPDL loader"):
+        loader = harness.open_loader(harness.SPDL, settings, dataset=ShardedRange(4, fn), pool=spdl_pool(harness.MiB))
+        names = loader.segment_names
+        assert sum(1 for _ in loader) == 4
+        problem = harness.close_within(loader, settings)
+    assert problem is not None and f"left {len(names)} segment(s)" in problem
+    assert not [name for name in names if _shm_exists(name)]
