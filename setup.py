@@ -1,8 +1,10 @@
 from setuptools import find_packages, setup
 
+# spdl: the suite's "spdl" contender (iterate_in_subprocess with its zero-copy shared-memory
+# pool); pure Python over numpy, and optional at run time (n/a without it).
+BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8"]
 # MkDocs: the docs are Markdown, the format of the README and of the pages' examples that
 # the tests run; mkdocstrings renders the API reference from the docstrings.
-BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60"]
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0"]
 # Plan.render() and `explain --format svg|png` draw with Graphviz's dot through this package.
 RENDER = ["graphviz>=0.20"]

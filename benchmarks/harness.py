@@ -47,7 +47,13 @@ MPRS_PLUS = "mprs_plus"
 TORCHDATA = "torchdata"
 TORCH = "torch"
 IN_PROCESS = "in-process"
-CONTENDERS = (MPRS_PLUS, TORCHDATA, TORCH, IN_PROCESS)
+# SPDL's iterate_in_subprocess with its zero-copy SharedMemorySegmentPool: optional (the
+# "bench" extra installs it); without it the suite records n/a, saying why (spdl_missing).
+SPDL = "spdl"
+CONTENDERS = (MPRS_PLUS, TORCHDATA, TORCH, IN_PROCESS, SPDL)
+# Said beside every SPDL figure: its design is one producer process, so --workers does
+# not apply to it, and a comparison at N workers is N processes against one.
+SPDL_NOTE = "ONE subprocess by design (SPDL's iterate_in_subprocess), whatever --workers says"
 MEMCPY = "memcpy"  # not a contender: the single-core copy bandwidth bandwidths are compared with
 
 OK, FAILED, NOT_APPLICABLE = "ok", "failed", "n/a"
@@ -128,6 +134,15 @@ class Workload:
         return next(m for m in self.metrics if m.key == key)
 
 
+@dataclass(frozen=True)
+class SegmentPool:
+    """The size of SPDL's ``SharedMemorySegmentPool`` for a workload: ``count`` segments of
+    ``segment_bytes`` each. A segment holds one whole item, so it is at least an item's size."""
+
+    segment_bytes: int
+    count: int
+
+
 # -- contenders ------------------------------------------------------------------------------
 
 
@@ -165,13 +180,30 @@ class _TorchLoader(Loader):
         self._iterator = None
 
 
-def open_loader(contender: str, settings: Settings, *, pipe: Any = None, dataset: Any = None) -> Loader:
-    """The contender's loader over ``pipe`` (a DataPipe) or, for torch's DataLoader, ``dataset``.
+def spdl_missing() -> str | None:
+    """Why the SPDL contender cannot run here, or None when it can."""
+    try:
+        from spdl.pipeline import SharedMemorySegmentPool, iterate_in_subprocess  # noqa: F401
+    except ImportError as exc:
+        return f"spdl is not installed ({exc}); 'pip install -e .[bench]' brings it"
+    return None
 
-    Every contender runs with its defaults apart from the worker count and start method.
+
+def open_loader(
+    contender: str, settings: Settings, *, pipe: Any = None, dataset: Any = None, pool: SegmentPool | None = None
+) -> Loader:
+    """The contender's loader over ``pipe`` (a DataPipe) or, for torch's DataLoader and
+    SPDL, ``dataset`` (with ``pool``, SPDL's shared-memory arena; without, its queue only).
+
+    Every contender runs with its defaults apart from the worker count and start method
+    (and, for SPDL, which has no worker count, its pool and a torch thread count: see _spdl).
     """
     if contender == IN_PROCESS:
         return Loader(pipe)
+    if contender == SPDL:
+        from . import _spdl  # imports spdl: only for this contender, which is optional
+
+        return _spdl.SpdlLoader(dataset, settings, pool)
     if contender == TORCH:
         import torch.utils.data
 
@@ -220,8 +252,9 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
     first = start = end = cpu_start = cpu_end = 0.0
     stopped_early = False
     loader = open_()
+    item: Any = None
     try:
-        for _ in loader:
+        for item in loader:
             count += 1
             if not timed_from:
                 now = clock()
@@ -233,7 +266,11 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
                 stopped_early = True
                 break
         end, cpu_end = clock(), cpu_clock()
+        # A consumer drops its item before it stops: one still held would pin the memory it
+        # views (SPDL's pool keeps such a segment past its own shutdown).
+        item = None
     except BaseException:
+        item = None
         close_within(loader, settings)
         raise
     problem = close_within(loader, settings)
@@ -423,14 +460,26 @@ def run_suite(
     contenders: tuple[str, ...] = CONTENDERS,
     progress: bool = True,
 ) -> Results:
+    spdl_absent = spdl_missing() if SPDL in contenders else None
+
     def note(workload: Workload, contender: str) -> str:
-        if contender in workload.runners and contender not in contenders:
+        runs_here = contender in workload.runners
+        if runs_here and contender not in contenders:
             return "not selected in this run"
-        return workload.notes.get(contender, "")
+        if runs_here and contender == SPDL and spdl_absent:
+            return spdl_absent
+        notes = [workload.notes.get(contender, "")]
+        if contender == SPDL and runs_here:
+            notes.insert(0, SPDL_NOTE)
+        elif contender == SPDL and not notes[0]:
+            notes = ["not part of this workload"]
+        return "; ".join(n for n in notes if n)
 
     cells = {w.name: {c: Cell(status=NOT_APPLICABLE, note=note(w, c)) for c in CONTENDERS} for w in workloads}
+    if spdl_absent:  # an optional contender: recorded as n/a, with the reason, not a failure
+        contenders = tuple(c for c in contenders if c != SPDL)
     results = Results(settings, environment(settings), workloads, cells, [])
-    steps = schedule(workloads, contenders, settings.repetitions)
+    steps = schedule(workloads, contenders, settings.repetitions) if contenders else []
     started = time.perf_counter()
     bar = _progress(steps, progress)
     for rep, workload, contender in bar:
@@ -509,7 +558,7 @@ def environment(settings: Settings) -> dict[str, Any]:
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
-        "versions": {name: _version(name) for name in ("mprs_plus", "torch", "torchdata", "numpy", "psutil")},
+        "versions": {name: _version(name) for name in ("mprs_plus", "torch", "torchdata", "numpy", "psutil", "spdl")},
         "cpu_model": _cpu_model(),
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -377,8 +377,8 @@ def sweep_plot(runs: list[Results], path: Path) -> None:
             points = [(n, v * scale) for n, v in zip(counts, values) if v is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=contender)
-        if metric.unit == "items/s":
-            ax.set_yscale("log")  # contenders differ by orders of magnitude on small items
+        if metric.unit in ("items/s", "GB/s"):
+            ax.set_yscale("log")  # contenders differ by orders of magnitude (in-process vs transports)
         ax.set_title(f"{workload.title}: {metric.key.replace('_', ' ')}", fontsize=8)
         ax.set_xlabel("workers", fontsize=7)
         ax.set_ylabel(_display_unit(metric.unit), fontsize=7)

@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Benchmark suite: mprs_plus against torchdata's MultiProcessingReadingService, torch's
-DataLoader and in-process iteration, on the same workloads, measured interleaved.
+DataLoader, in-process iteration and SPDL's iterate_in_subprocess with its zero-copy
+shared-memory pool (one subprocess, when spdl is installed), on the same workloads,
+measured interleaved.
 
     python benchmarks/run.py                 full run (5 repetitions, memory check included)
     python benchmarks/run.py --quick         the whole suite in under a minute (smoke test)

@@ -7,12 +7,15 @@ timeout so that a hang fails the test instead of the session.
 
 from __future__ import annotations
 
+import functools
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mprs_plus._cli import bench
@@ -29,7 +32,9 @@ QUICK_WORKLOADS = {
     "seed_wrapper",
     "startup_shutdown",
 }
-CONTENDERS = {"mprs_plus", "torchdata", "torch", "in-process"}
+CONTENDERS = {"mprs_plus", "torchdata", "torch", "in-process", "spdl"}
+# Where SPDL's iterate_in_subprocess runs the same items as the others (one subprocess).
+SPDL_WORKLOADS = {"tiny_items", "numpy_arrays", "torch_tensors", "large_tensors", "cpu_bound"}
 STATUSES = {"ok", "failed", "n/a"}
 
 
@@ -73,6 +78,17 @@ def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
     assert result["memcpy"]["median_gbps"] > 0
     assert list(tmp_path.glob("*.png")), "no plot written"
     assert "PASS" in done.stdout or "MISS" in done.stdout  # the table has its verdict column
+    for name, workload in result["workloads"].items():
+        spdl = workload["contenders"]["spdl"]
+        assert spdl["note"], name  # it runs one subprocess, or why it does not apply
+        if name in SPDL_WORKLOADS:
+            assert spdl["status"] == "ok", (name, spdl["errors"])
+            assert "ONE subprocess" in spdl["note"], name
+        else:
+            assert spdl["status"] == "n/a", name
+    assert result["environment"]["versions"]["spdl"]
+    spdl_target = [t for t in result["workloads"]["numpy_arrays"]["targets"] if t["against"] == "spdl"]
+    assert spdl_target and spdl_target[0]["threshold"] == 1.0 and spdl_target[0]["value"] > 0
     for name in ("numpy_arrays", "torch_tensors", "large_tensors"):
         # Main-process CPU per byte is reported for every contender that ran.
         for contender, cell in result["workloads"][name]["contenders"].items():
@@ -128,3 +144,98 @@ def test_bench_command_explains_what_to_do_without_a_checkout(monkeypatch, capsy
     monkeypatch.setattr(bench, "suite_path", lambda: None)
     assert bench.run(bench.argparse.Namespace(rest=["--quick"])) == 2
     assert "source repository" in capsys.readouterr().err
+
+
+# -- the SPDL contender ----------------------------------------------------------------------
+
+
+def _shm_exists(name: str) -> bool:
+    return os.path.exists(os.path.join("/dev/shm", name))
+
+
+@pytest.mark.parametrize("stop_early", [False, True], ids=["whole-epoch", "stopped-early"])
+def test_spdl_contender_ends_its_subprocess_and_removes_its_pool(stop_early: bool) -> None:
+    pytest.importorskip("spdl.pipeline")
+    from benchmarks import harness
+    from benchmarks.workloads._shared import ShardedRange, numpy_array, spdl_pool
+
+    settings = harness.Settings(quick=True, context="fork", shutdown_limit_s=15.0)
+    n = 40
+    fn = functools.partial(numpy_array, nbytes=harness.MiB)
+    with harness.deadline(60, "the SPDL loader"):
+        loader = harness.open_loader(harness.SPDL, settings, dataset=ShardedRange(n, fn), pool=spdl_pool(harness.MiB))
+        try:
+            names = loader.segment_names
+            assert len(names) == 1 + spdl_pool(harness.MiB).count  # a control segment, then one per item
+            assert all(_shm_exists(name) for name in names)
+            children = harness.child_processes()
+            assert children, "SPDL runs its iterable in a subprocess"
+            values = []
+            for item in loader:
+                values.append(int(item[0]))  # the items are the workload's, in order
+                if stop_early and len(values) == n // 4:
+                    break
+            item = None  # a held item pins its segment, as any consumer's would
+        finally:
+            problem = harness.close_within(loader, settings)
+    assert problem is None
+    assert values == [i % 251 for i in range(len(values))] and len(values) == (n // 4 if stop_early else n)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"SPDL's subprocess outlived close(): {alive}"
+    assert not [name for name in names if _shm_exists(name)], "SPDL's pool left segments in /dev/shm"
+
+
+def test_suite_records_spdl_as_not_applicable_when_it_is_not_installed(monkeypatch) -> None:
+    from benchmarks import harness
+    from benchmarks.workloads._shared import identity, mapped_range_runners
+
+    monkeypatch.setitem(sys.modules, "spdl", None)  # "import spdl" now raises ImportError
+    monkeypatch.delitem(sys.modules, "spdl.pipeline", raising=False)
+    workload = harness.Workload(
+        name="few_ints",
+        title="few ints",
+        description="ints through an identity map",
+        metrics=(harness.Metric("throughput", "items/s"),),
+        runners=mapped_range_runners(items=lambda s: 200, make_fn=lambda s: identity),
+    )
+    settings = harness.Settings(quick=True, repetitions=1, budget_s=0.05)
+    results = harness.run_suite([workload], settings, (harness.IN_PROCESS, harness.SPDL), progress=False)
+    cells = results.cells["few_ints"]
+    assert cells[harness.IN_PROCESS].status == harness.OK
+    assert cells[harness.SPDL].status == harness.NOT_APPLICABLE
+    assert "not installed" in cells[harness.SPDL].note and "bench" in cells[harness.SPDL].note
+    assert not cells[harness.SPDL].errors
+
+
+def test_spdl_pool_under_another_start_method_fails_clearly_and_leaves_nothing() -> None:
+    # SPDL's pool makes its condition variable in multiprocessing's default context (fork
+    # here), so a spawn subprocess cannot share it: the suite records why, and cleans up.
+    pytest.importorskip("spdl.pipeline")
+    from benchmarks import harness
+    from benchmarks.workloads._shared import ShardedRange, identity, spdl_pool
+
+    if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
+        pytest.skip("the default start method is not fork")
+    shm_before = set(os.listdir("/dev/shm"))
+    settings = harness.Settings(quick=True, context="spawn")
+    with harness.deadline(60, "the SPDL loader"), pytest.raises(RuntimeError, match="default start method"):
+        harness.open_loader(harness.SPDL, settings, dataset=ShardedRange(10, identity), pool=spdl_pool(harness.MiB))
+    assert not harness.child_processes()
+    assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")}
+
+
+def test_spdl_segments_left_by_its_shutdown_are_reported_and_removed(monkeypatch) -> None:
+    pytest.importorskip("spdl.pipeline")
+    from benchmarks import _spdl, harness
+    from benchmarks.workloads._shared import ShardedRange, numpy_array, spdl_pool
+
+    monkeypatch.setattr(_spdl._QuietPool, "unlink", lambda self: None)  # a teardown that forgets
+    settings = harness.Settings(quick=True, shutdown_limit_s=15.0)
+    fn = functools.partial(numpy_array, nbytes=harness.MiB)
+    with harness.deadline(60, "the SPDL loader"):
+        loader = harness.open_loader(harness.SPDL, settings, dataset=ShardedRange(4, fn), pool=spdl_pool(harness.MiB))
+        names = loader.segment_names
+        assert sum(1 for _ in loader) == 4
+        problem = harness.close_within(loader, settings)
+    assert problem is not None and f"left {len(names)} segment(s)" in problem
+    assert not [name for name in names if _shm_exists(name)]

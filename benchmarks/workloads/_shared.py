@@ -1,6 +1,9 @@
 """What the workloads share: per-item work, a torch ``IterableDataset`` doing the same
 work as the DataPipes, and runners for the common ``range -> sharding_filter -> map`` shape.
 
+The same ``IterableDataset`` is what SPDL's contender iterates in its one subprocess: with
+no torch worker info there, it yields every item, ``fn(i)`` for ``i`` in ``range(n)``.
+
 Everything that reaches a worker is a module-level function or class, so that it pickles
 by reference under every start method.
 """
@@ -71,6 +74,18 @@ class ShardedRange(torch.utils.data.IterableDataset):
         return map(self.fn, range(first, self.n, step))
 
 
+# SPDL's pool: a segment per item in flight. Its queue holds 3 items (buffer_size, left
+# at SPDL's default), the producer writes a fourth and the consumer holds a fifth; 8
+# segments cover that with room, so the producer never waits on a reclaim still on
+# its way, and every segment is touched during the warm-up of a full run.
+SPDL_SEGMENTS = 8
+
+
+def spdl_pool(item_bytes: int) -> harness.SegmentPool:
+    """SPDL's arena for items of ``item_bytes``: SPDL_SEGMENTS segments of one item each."""
+    return harness.SegmentPool(segment_bytes=item_bytes, count=SPDL_SEGMENTS)
+
+
 def mapped_range(n: int, fn: Callable[[int], Any]) -> Any:
     """``range(n) -> sharding_filter -> map(fn)``: each worker makes its share of the items."""
     return IterableWrapper(range(n)).sharding_filter().map(fn)
@@ -80,13 +95,20 @@ def mapped_range_runners(
     items: Callable[[harness.Settings], int],
     make_fn: Callable[[harness.Settings], Callable[[int], Any]],
     item_bytes: int = 0,
+    spdl_pool: harness.SegmentPool | None = None,
 ) -> dict[str, harness.Runner]:
-    """A throughput runner per contender for ``fn(i) for i in range(n)``."""
+    """A throughput runner per contender for ``fn(i) for i in range(n)``.
+
+    ``spdl_pool`` sizes SPDL's shared-memory arena; without one, SPDL moves items through
+    its queue alone (pickled), as it does for items with nothing large to offload.
+    """
 
     def run(contender: str, settings: harness.Settings) -> dict[str, float]:
         n, fn = items(settings), make_fn(settings)
         return harness.stream(
-            lambda: harness.open_loader(contender, settings, pipe=mapped_range(n, fn), dataset=ShardedRange(n, fn)),
+            lambda: harness.open_loader(
+                contender, settings, pipe=mapped_range(n, fn), dataset=ShardedRange(n, fn), pool=spdl_pool
+            ),
             items=n,
             settings=settings,
             item_bytes=item_bytes,

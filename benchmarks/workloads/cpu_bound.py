@@ -21,4 +21,5 @@ WORKLOAD = harness.Workload(
         make_fn=lambda s: functools.partial(burn, loops=s.cpu_loops),
     ),
     targets=(harness.Target("throughput", harness.IN_PROCESS, 1.8),),
+    notes={harness.SPDL: "no arena (ints); one process does all the work, so no parallel speed-up"},
 )

@@ -39,5 +39,8 @@ WORKLOAD = harness.Workload(
     metrics=(harness.Metric("throughput", "items/s"),),
     runners={c: functools.partial(run, c) for c in (harness.MPRS_PLUS, harness.TORCHDATA, harness.IN_PROCESS)},
     targets=(harness.Target("throughput", harness.IN_PROCESS, 1.8),),
-    notes={harness.TORCH: "torch's DataLoader has no dispatch process"},
+    notes={
+        harness.TORCH: "torch's DataLoader has no dispatch process",
+        harness.SPDL: "iterate_in_subprocess runs one iterable in one subprocess: no dispatch process",
+    },
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from .. import harness
-from ._shared import mapped_range_runners, torch_tensor
+from ._shared import mapped_range_runners, spdl_pool, torch_tensor
 
 NUMEL = 16 * harness.MiB  # float32: 64 MiB
 NBYTES = 4 * NUMEL
@@ -26,9 +26,11 @@ WORKLOAD = harness.Workload(
         items=lambda s: 6 if s.quick else 96,
         make_fn=lambda s: functools.partial(torch_tensor, numel=NUMEL),
         item_bytes=NBYTES,
+        spdl_pool=spdl_pool(NBYTES),
     ),
     targets=(
         harness.Target("throughput", harness.TORCH, 1.5),
         harness.Target("main_cpu_gbps", harness.MEMCPY, 20.0),
     ),
+    notes={harness.SPDL: "SharedMemorySegmentPool of 8 x 64 MiB (512 MiB of shared memory); tensors arrive as views"},
 )

@@ -79,7 +79,7 @@ WORKLOAD = harness.Workload(
     ),
     runners={harness.MPRS_PLUS: run},
     targets=(harness.Target("rss_growth", None, 64.0, threshold_setting="memory_bound_mib"),),
-    notes={c: "measured for mprs_plus only" for c in (harness.TORCHDATA, harness.TORCH, harness.IN_PROCESS)},
+    notes={c: "measured for mprs_plus only" for c in (harness.TORCHDATA, harness.TORCH, harness.IN_PROCESS, harness.SPDL)},
     in_quick=False,
     max_repetitions=1,
     deadline_s=_deadline,

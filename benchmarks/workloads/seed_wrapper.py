@@ -77,5 +77,6 @@ WORKLOAD = harness.Workload(
         harness.MPRS_PLUS: "Wrapper.src in NoGraph",
         harness.TORCHDATA: "plain Wrapper, as users wrote it: torchdata runs it in one process",
         harness.TORCH: "torch's DataLoader has no dispatch process or main-process tail",
+        harness.SPDL: "a DataPipe graph split across processes; SPDL runs one iterable in one subprocess",
     },
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 from .. import harness
-from ._shared import mapped_range_runners, torch_tensor
+from ._shared import mapped_range_runners, spdl_pool, torch_tensor
 
 NUMEL = harness.MiB  # float32: 4 MiB
 NBYTES = 4 * NUMEL
@@ -24,6 +24,7 @@ WORKLOAD = harness.Workload(
         items=lambda s: 64 if s.quick else 1024,
         make_fn=lambda s: functools.partial(torch_tensor, numel=NUMEL),
         item_bytes=NBYTES,
+        spdl_pool=spdl_pool(NBYTES),
     ),
     targets=(
         harness.Target("throughput", harness.IN_PROCESS, 1.2),
@@ -31,4 +32,5 @@ WORKLOAD = harness.Workload(
         harness.Target("main_cpu_gbps", harness.MEMCPY, 20.0),
         harness.Target("throughput", harness.TORCHDATA, 4.0),
     ),
+    notes={harness.SPDL: "SharedMemorySegmentPool of 8 x 4 MiB; tensors arrive as torch tensors viewing shared memory"},
 )
