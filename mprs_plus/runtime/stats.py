@@ -167,8 +167,8 @@ class Stats:
     segments: tuple[SegmentStats, ...]
     bottleneck: str
     # Large buffers the main process received since the service started: lent as views
-    # of shared memory, or copied because the user held too many already; and those held
-    # now, by any service of this process (docs/stats.md).
+    # of shared memory, or copied (the user held too many already, or the worker had no
+    # room left to lend); and those held now, by any service of this process (docs/stats.md).
     large_buffers: Lending = Lending(0, 0, 0, 0)
 
     def segment(self, name: str) -> SegmentStats | None:
@@ -186,7 +186,7 @@ class Stats:
         if large.lent or large.copied:
             lines.append(
                 f"  large buffers: {large.lent:,} handed over as views of shared memory, {large.copied:,} copied "
-                f"(too many held); {large.held_buffers:,} held now, {large.held_bytes / 1e6:,.1f} MB"
+                f"(too many held, or no room to lend); {large.held_buffers:,} held now, {large.held_bytes / 1e6:,.1f} MB"
             )
         return "\n".join(lines)
 

@@ -281,6 +281,12 @@ class LentViews:
         holding.roots[id(ref)] = (ref, self, slot, length)
         return root
 
+    def count_copied(self) -> None:
+        """A buffer large enough to lend came through the ring: the sender had no free
+        extent or slot for it."""
+        with _holding.lock:
+            _holding.copied += 1
+
     def discard(self, slot: int) -> None:
         """A lent buffer of a message that is dropped unread."""
         self.ctl[SLOT_BASE + slot] = FREE

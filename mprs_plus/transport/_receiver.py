@@ -10,7 +10,7 @@ import struct
 import time
 from typing import Any
 
-from ._lend import DESCRIPTOR, HOLD_FACTOR, LENT_BIT, LentViews
+from ._lend import DESCRIPTOR, HOLD_FACTOR, LEND_MIN, LENT_BIT, LentViews
 from ._memory import SharedRegion
 from ._ring import (
     HEADER,
@@ -220,6 +220,8 @@ class ShmReceiver(Endpoint):
                     buffers.append(self._take_lent(extent, slot, length))
                     at += DESCRIPTOR
                 else:
+                    if length >= LEND_MIN and self._lent is not None:
+                        self._lent.count_copied()  # the sender found no room to lend it
                     buffers.append(self._copy(at, length))
                     at += length
         offset = position % size
@@ -251,6 +253,8 @@ class ShmReceiver(Endpoint):
                 buffers.append(self._take_lent(extent, slot, length & ~LENT_BIT))
                 body += DESCRIPTOR
             else:
+                if length >= LEND_MIN and self._lent is not None:
+                    self._lent.count_copied()
                 buffers.append(self._stream_in(length))
                 body += length
         self._stream_in(-body % HEADER, keep=False)

@@ -12,7 +12,8 @@ no copy out (``_lend.py``).
 
     control page: 64-bit words, one cache line per writer
     +-----------------------------------------------------------------------+
-    | line 0  write_pos   items_written  sender_closed  lent_bytes (producer)|
+    | line 0  write_pos   items_written  sender_closed  lent_bytes  skipped  |
+    |         (producer; skipped: bytes of SKIP padding, not traffic)         |
     | line 1  read_pos    items_read     receiver_closed  lent_read (consumer)|
     | line 2  rx_sleeping  (set by the consumer, cleared by whoever wakes it) |
     |         rx_rescues   (consumer: wake-ups the watchdog had to stand in for)|
@@ -63,7 +64,7 @@ from .errors import ChannelClosed
 from .traffic import NO_TRAFFIC, Traffic
 
 # Control words (indices of 64-bit words in the control page).
-WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES = 0, 1, 2, 3
+WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES, SKIPPED = 0, 1, 2, 3, 4
 READ_POS, ITEMS_READ, RECEIVER_CLOSED, LENT_READ = 8, 9, 10, 11
 RX_SLEEPING, RX_RESCUES = 16, 17  # a Sleeper counts its rescues in the word after its flag
 TX_SLEEPING, TX_RESCUES = 24, 25
@@ -113,7 +114,7 @@ class Endpoint:
         ctl = self._ctl
         written, write_pos = ctl[ITEMS_WRITTEN], ctl[WRITE_POS]
         queued = write_pos - ctl[READ_POS]
-        sent = write_pos + ctl[LENT_BYTES]
+        sent = write_pos - ctl[SKIPPED] + ctl[LENT_BYTES]
         return Traffic(written, sent, written - ctl[ITEMS_READ], queued, ctl[RX_RESCUES] + ctl[TX_RESCUES])
 
     def release(self) -> None:

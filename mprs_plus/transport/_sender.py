@@ -25,6 +25,7 @@ from ._ring import (
     RX_SLEEPING,
     SENDER_CLOSED,
     SKIP,
+    SKIPPED,
     TX_SLEEPING,
     WRITE_POS,
     Endpoint,
@@ -178,6 +179,7 @@ class ShmSender(Endpoint):
         offset = write % size
         if offset >= self._recycle_at and frame <= offset and write == ctl[READ_POS]:
             self._put_header(offset, SKIP, 0, 0, size - offset)
+            ctl[SKIPPED] += size - offset
             write += size - offset
             offset = 0
         self._put_header(offset, MESSAGE, nbuf, len(stream), frame)

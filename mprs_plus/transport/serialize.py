@@ -2,10 +2,13 @@
 
     obj --Encoder.encode--> pickle stream (small) + [large buffers, zero-copy views]
                             the channel copies each buffer straight into shared memory
-    pickle.loads(stream, buffers=[bytearray, ...]) --> obj   (one copy out per buffer)
+    pickle.loads(stream, buffers=[...]) --> obj
 
-Buffers of ``INLINE_LIMIT`` bytes or more go out of band; they arrive as writable
-``bytearray`` objects. Smaller ones stay in the stream, where they are cheaper.
+Buffers of ``INLINE_LIMIT`` bytes or more go out of band; smaller ones stay in the
+stream, where they are cheaper. An out-of-band buffer arrives as a writable
+``bytearray`` (copied out of the ring) or, when the shared-memory transport lent it
+(``_lend.py``), as a uint8 numpy array over shared memory: no copy at all. Reducers
+rebuild from either through the buffer protocol.
 
 ``register_reducer(cls, fn)`` adds a reducer for instances of exactly ``cls`` (as
 ``copyreg`` does, but only for this transport's picklers, never process-wide). The

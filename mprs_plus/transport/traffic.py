@@ -24,6 +24,8 @@ class Lending(NamedTuple):
     (``_lend.py``): handed over as views of shared memory, or copied."""
 
     lent: int  # buffers handed over as views of shared memory
-    copied: int  # buffers copied out because their channel had lent its limit already
+    # Buffers large enough to lend that arrived as copies: the receiver's user held its
+    # limit already, or the sender had no free extent or slot in its lend area.
+    copied: int
     held_buffers: int  # lent buffers the user still holds now
     held_bytes: int

@@ -263,3 +263,24 @@ def test_a_view_outlives_its_channel():
     item[:] = 1  # and stays writable
     del item
     assert lending().held_bytes == before.held_bytes
+
+
+def test_a_sender_out_of_slots_sends_copies_and_says_so(monkeypatch):
+    """With every slot lent to a user who keeps the items, the sender puts the next
+    buffers in the ring instead of waiting for the user: they arrive (as copies) and are
+    counted as copied."""
+    monkeypatch.setattr(_lend, "SLOTS", 4)
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    try:
+        before = lending()
+        kept = []
+        for i in range(10):
+            sender.send(filled(i))
+            kept.append(receiver.recv())
+        after = lending()
+        assert [int(a[0]) for a in kept] == list(range(10))
+        assert after.lent - before.lent == 4 and after.copied - before.copied == 6
+        assert all(backed_by_shared_memory(a) for a in kept[:4]) and not any(backed_by_shared_memory(a) for a in kept[4:])
+    finally:
+        sender.close()
+        receiver.close()
