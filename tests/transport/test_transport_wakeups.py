@@ -186,3 +186,34 @@ def test_stress_ping_pong_with_rings_of_one_message(monkeypatch):
         requests_tx.close()
         replies_rx.close()
         process.join(30)
+
+
+def test_a_waiter_stops_spinning_while_spins_keep_failing_and_spins_again_when_one_pays(channel, monkeypatch):
+    """A failed spin burns its whole budget for nothing (a process waiting for each large
+    item did that on every item): after SPIN_MISSES of them the waiter goes straight to
+    sleep, probing now and then, and one spin that succeeds brings spinning back."""
+    _, receiver = channel
+    yields = []
+    monkeypatch.setattr(_wakeup.os, "sched_yield", lambda: yields.append(1))
+    sleeper = receiver._sleeper
+    never = lambda: False  # noqa: E731
+    spun = []
+    for _ in range(_wakeup.SPIN_MISSES + 2):
+        yields.clear()
+        assert sleeper.wait(never, time.monotonic() + 0.001) == _wakeup.Outcome.TIMEOUT
+        spun.append(bool(yields))
+    assert spun == [True] * _wakeup.SPIN_MISSES + [False, False]
+    # The probe: one wait in SPIN_PROBE still spins, and this time the condition comes true.
+    calls = []
+
+    def soon() -> bool:
+        calls.append(1)
+        return len(calls) > 3
+
+    while (sleeper._waits + 1) % _wakeup.SPIN_PROBE:
+        sleeper.wait(never, time.monotonic())
+    yields.clear()
+    assert sleeper.wait(soon) == _wakeup.Outcome.READY and yields
+    yields.clear()
+    calls.clear()
+    assert sleeper.wait(soon) == _wakeup.Outcome.READY and yields  # spinning is back
