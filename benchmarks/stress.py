@@ -12,6 +12,10 @@ Pipelines
     exit   ``shuffle().prefetch(20)``, the dispatcher, ``map().batch(16)``, 2 workers, no
            prefetch on either side (``worker_prefetch_cnt=0, main_prefetch_cnt=0``): two
            epochs, then shut down, as torchdata's own exit test does.
+    tensors  arrays of 64 KiB to 8 MiB (sizes vary, so the lend area fragments and
+           coalesces) sent through the dispatcher to 2 workers, which make tensors of
+           them; the loop keeps one item in seven for a while and checks every item's
+           bytes, so a lent buffer given back too early shows as a wrong value.
 
 A stall is a run that delivers no item for ``--stall-after`` seconds while every process
 is alive (the service's ``timeout=`` option reports it as ``TimeoutError``); the run is
@@ -94,6 +98,46 @@ def run_exit(context: str, items: int, stall_after: float) -> tuple[int, int]:
         loader.shutdown()
 
 
+def sized_array(i: int) -> "numpy.ndarray":
+    import numpy
+
+    size = (64 << 10) << (i % 8)  # 64 KiB .. 8 MiB
+    return numpy.full(size + (i % 5) * 4096, i % 251, dtype=numpy.uint8)
+
+
+def as_tensor(array: "numpy.ndarray") -> "torch.Tensor":
+    import torch
+
+    return torch.from_numpy(array.copy())
+
+
+def run_tensors(context: str, items: int, stall_after: float) -> tuple[int, int]:
+    pipe = IterableWrapper(range(items)).map(sized_array)
+    pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(as_tensor)
+    service = MultiProcessingReadingService(2, multiprocessing_context=context, timeout=stall_after)
+    loader = DataLoader2(pipe, reading_service=service)
+    try:
+        kept: list[tuple[int, object]] = []
+        count = 0
+        for tensor in loader:
+            value = count % 251
+            if tensor.numel() < 64 << 10 or int(tensor[0]) != value or int(tensor[-1]) != value:
+                raise AssertionError(f"item {count}: wrong bytes")
+            if count % 7 == 0:
+                kept.append((value, tensor))
+            if len(kept) > 20:  # hold some for a while, then check them again and let go
+                for old, held in kept:
+                    if int(held[0]) != old or int(held.min()) != old or int(held.max()) != old:
+                        raise AssertionError("a kept item changed under the loop")
+                kept.clear()
+            count += 1
+        if count != items:
+            raise AssertionError(f"wrong output: {count} items")
+        return count, _rescues(service)
+    finally:
+        loader.shutdown()
+
+
 def _rescues(service: MultiProcessingReadingService) -> int:
     try:
         return sum(process.rescues for process in service.stats().processes)
@@ -101,15 +145,17 @@ def _rescues(service: MultiProcessingReadingService) -> int:
         return 0
 
 
-PIPELINES = {"ints": (run_ints, 1_000_000), "exit": (run_exit, 1_000)}
+PIPELINES = {"ints": (run_ints, 1_000_000), "exit": (run_exit, 1_000), "tensors": (run_tensors, 2_000)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=30, help="runs of each pipeline with each start method (30)")
-    parser.add_argument("--pipelines", default="ints,exit", help="comma-separated, from: ints, exit")
+    parser.add_argument("--pipelines", default="ints,exit,tensors", help="comma-separated, from: ints, exit, tensors")
     parser.add_argument("--contexts", default="fork,spawn", help="comma-separated start methods (fork,spawn)")
-    parser.add_argument("--items", type=int, default=None, help="items per run (ints: 1,000,000; exit: 1,000)")
+    parser.add_argument(
+        "--items", type=int, default=None, help="items per run (ints: 1,000,000; exit: 1,000; tensors: 2,000)"
+    )
     parser.add_argument("--stall-after", type=float, default=30.0, help="seconds without an item that count as a stall")
     parser.add_argument("--minutes", type=float, default=None, help="start no run after this many minutes")
     args = parser.parse_args(argv)
