@@ -12,7 +12,7 @@ Pipelines
     exit   ``shuffle().prefetch(20)``, the dispatcher, ``map().batch(16)``, 2 workers, no
            prefetch on either side (``worker_prefetch_cnt=0, main_prefetch_cnt=0``): two
            epochs, then shut down, as torchdata's own exit test does.
-    tensors  arrays of 64 KiB to 8 MiB (sizes vary, so the lend area fragments and
+    tensors  arrays of 64 KiB (copied) to 8 MiB (lent; sizes vary, so the lend area fragments and
            coalesces) sent through the dispatcher to 2 workers, which make tensors of
            them; the loop keeps one item in seven for a while and checks every item's
            bytes, so a lent buffer given back too early shows as a wrong value.

@@ -44,7 +44,7 @@ from .messages import Kind, RemoteError
 
 _clock = time.perf_counter
 
-LARGE_ITEM = 64 << 10  # bytes: as the transport's smallest lent buffer
+LARGE_ITEM = 128 << 10  # bytes: the transport's smallest lent buffer (transport/_lend.py)
 _SCALARS = frozenset((int, float, bool, str, type(None)))
 
 

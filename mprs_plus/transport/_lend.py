@@ -66,7 +66,11 @@ from typing import Any
 from ._memory import PAGE
 from .traffic import Lending
 
-LEND_MIN = 64 << 10  # bytes; smaller buffers are copied through the ring
+# Bytes; smaller buffers are copied through the ring. Measured on a 2-core machine (a
+# producer re-sending one array): at 64 KiB lending and copying cost the receiver the
+# same 6 us per item and copying went faster; at 128 KiB lending saves the receiver a
+# sixth of its CPU, and the gap grows with the size.
+LEND_MIN = 128 << 10
 HOLD_FACTOR = 2  # a receiver lends its user up to this many times the ring at a time
 LEND_FACTOR = 4  # the lend area is this many times the ring: in flight, held, and slack
 SLOTS = 256  # extents one channel can have lent at a time
