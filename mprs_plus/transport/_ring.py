@@ -69,7 +69,7 @@ LOW32 = 0xFFFFFFFF
 
 MIN_RING = 16 * PAGE
 RECYCLE_AT = 1 << 20
-PREFAULT = 2 << 20
+PREFAULT = 0
 
 # Every endpoint alive in this process, so that a forked child can drop the descriptors
 # it inherited but does not own (a dead peer shows only once *every* copy is closed).
