@@ -519,3 +519,14 @@ def tensor_and_views(item: Any) -> Any:
 
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * item
     return {"base": base, "transposed": base.t(), "flat": base.view(-1), "row": base[1]}
+
+
+class Ballast:
+    """An ``iter_reset_fn`` that changes nothing but pickles to ``size`` bytes: a Reset too
+    large to wait in a control channel before its child has started."""
+
+    def __init__(self, size: int) -> None:
+        self.ballast = bytes(size)
+
+    def __call__(self, datapipe: Any) -> Any:
+        return datapipe

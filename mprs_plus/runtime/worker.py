@@ -34,7 +34,7 @@ from .control import SegmentControl, make_locks, outputs_of, segment_root
 from .child import ChildLoop
 from .lanes import OutputLane, current_lane_stats, flush_current_lane
 from .lifecycle import child_setup
-from .messages import Kind, RemoteError, describe_process
+from .messages import Kind, describe_process
 from .mux import CLOSED_EPOCH, ChannelMux
 from .protocol import Received, Reset
 
