@@ -152,7 +152,8 @@ class Supervisor:
     def send(self, link: ChildLink, message: Any) -> None:
         """Send ``message`` on ``link``'s control channel without ever blocking for long;
         a child not started yet is started first."""
-        self.launch(link)
+        if link in self._pending:  # only the thread that begins epochs starts children
+            self.launch(link)
         deadline = time.monotonic() + CONTROL_WAIT
         timeout = 0.0  # first a non-blocking try: the usual case
         while True:
