@@ -124,3 +124,29 @@ def test_a_first_epoch_too_large_to_queue_still_starts(method):
         assert sorted(main) == list(range(8))
     finally:
         runtime.stop()
+
+
+@pytest.mark.parametrize("failing", [0, 2, 6], ids=["first", "dispatch to worker 1", "last"])
+def test_a_channel_that_fails_to_open_releases_every_channel_opened_before(monkeypatch, failing):
+    """Channels: the dispatch control channel, 2 from the dispatch process to the workers,
+    then per worker a control channel and a data channel (7 in all)."""
+    from mprs_plus.runtime import service
+
+    gc.collect()
+    held = channel_descriptors()
+    opened = []
+
+    def open_channel(*args, **kwargs):
+        if len(opened) == failing:
+            raise OSError(errno.EMFILE, "Too many open files (test)")
+        opened.append(service.open_channel.__wrapped__(*args, **kwargs))
+        return opened[-1]
+
+    open_channel.__wrapped__ = service.open_channel
+    monkeypatch.setattr(service, "open_channel", open_channel)
+    runtime = ServiceRuntime(plan(dispatched(6), 2), Options(num_workers=2, multiprocessing_context="fork"))
+    with pytest.raises(OSError, match=r"Too many open files \(test\)"):
+        runtime.start()
+    assert len(opened) == failing
+    assert channel_descriptors() == held  # released by the stop itself, not by a garbage collection
+    runtime.stop()

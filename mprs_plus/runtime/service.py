@@ -253,8 +253,9 @@ def _prepare_children(
     plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
 ) -> None:
     """Open every channel of ``topology`` and have the supervisor ready to start each child
-    (dispatch process first). Each channel is handed to the supervisor as soon as it is
-    open, so a failure half-way leaves it able to release everything opened so far.
+    (dispatch process first). Every end is handed over as soon as it is open (to its link,
+    or to the supervisor to hold for a child), so a failure half-way leaves the supervisor
+    able to release everything opened so far.
 
     Opening a channel commits no ring memory (pages are committed as messages first touch
     them, ``transport/_memory.py``), so this costs a few system calls per channel."""
@@ -269,21 +270,16 @@ def _prepare_children(
         link, (sources, groups) = topology.dispatch, dispatch_sources
         buffer = options.dispatch_channel_items
         link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
-        ends = [control_rx]
+        supervisor.hold(control_rx)
         rows = []
-        try:
-            for _ in sources:
-                pairs = []
-                for worker in topology.workers:
-                    pairs.append(channel(buffer, _DATA_BYTES))
-                    ends += pairs[-1]
-                rows.append(tuple(tx for tx, _ in pairs))
-                for worker, (_, rx) in zip(topology.workers, pairs):
-                    worker_inputs[worker.index].append(rx)
-        except BaseException:
-            for end in ends:
-                end.release()
-            raise
+        for _ in sources:
+            row = []
+            for worker in topology.workers:
+                tx, rx = channel(buffer, _DATA_BYTES)  # between two children: both ends held
+                supervisor.hold(tx, rx)
+                row.append(tx)
+                worker_inputs[worker.index].append(rx)
+            rows.append(tuple(row))
         setup = DispatchSetup(
             sources,
             len(topology.workers),
@@ -294,34 +290,28 @@ def _prepare_children(
             min(64, buffer),
             stats.writers(link) if stats is not None else (),
         )
-        supervisor.prepare(link, dispatch_main, setup, ends)
+        supervisor.prepare(link, dispatch_main, setup)
     for link in topology.workers:
         link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
-        ends = [control_rx]
-        pairs = []
-        try:
-            for _ in range(link.lanes):
-                pairs.append(channel(options.items_in_flight_per_worker, _DATA_BYTES))
-                ends.append(pairs[-1][0])
-        except BaseException:
-            for end in ends:
-                end.release()
-            for _, rx in pairs:
-                rx.release()
-            raise
-        link.data = tuple(rx for _, rx in pairs)
+        supervisor.hold(control_rx)
+        senders = []
+        for _ in range(link.lanes):
+            tx, rx = channel(options.items_in_flight_per_worker, _DATA_BYTES)
+            link.data += (rx,)
+            supervisor.hold(tx)
+            senders.append(tx)
         setup = WorkerSetup(
             worker_id=link.index,
             num_workers=len(topology.workers),
             program=program,
             control=control_rx,
-            data=tuple(tx for tx, _ in pairs),
+            data=tuple(senders),
             inputs=tuple(worker_inputs[link.index]),
             init_fn=options.worker_init_fn,
             reset_fn=options.worker_reset_fn,
             stats=stats.writers(link) if stats is not None else (),
         )
-        supervisor.prepare(link, worker_main, setup, ends)
+        supervisor.prepare(link, worker_main, setup)
 
 
 def _start_stats_logger(runtime: ServiceRuntime, interval: float, stopping: threading.Event) -> None:

@@ -1,6 +1,7 @@
 """Starts the children, sends them control messages, and stops them: a stop that cannot block.
 
-    prepare record how to start a ChildLink's process, and the channel ends it will own
+    prepare record how to start a ChildLink's process; ``hold`` keeps the channel ends
+            the children will own until every child is started
     launch  start that process, its control sender watching its sentinel; once the last
             one is started, let go of the children's ends and have every blocked read
             watch every child. ``send_first`` queues a child's first message in its
@@ -36,7 +37,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ServiceClosedError
@@ -80,10 +81,13 @@ class Supervisor:
 
     # -- start ---------------------------------------------------------------------------
 
-    def prepare(self, link: ChildLink, target: Callable[[Any], None], setup: Any, ends: Sequence[Any]) -> None:
-        """Record how to start ``link``'s process (``target(setup)``); ``ends`` are channel
-        ends the children own, which the main process lets go of once every child started."""
+    def hold(self, *ends: Any) -> None:
+        """Keep channel ends that belong to children until every child has started (a fork
+        inherits them), then let go of them here; a stop lets go of them in any case."""
         self._held.extend(ends)
+
+    def prepare(self, link: ChildLink, target: Callable[[Any], None], setup: Any) -> None:
+        """Record how to start ``link``'s process: ``target(setup)``."""
         self._pending[link] = (target, setup)
 
     @property
