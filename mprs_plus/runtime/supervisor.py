@@ -126,6 +126,11 @@ class Supervisor:
         for _, receiver in self.topology.data_receivers():
             receiver.watch(*sentinels)
 
+    def _drop_unstarted(self) -> None:
+        """Stopping: children not started yet never will be; nobody else lets go of their ends."""
+        self._pending.clear()
+        self._release_held()
+
     def _release_held(self) -> None:
         held, self._held = self._held, []
         for end in held:
@@ -202,7 +207,7 @@ class Supervisor:
             self.closing.set()
             with contextlib.ExitStack() as steps:  # callbacks run last-in first-out, each whatever the others raise
                 steps.callback(self._release_main_ends)
-                steps.callback(self._release_held)  # children never started: nobody else will
+                steps.callback(self._drop_unstarted)
                 steps.callback(self._end_children)
                 steps.callback(self._close_gate)
                 steps.callback(self._close_controls)
