@@ -526,3 +526,14 @@ def filled_tensor(index: int, numel: int = 64 << 10) -> Any:
     import torch
 
     return torch.full((numel,), float(index))
+
+
+class Ballast:
+    """An ``iter_reset_fn`` that changes nothing but pickles to ``size`` bytes: a Reset too
+    large to wait in a control channel before its child has started."""
+
+    def __init__(self, size: int) -> None:
+        self.ballast = bytes(size)
+
+    def __call__(self, datapipe: Any) -> Any:
+        return datapipe

@@ -239,3 +239,24 @@ def test_spdl_segments_left_by_its_shutdown_are_reported_and_removed(monkeypatch
         problem = harness.close_within(loader, settings)
     assert problem is not None and f"left {len(names)} segment(s)" in problem
     assert not [name for name in names if _shm_exists(name)]
+
+
+def test_startup_profile_reports_phases_and_committed_memory() -> None:
+    """``benchmarks/startup_profile.py`` times both contenders and splits mprs_plus's time
+    into its phases; the phases add up to the time to the first item."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/startup_profile.py", "--workers", "2", "--trials", "1"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line.split(" | ") for line in done.stdout.splitlines() if " | " in line]
+    header, row = lines[0], dict(zip(lines[0], lines[1]))
+    assert header[:3] == ["workers", "mprs_plus", "torch"]
+    assert row["workers"] == "2"
+    phases = ["construct", "plan", "copies", "channels", "processes", "messages", "first item"]
+    assert abs(sum(float(row[p]) for p in phases) - float(row["mprs_plus"])) < 1.0  # ms: medians of one trial add up, but for rounding
+    assert float(row["shared MiB/worker"]) >= 0

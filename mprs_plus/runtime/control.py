@@ -87,16 +87,34 @@ ResetFn = Callable[[Any, int, Any, Any], Any]  # (root, epoch, seed_generator, i
 class SegmentControl:
     """The segment's root DataPipe, and the control messages applied to it (one ``match``)."""
 
-    def __init__(self, root: Any, count: int, reset: ResetFn, where: str, failure: RemoteError | None = None) -> None:
+    def __init__(
+        self,
+        root: Any,
+        count: int,
+        reset: ResetFn,
+        where: str,
+        failure: RemoteError | None = None,
+        setup: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.root = root
         self.count = count
         self._reset = reset
         self._where = where
         self._failure = failure  # set-up failed: every epoch ends with this error
         self._deferred: RemoteError | None = None  # a hook failed between epochs: reported once
+        # The child's one-time set-up (root -> root), run when its first message arrives:
+        # a child started ahead of its first epoch then waits without using the CPU that
+        # the main process needs to start the others.
+        self._setup = setup
 
     def apply(self, message: Received, loop: ChildLoop) -> None:
         """Apply ``message``; called on lane 0 with every other lane parked."""
+        if self._setup is not None:
+            setup, self._setup = self._setup, None
+            try:
+                self.root = setup(self.root)
+            except Exception as exc:
+                self._failure = RemoteError.capture(exc, self._where)
         if isinstance(message, Unreadable):  # a control message that could not be read at all
             self._report(loop, message.error)
             return

@@ -46,7 +46,8 @@ class MainChannels:
         pairs = topology.data_receivers()
         self.receivers = [receiver for _, receiver in pairs]
         self._worker_of = [link.index for link, _ in pairs]
-        self._sentinels = [link.process.sentinel for link in topology.started()]
+        self._topology = topology
+        self._sentinels: list[int] | None = None  # read at the first wait: children may start after this
         self._gate = gate
         self._death_error = death_error
         self._timeout = timeout
@@ -60,6 +61,17 @@ class MainChannels:
         except ChannelError as exc:
             raise ServiceClosedError("the reading service was shut down during iteration") from exc
 
+    def _children(self) -> list[int]:
+        """The children's sentinels; kept once every child is started (under fork they
+        start with the first epoch, after this object is made)."""
+        if self._sentinels is not None:
+            return self._sentinels
+        started = self._topology.started()
+        sentinels = [link.process.sentinel for link in started]
+        if len(started) == len(list(self._topology.children())):
+            self._sentinels = sentinels
+        return sentinels
+
     def wait(self, indices: list[int]) -> list[int]:
         """Block until some of the channels ``indices`` are readable. A child that died
         meanwhile is an error, a stop is ``ServiceClosedError``, and a wait longer than
@@ -68,7 +80,7 @@ class MainChannels:
         gate.check()
         receivers = [self.receivers[i] for i in indices]
         asked = time.perf_counter()
-        ready = wait_readable(receivers, self._timeout, also=[*self._sentinels, gate.wake_fd])
+        ready = wait_readable(receivers, self._timeout, also=[*self._children(), gate.wake_fd])
         if self._stats is not None:
             self._stats.wait_input += time.perf_counter() - asked
         gate.check()  # a stop from another thread woke us up

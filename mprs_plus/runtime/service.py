@@ -115,13 +115,21 @@ class ServiceRuntime:
         stop_at_exit(self._supervisor)
 
     def start(self) -> Any:
-        """Start every process; return the main segment, ready to iterate."""
+        """Open every channel and prepare every child; return the main segment, ready to
+        iterate once an epoch begins.
+
+        Under fork the children start in the first ``begin_epoch``, each with its first
+        epoch already waiting in its control channel: worker 0 works on its first item
+        while the main process still forks the others. Under spawn and forkserver they
+        start here, where a segment that cannot be pickled is reported, and boot while
+        the first epoch is sent."""
         supervisor, topology = self._supervisor, self._topology
         if self.options.collect_stats:
             self._stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
         try:
-            _start_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats)
-            supervisor.watch_children()
+            _prepare_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats)
+            if self._ctx.get_start_method() != "fork":
+                supervisor.launch_all()
             self._reader = MainReader(
                 topology,
                 supervisor.gate,
@@ -148,14 +156,43 @@ class ServiceRuntime:
         """Open a new epoch everywhere; items of earlier epochs still in flight are dropped.
 
         A restored epoch passes ``skips[w]``, the items worker w drops before sending (the
-        user had them), and ``next_worker``, whose turn comes first (``resume.py``)."""
+        user had them), and ``next_worker``, whose turn comes first (``resume.py``).
+        Children not started yet start here, one after another, each with its Reset
+        already queued (see ``start``)."""
         epoch = self._started().begin_epoch(next_worker, skips)
-        topology, send = self._topology, self._supervisor.send
+        topology, supervisor = self._topology, self._supervisor
+        resets: list[tuple[ChildLink, Reset]] = []  # all pickled before any child starts
         if topology.dispatch is not None:
-            send(topology.dispatch, Reset(epoch, pack((seed_generator, iter_reset_fn))))
+            resets.append((topology.dispatch, Reset(epoch, pack((seed_generator, iter_reset_fn)))))
         for link in topology.workers:
             skip = (skips[link.index],) if skips else ()
-            send(link, Reset(epoch, pack((seed_generator.spawn(link.index), iter_reset_fn)), skip))
+            resets.append((link, Reset(epoch, pack((seed_generator.spawn(link.index), iter_reset_fn)), skip)))
+        launching = supervisor.pending
+        try:
+            if launching:
+                self._launch_with(resets, next_worker)
+            else:
+                for link, reset in resets:
+                    supervisor.send(link, reset)
+        except BaseException:
+            if launching:
+                supervisor.stop()  # a child failed to start: stop those that did, release every channel
+            raise
+
+    def _launch_with(self, resets: list[tuple[ChildLink, Reset]], first_worker: int) -> None:
+        """Start the children for their first epoch. The ones the first item needs (the
+        dispatch process, and the worker whose turn comes first) start first, with their
+        Reset already queued, so they work on it while the main process forks the others;
+        the others get theirs once all are forked, so that on a machine with few cores
+        they do not take the CPU the forks need."""
+        supervisor, workers = self._supervisor, self._topology.workers
+        urgent = [link for link in (self._topology.dispatch, workers[first_worker % len(workers)]) if link is not None]
+        reset_of = dict(resets)
+        for link in urgent:
+            supervisor.send_first(link, reset_of.pop(link))
+        supervisor.launch_all()
+        for link, reset in reset_of.items():
+            supervisor.send(link, reset)
 
     def read_cursor(self) -> ReadCursor | None:
         """What the main process handed out of the current epoch (one worker output), or
@@ -212,64 +249,69 @@ class ServiceRuntime:
         self._finalizer()
 
 
-def _start_children(
+def _prepare_children(
     plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
 ) -> None:
-    """Open every channel and start every child of ``topology``. Each link gets its ends
-    before its process starts, so a failure half-way leaves the supervisor able to release
-    everything opened so far."""
+    """Open every channel of ``topology`` and have the supervisor ready to start each child
+    (dispatch process first). Every end is handed over as soon as it is open (to its link,
+    or to the supervisor to hold for a child), so a failure half-way leaves the supervisor
+    able to release everything opened so far.
+
+    Opening a channel commits no ring memory (pages are committed as messages first touch
+    them, ``transport/_memory.py``), so this costs a few system calls per channel."""
     program = build_worker_program(plan)
     dispatch_sources = build_dispatch_sources(plan)
-    child_ends: list[Any] = []
 
     def channel(items: int, size: int) -> tuple[Any, Any]:
         return open_channel(ctx, capacity_items=items, capacity_bytes=size)
 
-    try:
-        worker_inputs: dict[int, list[Any]] = {link.index: [] for link in topology.workers}
-        if topology.dispatch is not None and dispatch_sources is not None:
-            link, (sources, groups) = topology.dispatch, dispatch_sources
-            buffer = options.dispatch_channel_items
-            link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
-            child_ends.append(control_rx)
-            rows = []
-            for _ in sources:
-                pairs = [channel(buffer, _DATA_BYTES) for _ in topology.workers]
-                child_ends += [end for pair in pairs for end in pair]
-                rows.append(tuple(tx for tx, _ in pairs))
-                for worker, (_, rx) in zip(topology.workers, pairs):
-                    worker_inputs[worker.index].append(rx)
-            setup = DispatchSetup(
-                sources,
-                len(topology.workers),
-                control_rx,
-                tuple(rows),
-                options.dispatch_init_fn,
-                groups,
-                min(64, buffer),
-                stats.writers(link) if stats is not None else (),
-            )
-            supervisor.start_child(link, dispatch_main, setup)
-        for link in topology.workers:
-            link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
-            pairs = [channel(options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(link.lanes)]
-            link.data = tuple(rx for _, rx in pairs)
-            child_ends += [control_rx, *(tx for tx, _ in pairs)]
-            setup = WorkerSetup(
-                worker_id=link.index,
-                num_workers=len(topology.workers),
-                program=program,
-                control=control_rx,
-                data=tuple(tx for tx, _ in pairs),
-                inputs=tuple(worker_inputs[link.index]),
-                init_fn=options.worker_init_fn,
-                reset_fn=options.worker_reset_fn,
-                stats=stats.writers(link) if stats is not None else (),
-            )
-            supervisor.start_child(link, worker_main, setup)
-    finally:
-        for end in child_ends:
-            end.release()  # each belongs to a child now (or to nobody, after a failure)
+    worker_inputs: dict[int, list[Any]] = {link.index: [] for link in topology.workers}
+    if topology.dispatch is not None and dispatch_sources is not None:
+        link, (sources, groups) = topology.dispatch, dispatch_sources
+        buffer = options.dispatch_channel_items
+        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+        supervisor.hold(control_rx)
+        rows = []
+        for _ in sources:
+            row = []
+            for worker in topology.workers:
+                tx, rx = channel(buffer, _DATA_BYTES)  # between two children: both ends held
+                supervisor.hold(tx, rx)
+                row.append(tx)
+                worker_inputs[worker.index].append(rx)
+            rows.append(tuple(row))
+        setup = DispatchSetup(
+            sources,
+            len(topology.workers),
+            control_rx,
+            tuple(rows),
+            options.dispatch_init_fn,
+            groups,
+            min(64, buffer),
+            stats.writers(link) if stats is not None else (),
+        )
+        supervisor.prepare(link, dispatch_main, setup)
+    for link in topology.workers:
+        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+        supervisor.hold(control_rx)
+        senders = []
+        for _ in range(link.lanes):
+            tx, rx = channel(options.items_in_flight_per_worker, _DATA_BYTES)
+            link.data += (rx,)
+            supervisor.hold(tx)
+            senders.append(tx)
+        setup = WorkerSetup(
+            worker_id=link.index,
+            num_workers=len(topology.workers),
+            program=program,
+            control=control_rx,
+            data=tuple(senders),
+            inputs=tuple(worker_inputs[link.index]),
+            init_fn=options.worker_init_fn,
+            reset_fn=options.worker_reset_fn,
+            stats=stats.writers(link) if stats is not None else (),
+        )
+        supervisor.prepare(link, worker_main, setup)
 
 
 def _start_stats_logger(runtime: ServiceRuntime, interval: float, stopping: threading.Event) -> None:

@@ -1,6 +1,12 @@
 """Starts the children, sends them control messages, and stops them: a stop that cannot block.
 
-    start   one process per ChildLink, its control sender watching its sentinel
+    prepare record how to start a ChildLink's process; ``hold`` keeps the channel ends
+            the children will own until every child is started
+    launch  start that process, its control sender watching its sentinel; once the last
+            one is started, let go of the children's ends and have every blocked read
+            watch every child. ``send_first`` queues a child's first message in its
+            control channel *before* launching it, so that it begins work on it at once
+            (fork: worker 0 produces while the main process still forks worker 1)
     send    a control message: a non-blocking try, then a bounded wait in short slices
             that watches the child's sentinel and the stop; a child that takes no message
             for ``CONTROL_WAIT`` seconds is stuck (SIGSTOP, a C call holding its GIL):
@@ -20,8 +26,9 @@ the first one's stop (bounded) and returns.
 The supervisor is what the finalizer and the exit hook hold; it references no facade, so
 dropping the last reference to the facade runs the finalizer at once.
 
-Locks: ``_stop_lock`` (re-entrant) serializes stops; ``_control_lock`` is held by a sender
-only for one short slice of a send, so a stop closing the senders waits at most one slice.
+Locks: ``_stop_lock`` (re-entrant) serializes stops and launches, so a stop never lets go of
+the channel ends a fork is about to inherit; ``_control_lock`` is held by a sender only for
+one short slice of a send, so a stop closing the senders waits at most one slice.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ from .topology import ChildLink, Topology
 
 CONTROL_ITEMS = 4  # control messages are small and rare; a few in flight is plenty
 CONTROL_BYTES = 1 << 20
+# A message this small fits whole in any empty control channel, a pipe's smallest kernel
+# buffer (one page) included, so queueing it before its reader exists never waits.
+QUEUE_FIRST_BYTES = 2048
 CONTROL_WAIT = 30.0  # seconds a live child may leave its control channel full
 _SLICE = 0.1  # seconds of one blocking send, between two looks at the stop and the sentinel
 _GATE_WAIT = 2.0  # seconds a stop waits for readers of other threads to leave
@@ -59,6 +69,11 @@ class Supervisor:
         self._control_lock = threading.RLock()
         self._exclusive = False  # the stop owns the data receivers (no reader is inside)
         self._drained: set[int] = set()  # ids of data receivers found ended while stopping
+        # Children not started yet, in start order: the process body and its argument.
+        self._pending: dict[ChildLink, tuple[Callable[[Any], None], Any]] = {}
+        # Channel ends that belong to the children: held until every child is started
+        # (a fork inherits them), then released here.
+        self._held: list[Any] = []
 
     @property
     def stopped(self) -> bool:
@@ -66,27 +81,88 @@ class Supervisor:
 
     # -- start ---------------------------------------------------------------------------
 
-    def start_child(self, link: ChildLink, target: Callable[[Any], None], setup: Any) -> None:
-        process = self._ctx.Process(target=target, args=(setup,), name=link.name, daemon=True)
-        try:
-            process.start()
-        except Exception as exc:
-            if self._ctx.get_start_method() == "fork":
-                raise
-            raise unpicklable_error(setup, self._ctx.get_start_method(), link.name) from exc
-        link.process = process
-        link.control.watch(process.sentinel)
+    def hold(self, *ends: Any) -> None:
+        """Keep channel ends that belong to children until every child has started (a fork
+        inherits them), then let go of them here; a stop lets go of them in any case."""
+        self._held.extend(ends)
 
-    def watch_children(self) -> None:
+    def prepare(self, link: ChildLink, target: Callable[[Any], None], setup: Any) -> None:
+        """Record how to start ``link``'s process: ``target(setup)``."""
+        self._pending[link] = (target, setup)
+
+    @property
+    def pending(self) -> bool:
+        """Some child is not started yet."""
+        return bool(self._pending)
+
+    def launch(self, link: ChildLink) -> None:
+        """Start ``link``'s process unless it is started already."""
+        with self._stop_lock:
+            if link not in self._pending:
+                return
+            if self._stopped:
+                raise ServiceClosedError(CLOSED_MESSAGE)
+            target, setup = self._pending.pop(link)
+            process = self._ctx.Process(target=target, args=(setup,), name=link.name, daemon=True)
+            try:
+                process.start()
+            except Exception as exc:
+                if self._ctx.get_start_method() == "fork":
+                    raise
+                raise unpicklable_error(setup, self._ctx.get_start_method(), link.name) from exc
+            link.process = process
+            link.control.watch(process.sentinel)
+            if not self._pending:
+                self._release_held()
+                self._watch_children()
+
+    def launch_all(self) -> None:
+        for link in list(self._pending):
+            self.launch(link)
+
+    def _watch_children(self) -> None:
         """Once all are started: a blocked read of any data channel also watches every child."""
         sentinels = [link.process.sentinel for link in self.topology.started()]
         for _, receiver in self.topology.data_receivers():
             receiver.watch(*sentinels)
 
+    def _drop_unstarted(self) -> None:
+        """Stopping: children not started yet never will be; nobody else lets go of their ends."""
+        self._pending.clear()
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for end in held:
+            with contextlib.suppress(Exception):
+                end.release()  # each belongs to a child now (or to nobody, after a failure)
+
     # -- control -------------------------------------------------------------------------
 
+    def send_first(self, link: ChildLink, message: Any) -> None:
+        """Send ``message``; to a child not started yet, queue it in the child's (empty)
+        control channel first and then start the child, which finds it there at once.
+
+        Only a small message is queued so (a Reset with a seed generator is a few hundred
+        bytes): a larger one could wait for a reader that does not exist yet."""
+        with self._stop_lock:
+            if link in self._pending and len(message.payload) <= QUEUE_FIRST_BYTES:
+                if self._stopped:
+                    raise ServiceClosedError(CLOSED_MESSAGE)
+                try:
+                    link.control.send(message, timeout=0)
+                except TimeoutError:
+                    pass  # no room after all (cannot happen to an empty channel): start it, then send
+                else:
+                    self.launch(link)
+                    return
+        self.send(link, message)
+
     def send(self, link: ChildLink, message: Any) -> None:
-        """Send ``message`` on ``link``'s control channel without ever blocking for long."""
+        """Send ``message`` on ``link``'s control channel without ever blocking for long;
+        a child not started yet is started first."""
+        if link in self._pending:  # only the thread that begins epochs starts children
+            self.launch(link)
         deadline = time.monotonic() + CONTROL_WAIT
         timeout = 0.0  # first a non-blocking try: the usual case
         while True:
@@ -131,6 +207,7 @@ class Supervisor:
             self.closing.set()
             with contextlib.ExitStack() as steps:  # callbacks run last-in first-out, each whatever the others raise
                 steps.callback(self._release_main_ends)
+                steps.callback(self._drop_unstarted)
                 steps.callback(self._end_children)
                 steps.callback(self._close_gate)
                 steps.callback(self._close_controls)

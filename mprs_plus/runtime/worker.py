@@ -34,7 +34,7 @@ from .control import SegmentControl, make_locks, outputs_of, segment_root
 from .child import ChildLoop
 from .lanes import OutputLane, current_lane_stats, flush_current_lane
 from .lifecycle import child_setup
-from .messages import Kind, RemoteError, describe_process
+from .messages import Kind, describe_process
 from .mux import CLOSED_EPOCH, ChannelMux
 from .protocol import Received, Reset
 
@@ -122,9 +122,10 @@ def worker_main(setup: WorkerSetup) -> None:
     for placeholder in program.inputs:
         placeholder.mux = mux
     count = len(program.outputs)
-    root = segment_root(program.outputs)
-    failure: RemoteError | None = None
-    try:
+
+    def prepare(root: Any) -> Any:
+        """Shard this replica and run ``worker_init_fn``: once, when the first message
+        arrives (``SegmentControl``); a failure here fails every epoch."""
         for sharding_root in program.sharding_roots:
             torch.utils.data.graph_settings.apply_sharding(
                 sharding_root, setup.num_workers, setup.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
@@ -132,8 +133,7 @@ def worker_main(setup: WorkerSetup) -> None:
         if setup.init_fn is not None:
             root = setup.init_fn(root, info)
             outputs_of(root, count)
-    except Exception as exc:
-        failure = RemoteError.capture(exc, where)
+        return root
 
     def reset(root: Any, epoch: int, seed_generator: Any, iter_reset_fn: Any) -> Any:
         del epoch  # the loop has it; the input mux heard of it when the Reset arrived
@@ -144,7 +144,7 @@ def worker_main(setup: WorkerSetup) -> None:
     locks = make_locks(program.groups)
     stats = setup.stats or (None,) * len(setup.data)
     lanes = [OutputLane(sender, locks[k], where, stats=stats[k]) for k, sender in enumerate(setup.data)]
-    control = SegmentControl(root, count, reset, where, failure)
+    control = SegmentControl(segment_root(program.outputs), count, reset, where, setup=prepare)
     loop = ChildLoop(setup.control, lanes, control, where, announce=_announcer(mux))
     for placeholder in program.inputs:
         placeholder.child = loop

@@ -39,7 +39,8 @@ Rules
       while the receiver copies them out.
     * An empty ring whose write offset is past ``recycle_at`` restarts at its beginning
       (a ``SKIP`` frame pads to the end): while the consumer keeps up, the traffic stays in
-      the first, warm and prefaulted, pages of the ring instead of sweeping all of it.
+      the first, warm pages of the ring instead of sweeping all of it, and only those are
+      ever committed (``_memory.py``).
     * End of stream: ``sender_closed`` is stored after the last ``write_pos``; the receiver
       reads it first, then ``write_pos``, so it never misses a last message.
     * A dead peer: end-of-file on the wake-up pipe (its every write end belongs to the
@@ -76,7 +77,7 @@ LOW32 = 0xFFFFFFFF
 
 MIN_RING = 16 * PAGE
 RECYCLE_AT = 1 << 20
-PREFAULT = 2 << 20
+PREFAULT = 0
 
 # Every endpoint alive in this process, so that a forked child can drop the descriptors
 # it inherited but does not own (a dead peer shows only once *every* copy is closed).

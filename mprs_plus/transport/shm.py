@@ -38,7 +38,7 @@ from typing import Any
 from ._lend import LEND_FACTOR
 from ._memory import PAGE, SharedRegion
 from ._receiver import ShmReceiver
-from ._ring import ENDPOINTS, MIN_RING, PREFAULT, close_fds
+from ._ring import ENDPOINTS, MIN_RING, close_fds
 from ._sender import ShmSender
 from . import _wakeup
 from ._wakeup import WATCHDOG_SECONDS, fence, wake_pipe
@@ -61,7 +61,7 @@ def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> t
         fds += [data_r, data_w]
         space_r, space_w = wake_pipe()  # consumer -> producer: "there is room"
         fds += [space_r, space_w]
-        region = SharedRegion.create(size, "mprs_plus channel", prefault=PREFAULT, lend_size=LEND_FACTOR * size)
+        region = SharedRegion.create(size, "mprs_plus channel", lend_size=LEND_FACTOR * size)
     except BaseException:
         close_fds(fds)
         raise
