@@ -62,6 +62,17 @@ class ShmReceiver(Endpoint):
             return True
         return self._sleeper.check_peer_gone()
 
+    def _has_input(self) -> bool:
+        """``poll()`` without its system call: a message or the end of the stream, but a
+        gone peer is not looked for. Enough before a block, whose ``poll`` reports the
+        peer's end as a hang-up of the wake-up pipe anyway."""
+        if not self._open:
+            raise ChannelClosed("poll on a closed channel: this receiver was closed or released")
+        if self._ended:
+            return True
+        ctl = self._ctl
+        return ctl[WRITE_POS] != ctl[READ_POS] or bool(ctl[SENDER_CLOSED])
+
     def recv(self, timeout: float | None = None) -> Any:
         """The next message. ``timeout`` (seconds, None: forever) bounds the wait for a
         message to begin; one larger than the ring that has begun is read to its end.

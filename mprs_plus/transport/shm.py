@@ -88,7 +88,10 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
     also = list(also)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        ready = [r for r in receivers if r.poll()]
+        # The looks before the block skip poll()'s check for a gone peer (a system call):
+        # the block sees a gone peer as a hang-up of its pipe, and the look after it is
+        # poll()'s own.
+        ready = [r for r in receivers if r._has_input()]
         if ready:
             return ready
         for receiver in receivers:
@@ -96,7 +99,7 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
         unwoken = []
         try:
             fence()
-            ready = [r for r in receivers if r.poll()]
+            ready = [r for r in receivers if r._has_input()]
             if ready:
                 return ready
             left = WATCHDOG_SECONDS

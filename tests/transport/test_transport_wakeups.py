@@ -30,18 +30,20 @@ def test_a_message_sent_between_the_readers_check_and_its_block_wakes_it(channel
     # The lost wake-up once seen in the field: wait_readable armed the receiver, saw an
     # empty ring, and then (asking whether the sender was gone) read the wake-up pipe,
     # swallowing the byte of a message published after its check. It then slept on data
-    # that was there. Here the message is sent exactly in that window.
+    # that was there. Here the message is sent exactly in that window: right after the
+    # armed receiver's look at its ring.
     sender, receiver = channel
-    real = _wakeup.Sleeper.check_peer_gone
+    real = type(receiver)._has_input
     sent = []
 
-    def check_then_race(sleeper):
-        if sleeper is receiver._sleeper and not sent and receiver._ctl[_ring.RX_SLEEPING]:
+    def check_then_race(self):
+        found = real(self)
+        if self is receiver and not sent and receiver._ctl[_ring.RX_SLEEPING]:
             sender.send("in the window")  # sees the flag, clears it, writes the byte
             sent.append(True)
-        return real(sleeper)
+        return found
 
-    monkeypatch.setattr(_wakeup.Sleeper, "check_peer_gone", check_then_race)
+    monkeypatch.setattr(type(receiver), "_has_input", check_then_race)
     started = time.monotonic()
     ready = wait_readable([receiver], timeout=2.0)
     slept = time.monotonic() - started
