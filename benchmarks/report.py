@@ -371,14 +371,18 @@ def sweep_plot(runs: list[Results], path: Path) -> None:
     columns = min(3, len(series))
     rows = -(-len(series) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # One colour per contender in every panel, whichever contenders a panel has.
+    color = {c: palette[i % len(palette)] for i, c in enumerate(CONTENDERS)}
     for ax, (workload, metric, by_contender) in zip(axes.flat, series):
         scale = 1e3 if metric.unit == "s" else 1.0  # times are shown in ms
         for contender, values in by_contender.items():
             points = [(n, v * scale) for n, v in zip(counts, values) if v is not None]
             if points:
-                ax.plot(*zip(*points), marker="o", label=contender)
-        if metric.unit in ("items/s", "GB/s"):
-            ax.set_yscale("log")  # contenders differ by orders of magnitude (in-process vs transports)
+                ax.plot(*zip(*points), marker="o", label=contender, color=color.get(contender))
+        # Contenders differ by orders of magnitude (in-process against transports, a
+        # shutdown that waits out a join against one that does not): log scales.
+        ax.set_yscale("log")
         ax.set_title(f"{workload.title}: {metric.key.replace('_', ' ')}", fontsize=8)
         ax.set_xlabel("workers", fontsize=7)
         ax.set_ylabel(_display_unit(metric.unit), fontsize=7)
