@@ -59,6 +59,7 @@ it for the main process.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -95,6 +96,21 @@ class _Holding:
 
 
 _holding = _Holding()
+
+
+def _forget_inherited() -> None:
+    """In a forked child: the parent's lent buffers are the parent's to give back.
+
+    The child has copies of the roots, and if it dropped or collected one, its
+    ``_give_back`` would free an extent the parent still reads (and, once the sender
+    reused it, free the next buffer lent there too). Dropping the weak references here
+    means their callbacks never run in the child. A new lock, too: a fork may have copied
+    the old one while another thread held it."""
+    global _holding
+    _holding = _Holding()
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
 
 
 def lending() -> Lending:
@@ -134,8 +150,11 @@ class LendArea:
         self._top = 0
         self._free: list[tuple[int, int]] = []  # (offset, size)
         self._lent: dict[int, tuple[int, int]] = {}  # slot -> (offset, size)
-        # Slots lent by an earlier owner of this endpoint stay out of use until given back.
-        self._slots = [slot for slot in range(SLOTS - 1, -1, -1) if ctl[SLOT_BASE + slot] == FREE]
+        self._slots = list(range(SLOTS - 1, -1, -1))
+        # An endpoint that lent buffers in another process before it was handed here
+        # (the service never does this) does not know which extents are still held:
+        # it sends through the ring rather than risk lending one of them again.
+        self._inherited = any(ctl[SLOT_BASE + slot] != FREE for slot in range(SLOTS))
 
     @staticmethod
     def planned(buffers: list[memoryview]) -> int:
@@ -146,6 +165,8 @@ class LendArea:
         """An (offset, slot) per buffer that goes through the area, None per buffer that
         goes through the ring; None when none is lent. Reserved slots are LENT from now on:
         ``fill`` them, or ``unreserve`` them if the frame is not sent."""
+        if self._inherited:
+            return None
         places: list[tuple[int, int] | None] = []
         any_lent = False
         for buffer in buffers:

@@ -12,7 +12,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from transport_peers import send_filled, shm_only
+from transport_peers import drop_inherited_lent_buffers, send_filled, shm_only
 
 import mprs_plus.runtime  # noqa: F401  registers the tensor reducers, as the service does
 from mprs_plus.transport import EndOfStream, lending, open_channel, wait_readable
@@ -284,3 +284,32 @@ def test_a_sender_out_of_slots_sends_copies_and_says_so(monkeypatch):
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_forked_child_never_gives_back_what_its_parent_holds(channel):
+    """A process holding lent items forks (a new loader's workers, say). The child's
+    copies of those items are the parent's to give back: if the child gave an extent
+    back, the sender would reuse it under the parent's item."""
+    sender, receiver = channel
+    sender.send(filled(0))
+    held = receiver.recv()
+    child = FORK.Process(target=drop_inherited_lent_buffers)
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    for i in range(1, 3 * _lend.LEND_FACTOR * RING // ITEM):
+        sender.send(filled(i))
+        assert (receiver.recv() == i % 251).all()
+    assert (held == 0).all()
+
+
+def test_an_endpoint_that_finds_buffers_lent_by_an_earlier_owner_does_not_lend(channel):
+    """It cannot know which extents those buffers hold, so it copies instead of risking
+    lending one of them again."""
+    sender, receiver = channel
+    sender.send(filled(1))
+    held = receiver.recv()
+    successor = _lend.LendArea(sender._region.ctl, sender._region.lend)
+    assert successor.reserve([memoryview(filled(2))]) is None
+    del held
+    assert _lend.LendArea(sender._region.ctl, sender._region.lend).reserve([memoryview(filled(2))]) is not None
