@@ -7,6 +7,7 @@ garbage collection. The autouse leak check (conftest) also fails any process lef
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
@@ -54,6 +55,13 @@ def freeze(process: psutil.Process) -> None:
         time.sleep(0.001)
 
 
+def kill_all(processes):
+    """Clean-up after a test that froze a child: end whatever is left of them."""
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
 def slow(item):
     return pipelines.spin(item, 0.0005)
 
@@ -79,11 +87,7 @@ def test_shutdown_returns_within_the_grace_period_when_a_stopped_worker_has_a_fu
         assert took < STOP_GRACE + 1, f"shutdown() took {took:.1f} s"
         assert alive(workers) == []
     finally:
-        for worker in workers:
-            try:
-                worker.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_all(workers)
 
 
 def test_an_item_that_fails_to_unpickle_in_main_reaches_the_user_and_the_stop_completes():
@@ -190,9 +194,5 @@ def test_a_control_message_a_stopped_worker_never_reads_fails_in_bounded_time(mo
         with pytest.raises(ServiceClosedError):
             loader.reading_service._resume()
     finally:
-        for worker in workers:
-            try:
-                worker.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_all(workers)
         loader.shutdown()

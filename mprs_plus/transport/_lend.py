@@ -216,15 +216,15 @@ class LendArea:
             if not self._slots:
                 return None
             offset = self._take_free(size)
-            if offset is None:
-                offset = self._take_top(size)
-            if offset is None:
-                self._coalesce()
-                offset = self._take_free(size)
-                if offset is None:
-                    offset = self._take_top(size)
-                    if offset is None:
-                        return None
+        if offset is None:
+            offset = self._take_top(size)
+        if offset is None:
+            self._coalesce()  # may also lower the top
+            offset = self._take_free(size)
+        if offset is None:
+            offset = self._take_top(size)
+        if offset is None:
+            return None
         slot = self._slots.pop()
         self._lent[slot] = (offset, size)
         self._ctl[SLOT_BASE + slot] = LENT

@@ -231,8 +231,7 @@ class ShmReceiver(Endpoint):
                     buffers.append(self._take_lent(extent, slot, length))
                     at += DESCRIPTOR
                 else:
-                    if length >= LEND_MIN and self._lent is not None:
-                        self._lent.count_copied()  # the sender found no room to lend it
+                    self._note_copied(length)
                     buffers.append(self._copy(at, length))
                     at += length
         offset = position % size
@@ -264,8 +263,7 @@ class ShmReceiver(Endpoint):
                 buffers.append(self._take_lent(extent, slot, length & ~LENT_BIT))
                 body += DESCRIPTOR
             else:
-                if length >= LEND_MIN and self._lent is not None:
-                    self._lent.count_copied()
+                self._note_copied(length)
                 buffers.append(self._stream_in(length))
                 body += length
         self._stream_in(-body % HEADER, keep=False)
@@ -278,6 +276,11 @@ class ShmReceiver(Endpoint):
         if self._lent is None:
             raise ChannelBroken("internal error: a lent buffer on a channel without a lend area")
         return self._lent.take(extent, slot, length)
+
+    def _note_copied(self, length: int) -> None:
+        """A buffer large enough to lend came through the ring: the sender had no room."""
+        if length >= LEND_MIN and self._lent is not None:
+            self._lent.count_copied()
 
     def _discard_lent(self, lengths: tuple[int, ...], position: int) -> None:
         """Give back the extents of a whole frame's lent buffers, starting at ``position``."""

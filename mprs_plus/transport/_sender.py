@@ -158,24 +158,25 @@ class ShmSender(Endpoint):
         nbuf = len(buffers)
         if places is None:
             lengths = [b.nbytes for b in buffers]
-            parts: list[Any] = buffers
+            parts: list[memoryview] = buffers
         else:
             lengths = [b.nbytes if p is None else b.nbytes | LENT_BIT for b, p in zip(buffers, places)]
-            parts = [b if p is None else struct.pack("<QQ", *p) for b, p in zip(buffers, places)]
-        body = HEADER + 8 * nbuf + len(stream) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+            parts = [b if p is None else memoryview(struct.pack("<QQ", *p)) for b, p in zip(buffers, places)]
+        body = HEADER + 8 * nbuf + len(stream) + sum(p.nbytes for p in parts)
         frame = (body + HEADER - 1) & -HEADER
         if ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items:
             limit = self._capacity_items
             self._wait_for_room(lambda: ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] < limit, deadline)
+        if frame <= size and size - (ctl[WRITE_POS] - ctl[READ_POS]) < frame:
+            self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= frame, deadline)
+        # Into the lend area only once the frame has room (a wait that times out sends
+        # nothing, and copies nothing).
+        lent = self._area.fill(buffers, places) if places is not None else 0  # type: ignore[union-attr]
         if frame > size:
-            lent = self._area.fill(buffers, places) if places is not None else 0  # type: ignore[union-attr]
             self._write_streamed(stream, parts, lengths, frame, frame - body, deadline)
             ctl[LENT_BYTES] += lent
             return
         write = ctl[WRITE_POS]
-        if size - (write - ctl[READ_POS]) < frame:
-            self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= frame, deadline)
-        lent = self._area.fill(buffers, places) if places is not None else 0  # type: ignore[union-attr]
         offset = write % size
         if offset >= self._recycle_at and frame <= offset and write == ctl[READ_POS]:
             self._put_header(offset, SKIP, 0, 0, size - offset)
@@ -199,7 +200,7 @@ class ShmSender(Endpoint):
     def _write_streamed(
         self,
         stream: bytes | memoryview,
-        parts: list[Any],
+        parts: list[memoryview],
         lengths: list[int],
         frame: int,
         padding: int,
@@ -217,7 +218,6 @@ class ShmSender(Endpoint):
             self._stream_out(memoryview(struct.pack(f"<{len(lengths)}Q", *lengths)), len(lengths) * 8)
         self._stream_out(stream, stream.nbytes)
         for part in parts:
-            part = memoryview(part)
             self._stream_out(part, part.nbytes)
         self._stream_out(None, padding)
         ctl[ITEMS_WRITTEN] += 1
