@@ -4,8 +4,10 @@ and control listener; and items that cannot travel."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import threading
+import time
 
 import pytest
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
@@ -75,6 +77,132 @@ def test_mux_drains_other_channels_while_waiting():
     assert mux.take_any([1], 5) == (1, (Kind.END, 5, None))
     for end in (tx0, rx0, tx1, rx1):
         end.close()
+
+
+def _narrowing_mux(receivers, waited):
+    """A mux with a wake, as the service builds them: it waits on the channels it needs.
+    Every wait's channels are recorded in ``waited``."""
+    index_of = {id(r): i for i, r in enumerate(receivers)}
+    interrupted, interrupt = os.pipe()
+    os.set_blocking(interrupted, False)
+
+    def wait(ids):
+        waited.append(sorted(ids))
+        ready = wait_readable([receivers[i] for i in ids], timeout=20, also=[interrupted])
+        if interrupted in ready:
+            while True:
+                try:
+                    os.read(interrupted, 4096)
+                except BlockingIOError:
+                    break
+        return [index_of[id(r)] for r in ready if id(r) in index_of]
+
+    mux = ChannelMux(receivers, recv=lambda i: receivers[i].recv(), wait=wait, wake=lambda: os.write(interrupt, b"\0"))
+    return mux, (interrupted, interrupt)
+
+
+@pytest.mark.timeout(30)
+def test_an_in_order_reader_waits_only_for_the_channel_it_reads():
+    """Once both channels delivered a message of the epoch, a reader waiting for channel 0
+    is not woken by channel 1's messages (they wait in their ring for their turn)."""
+    (tx0, rx0), (tx1, rx1) = channel(), channel()
+    waited = []
+    mux, pipe = _narrowing_mux([rx0, rx1], waited)
+    mux.advance(1)
+    tx0.send((Kind.ITEMS, 1, ["a0"]))
+    tx1.send((Kind.ITEMS, 1, ["b0"]))
+    assert mux.take(0, 1) == (Kind.ITEMS, 1, ["a0"])
+    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["b0"])
+
+    def producer():
+        tx1.send((Kind.ITEMS, 1, ["b1"]))
+        tx0.send((Kind.ITEMS, 1, ["a1"]))
+
+    thread = threading.Thread(target=producer)
+    real_wait = mux._wait
+
+    def wait(ids):
+        if not thread.is_alive() and thread.ident is None:
+            thread.start()  # the reader is about to wait: now the producer sends
+        return real_wait(ids)
+
+    mux._wait = wait
+    waited.clear()
+    assert mux.take(0, 1) == (Kind.ITEMS, 1, ["a1"])
+    thread.join(10)
+    assert waited and all(ids == [0] for ids in waited), waited
+    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["b1"])
+    for end in (tx0, rx0, tx1, rx1):
+        end.close()
+    for fd in pipe:
+        os.close(fd)
+
+
+@pytest.mark.timeout(30)
+def test_a_narrowed_wait_still_drains_stale_messages_after_a_new_epoch():
+    """After ``advance`` no channel is known to be current: a reader waiting on channel 0
+    reads channel 1 too, and drops its stale messages, so their producer is not stuck."""
+    (tx0, rx0), (tx1, rx1) = channel(), channel()
+    waited = []
+    mux, pipe = _narrowing_mux([rx0, rx1], waited)
+    mux.advance(1)
+    tx1.send((Kind.ITEMS, 1, ["current"]))
+    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["current"])  # channel 1 is now known current ...
+    mux.advance(2)  # ... until the next epoch
+
+    def producer():
+        for _ in range(50):  # far more than a channel holds
+            tx1.send((Kind.ITEMS, 1, [bytes(8192)]))
+        tx1.send((Kind.END, 2, None))
+        tx0.send((Kind.ITEMS, 2, ["late"]))
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    assert mux.take(0, 2) == (Kind.ITEMS, 2, ["late"])
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [0, 1] in waited
+    for end in (tx0, rx0, tx1, rx1):
+        end.close()
+    for fd in pipe:
+        os.close(fd)
+
+
+@pytest.mark.timeout(30)
+def test_a_second_reader_thread_interrupts_a_wait_that_does_not_cover_its_channel():
+    """Thread A waits for channel 0 (which stays empty); thread B then wants channel 1,
+    which has a message: B gets it at once, though A's wait did not include channel 1."""
+    (tx0, rx0), (tx1, rx1) = channel(), channel()
+    waited = []
+    mux, pipe = _narrowing_mux([rx0, rx1], waited)
+    mux.advance(1)
+    tx0.send((Kind.ITEMS, 1, ["a0"]))
+    tx1.send((Kind.ITEMS, 1, ["b0"]))
+    assert mux.take(0, 1)[2] == ["a0"]
+    assert mux.take(1, 1)[2] == ["b0"]
+    got_a = []
+    waiting_on_0 = threading.Event()
+    real_wait = mux._wait
+
+    def wait(ids):
+        waiting_on_0.set()
+        return real_wait(ids)
+
+    mux._wait = wait
+    reader_a = threading.Thread(target=lambda: got_a.append(mux.take(0, 1)))
+    reader_a.start()
+    assert waiting_on_0.wait(10)
+    tx1.send((Kind.ITEMS, 1, ["b1"]))
+    started = time.monotonic()
+    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["b1"])
+    assert time.monotonic() - started < 5  # not after A's 20 s wait timed out
+    tx0.send((Kind.ITEMS, 1, ["a1"]))
+    reader_a.join(10)
+    assert got_a == [(Kind.ITEMS, 1, ["a1"])]
+    for end in (tx0, rx0, tx1, rx1):
+        end.close()
+    for fd in pipe:
+        os.close(fd)
 
 
 def test_a_child_applies_control_with_every_lane_parked():

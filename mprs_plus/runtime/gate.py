@@ -12,6 +12,10 @@ two threads at once, nor after it is closed. So:
 Only after ``close()`` returns True does the stop touch the receivers (drain, close).
 No lock is held across a blocking wait: a reader waits on its channels *and* on
 ``wake_fd``, and the stop waits on a condition that readers signal as they leave.
+
+Readers of several threads share the channel mux, where one thread waits for all
+(``mux.py``). When another thread comes to want a channel that wait does not cover,
+``nudge()`` interrupts it: ``nudge_fd`` becomes readable until ``clear_nudge()``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class ReadGate:
         self._inside: dict[int, int] = {}  # thread id -> nesting depth of its reads
         self._wake_r, self._wake_w = os.pipe()
         self.wake_fd = self._wake_r
+        self._nudge_r, self._nudge_w = os.pipe()
+        os.set_blocking(self._nudge_r, False)
+        os.set_blocking(self._nudge_w, False)
+        self.nudge_fd = self._nudge_r
 
     def enter(self) -> None:
         me = threading.get_ident()
@@ -72,11 +80,26 @@ class ReadGate:
                 return False
             return self._cv.wait_for(lambda: not self._inside, timeout)
 
+    def nudge(self) -> None:
+        """Interrupt the reader that waits for the others (see the module's docstring)."""
+        try:
+            os.write(self._nudge_w, b"\0")
+        except OSError:
+            pass  # full of nudges already, or released: the waiter wakes either way
+
+    def clear_nudge(self) -> None:
+        """Called by the interrupted reader, before it looks at its channels again."""
+        try:
+            while os.read(self._nudge_r, 4096):
+                pass
+        except OSError:
+            pass
+
     def release(self) -> None:
-        """Close the wake-up pipe; only once no reader can wait on it any more."""
-        for fd in (self._wake_r, self._wake_w):
+        """Close the pipes; only once no reader can wait on them any more."""
+        for fd in (self._wake_r, self._wake_w, self._nudge_r, self._nudge_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self._wake_r = self._wake_w = -1
+        self._wake_r = self._wake_w = self._nudge_r = self._nudge_w = -1

@@ -80,10 +80,13 @@ class MainChannels:
         gate.check()
         receivers = [self.receivers[i] for i in indices]
         asked = time.perf_counter()
-        ready = wait_readable(receivers, self._timeout, also=[*self._children(), gate.wake_fd])
+        ready = wait_readable(receivers, self._timeout, also=[*self._children(), gate.wake_fd, gate.nudge_fd])
         if self._stats is not None:
             self._stats.wait_input += time.perf_counter() - asked
         gate.check()  # a stop from another thread woke us up
+        nudged = gate.nudge_fd in [r for r in ready if isinstance(r, int)]
+        if nudged:
+            gate.clear_nudge()  # another thread wants a channel not waited on here: the mux asks again
         if not ready:
             workers = sorted({self._worker_of[i] for i in indices})
             raise TimeoutError(
@@ -92,7 +95,7 @@ class MainChannels:
             )
         index_of = {id(receiver): i for receiver, i in zip(receivers, indices)}
         found = [index_of[id(r)] for r in ready if id(r) in index_of]
-        if not found:
+        if not found and not nudged:
             raise self._death_error()
         return found
 
@@ -136,7 +139,7 @@ class MainReader:
     ) -> None:
         channels = MainChannels(topology, gate, death_error, timeout, stats)
         self.epoch = 0
-        self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait)
+        self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait, gate.nudge)
         self._take = GatedMux(self._mux, gate)
         self._gate = gate
         self._interrupted = interrupted  # Ctrl-C in a read: stop the children before unwinding

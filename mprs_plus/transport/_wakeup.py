@@ -148,8 +148,10 @@ class Sleeper:
         self._flag = flag
         self._fd = fd
         self._poller: Any = None
+        self._poller_also: tuple[Any, ...] = ()  # the ``also`` waitables _poller covers
         self._probe: Any = None
         self._watched: tuple[Any, ...] = ()
+        self.hits: list[Any] = []  # the ``also`` waitables that ended the last wait
         self.peer_gone = False
         self._waits = 0
         self._misses = 0  # spins in a row that ended in a sleep
@@ -158,9 +160,11 @@ class Sleeper:
         self._watched = tuple(waitables)
         self._poller = None
 
-    def wait(self, ready: Callable[[], Any], deadline: float | None = None) -> int:
+    def wait(self, ready: Callable[[], Any], deadline: float | None = None, also: tuple[Any, ...] = ()) -> int:
         """Return ``Outcome.READY`` as soon as ``ready()`` is true; otherwise the reason
-        the wait ended. ``deadline`` is on the ``time.monotonic`` clock."""
+        the wait ended. ``deadline`` is on the ``time.monotonic`` clock. The ``also``
+        waitables end the wait as watched ones do; those that did are left in ``hits``."""
+        self.hits = []
         if ready():
             return Outcome.READY
         # Spin only while spinning pays: after SPIN_MISSES spins in a row that ended in a
@@ -177,7 +181,7 @@ class Sleeper:
                     return Outcome.READY
                 os.sched_yield()
             self._misses += 1
-        poller = self._poller if self._poller is not None else self._new_poller()
+        poller = self._poller if self._poller is not None and self._poller_also == also else self._new_poller(also)
         ctl, flag = self._ctl, self._flag
         while True:
             if self.peer_gone:
@@ -206,6 +210,9 @@ class Sleeper:
                         self.peer_gone = True
                 else:
                     watched = True
+            if watched and also:
+                fired = {fd for fd, _ in events}
+                self.hits = [w for w in also if (w if isinstance(w, int) else w.fileno()) in fired]
             if ready():
                 if not events and unwoken and timeout_ms == _WATCHDOG_MS:
                     self.count_rescue()
@@ -235,12 +242,12 @@ class Sleeper:
         if drain(self._fd):
             self.peer_gone = True
 
-    def _new_poller(self) -> Any:
+    def _new_poller(self, also: tuple[Any, ...] = ()) -> Any:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
-        for waitable in self._watched:
+        for waitable in (*self._watched, *also):
             fd = waitable if isinstance(waitable, int) else waitable.fileno()
             if fd != self._fd:
                 poller.register(fd, select.POLLIN)
-        self._poller = poller
+        self._poller, self._poller_also = poller, also
         return poller

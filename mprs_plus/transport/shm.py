@@ -41,7 +41,7 @@ from ._receiver import ShmReceiver
 from ._ring import ENDPOINTS, MIN_RING, close_fds
 from ._sender import ShmSender
 from . import _wakeup
-from ._wakeup import WATCHDOG_SECONDS, fence, wake_pipe
+from ._wakeup import WATCHDOG_SECONDS, Outcome, fence, wake_pipe
 
 
 def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> tuple[ShmSender, ShmReceiver]:
@@ -87,6 +87,8 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
     receivers = list(receivers)
     also = list(also)
     deadline = None if timeout is None else time.monotonic() + timeout
+    if len(receivers) == 1:
+        return _wait_one(receivers[0], deadline, tuple(also))
     while True:
         # The looks before the block skip poll()'s check for a gone peer (a system call):
         # the block sees a gone peer as a hang-up of its pipe, and the look after it is
@@ -123,6 +125,24 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
             return ready + others
         if deadline is not None and time.monotonic() >= deadline:
             return []
+
+
+def _wait_one(receiver: Any, deadline: float | None, also: tuple[Any, ...]) -> list[Any]:
+    """``wait_readable`` of a single receiver: its own ``Sleeper``, which spins while
+    spinning pays and keeps its poll object. An in-order reader waits for one worker at a
+    time (``runtime/mux.py``), and this costs it about 8 us less CPU per wait than the
+    general loop below (4 MiB items, two workers)."""
+    if receiver._has_input():
+        return [receiver]
+    outcome = receiver._sleeper.wait(receiver._has_input, deadline, also)
+    if outcome == Outcome.READY or outcome == Outcome.PEER_GONE:
+        return [receiver]
+    if outcome == Outcome.WATCHED:
+        hits = receiver._sleeper.hits
+        if not hits or receiver._has_input():
+            return [receiver, *hits]  # with no hit: one of its own watched processes ended
+        return hits
+    return []
 
 
 _local = threading.local()

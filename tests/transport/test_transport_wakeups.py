@@ -26,6 +26,25 @@ def channel():
     receiver.close()
 
 
+@pytest.fixture
+def idle_receiver():
+    """A second receiver that never gets a message: waiting on two receivers takes
+    ``wait_readable``'s general path, one receiver its single-receiver path."""
+    sender, receiver = open_channel(FORK, capacity_items=1, capacity_bytes=1)
+    yield receiver
+    sender.close()
+    receiver.close()
+
+
+def _wait_readable(how, receiver, idle_receiver, timeout):
+    """``wait_readable`` on ``receiver`` alone, or together with an idle receiver."""
+    waited = [receiver] if how == "wait_readable" else [receiver, idle_receiver]
+    return wait_readable(waited, timeout=timeout)
+
+
+WAYS = ["recv", "wait_readable", "wait_readable of two"]
+
+
 def test_a_message_sent_between_the_readers_check_and_its_block_wakes_it(channel, monkeypatch):
     # The lost wake-up once seen in the field: wait_readable armed the receiver, saw an
     # empty ring, and then (asking whether the sender was gone) read the wake-up pipe,
@@ -57,8 +76,8 @@ def test_a_message_sent_between_the_readers_check_and_its_block_wakes_it(channel
     assert receiver.traffic().rescues == 0
 
 
-@pytest.mark.parametrize("how", ["recv", "wait_readable"])
-def test_a_message_sent_in_the_window_before_the_block_wakes_the_reader(channel, monkeypatch, how):
+@pytest.mark.parametrize("how", WAYS)
+def test_a_message_sent_in_the_window_before_the_block_wakes_the_reader(channel, idle_receiver, monkeypatch, how):
     sender, receiver = channel
     monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
     hits = []
@@ -72,14 +91,14 @@ def test_a_message_sent_in_the_window_before_the_block_wakes_the_reader(channel,
     if how == "recv":
         assert receiver.recv(timeout=2.0) == "raced"
     else:
-        assert wait_readable([receiver], timeout=2.0) == [receiver]
+        assert _wait_readable(how, receiver, idle_receiver, 2.0) == [receiver]
         assert receiver.recv(timeout=0) == "raced"
     assert hits == ["armed"]
     assert receiver.traffic().rescues == 0
 
 
-@pytest.mark.parametrize("how", ["recv", "wait_readable"])
-def test_the_watchdog_rescues_a_reader_whose_wake_up_was_lost_and_counts_it(channel, monkeypatch, how):
+@pytest.mark.parametrize("how", WAYS)
+def test_the_watchdog_rescues_a_reader_whose_wake_up_was_lost_and_counts_it(channel, idle_receiver, monkeypatch, how):
     # Simulates a bug not found yet: the message is published and its wake-up byte is
     # stolen before the reader blocks. The reader must still get it, within about one
     # watchdog interval, and the rescue must show in the channel's traffic.
@@ -99,7 +118,7 @@ def test_the_watchdog_rescues_a_reader_whose_wake_up_was_lost_and_counts_it(chan
     if how == "recv":
         assert receiver.recv(timeout=5.0) == "lost wake-up"
     else:
-        assert wait_readable([receiver], timeout=5.0) == [receiver]
+        assert _wait_readable(how, receiver, idle_receiver, 5.0) == [receiver]
     assert time.monotonic() - started < 5 * _wakeup.WATCHDOG_SECONDS + 1.0
     assert hits == ["armed"]
     assert receiver.traffic().rescues == 1

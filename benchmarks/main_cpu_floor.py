@@ -1,0 +1,224 @@
+"""What one item costs the main process's CPU at the least, on this machine.
+
+    python benchmarks/main_cpu_floor.py [--quick]
+
+The suite's "main CPU" rows divide the main process's CPU time by the items it received.
+This script takes that figure apart, to tell what the transport costs from what the
+machine charges any consumer that wakes up once per item. Two producer processes (as the
+suite's two workers) send to the consumer in this process, which reads their channels in
+turn with bare ``recv()`` calls: no loader layers. Cases:
+
+    tiny, producers idle         an int per message; the producers sleep between messages,
+                                 so that the consumer waits for each, as in the suite
+    tiny, producers streaming    an int per message; between messages each producer copies
+                                 8 MiB (what making a 4 MiB tensor and lending it costs)
+    4 MiB tensor, streaming      a fresh torch.full lent to the consumer (the suite's row
+                                 without its loader layers)
+    4 MiB tensor, from full rings
+                                 the same, read in bursts from rings the producers filled
+                                 and then sleep on: no producer runs while the consumer reads
+    in-process unpickling        pickle.loads of the same message, buffers ready, in a loop
+    DataLoader2 + mprs_plus      the suite's 4 MiB row, every layer
+
+Each figure is main-process CPU per item (``time.process_time``), next to the suite's
+target for 4 MiB items: 5 % of the time one core takes to copy 4 MiB, with the suite's
+memcpy probe (copies too large for any cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import pickle
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Run from a checkout without installing: the package sits next to this folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import mprs_plus.runtime  # noqa: E402,F401  (registers the tensor reducer)
+from mprs_plus.transport import EndOfStream, open_channel, release_all_except  # noqa: E402
+from mprs_plus.transport.serialize import Encoder  # noqa: E402
+
+from benchmarks.harness import GB, memcpy_bandwidth  # noqa: E402
+
+CTX = multiprocessing.get_context("fork")
+MIB = 1 << 20
+PRODUCERS = 2
+IDLE_PERIOD_S = 400e-6  # two producers at this pace: one message per 200 us, as in the suite
+
+
+def _tiny_idle(i: int) -> Any:
+    time.sleep(IDLE_PERIOD_S)  # pacing the producer, not synchronisation
+    return i
+
+
+class _Streaming:
+    """Copies 8 MiB before each message: the memory traffic of a worker making and lending
+    a 4 MiB tensor, without sending it."""
+
+    def __init__(self) -> None:
+        self.source = np.ones(4 * MIB, dtype=np.uint8)
+        self.target = np.empty(4 * MIB, dtype=np.uint8)
+
+    def __call__(self, i: int) -> Any:
+        self.target[:] = self.source
+        self.source[:] = self.target
+        return i
+
+
+def _tensor(i: int) -> Any:
+    return torch.full((MIB,), float(i))
+
+
+def _produce(sender: Any, make: Callable[[int], Any], count: int) -> None:
+    release_all_except([sender])
+    torch.set_num_threads(1)
+    for i in range(count):
+        sender.send((10, 1, [make(i)]))  # the runtime's ITEMS message: (kind, epoch, items)
+    sender.close()
+
+
+def read_channels(make: Callable[[int], Any], count: int, burst: int = 0) -> float:
+    """Main-process CPU seconds per message over ``count`` messages from each producer.
+    With ``burst``, the consumer lets the rings fill (and the producers block) before it
+    reads ``burst`` messages of each, and only those reads are timed."""
+    ends = [open_channel(CTX, capacity_items=10, capacity_bytes=64 * MIB) for _ in range(PRODUCERS)]
+    producers = [CTX.Process(target=_produce, args=(tx, make, count)) for tx, _ in ends]
+    for producer in producers:
+        producer.start()
+    receivers = []
+    for (tx, rx), producer in zip(ends, producers):
+        tx.release()
+        rx.watch(producer.sentinel)
+        receivers.append(rx)
+    warm = count // 10
+    cpu = 0.0
+    timed = 0
+    try:
+        for _ in range(warm):
+            for rx in receivers:
+                rx.recv()
+        left = count - warm
+        while left > 0:
+            if burst:
+                _wait_until_full(receivers, min(burst, left))
+            rounds = min(burst, left) if burst else left
+            start = time.process_time()
+            for _ in range(rounds):
+                for rx in receivers:
+                    item = rx.recv()
+                    del item
+            cpu += time.process_time() - start
+            timed += rounds * len(receivers)
+            left -= rounds
+        for rx in receivers:
+            try:
+                rx.recv()
+            except EndOfStream:
+                pass
+    finally:
+        for producer in producers:
+            producer.join(timeout=30)
+            if producer.is_alive():
+                producer.kill()
+                producer.join()
+        for rx in receivers:
+            rx.close()
+    return cpu / timed
+
+
+def _wait_until_full(receivers: list[Any], messages: int) -> None:
+    """Until every ring holds ``messages`` messages: what the consumer waits for is the
+    producers' progress, polled at 1 ms (this is measurement set-up, not a data path)."""
+    deadline = time.monotonic() + 30
+    while any(rx.traffic().queued_messages < messages for rx in receivers):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the producers did not fill their rings within 30 s")
+        time.sleep(0.001)
+
+
+def unpickle_in_process(count: int) -> float:
+    """pickle.loads of one 4 MiB tensor message with its buffer ready: the floor of
+    turning a frame into a tensor, with warm caches and no other process running."""
+    encoder = Encoder()
+    stream, buffers = encoder.encode((10, 1, [torch.full((MIB,), 1.0)]))
+    stream = bytes(stream)
+    ready = [np.frombuffer(bytearray(b), dtype=np.uint8) for b in buffers]
+    encoder.release()
+    start = time.process_time()
+    for _ in range(count):
+        item = pickle.loads(stream, buffers=ready)
+        del item
+    return (time.process_time() - start) / count
+
+
+def full_loader(count: int) -> float:
+    """The suite's 4 MiB row through DataLoader2 and every layer of the service."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchdata.dataloader2 import DataLoader2
+        from torchdata.datapipes.iter import IterableWrapper
+
+        from mprs_plus import MultiProcessingReadingService
+
+    total = PRODUCERS * count
+    pipe = IterableWrapper(range(total)).sharding_filter().map(_indexed_tensor)
+    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(num_workers=PRODUCERS))
+    warm = total // 10
+    seen = 0
+    start = 0.0
+    try:
+        for item in loader:
+            del item
+            seen += 1
+            if seen == warm:
+                start = time.process_time()
+        cpu = time.process_time() - start
+    finally:
+        loader.shutdown()
+    return cpu / (total - warm)
+
+
+def _indexed_tensor(i: int) -> Any:
+    return torch.full((MIB,), float(i))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer messages (about 15 s in all)")
+    args = parser.parse_args()
+    scale = 1 if args.quick else 4
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} cpus, "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
+    gbps = memcpy_bandwidth(256 * MIB, 5)  # the suite's probe: copies too large to stay in a cache
+    target = 0.05 * 4 * MIB / (gbps * GB)
+    print(f"memcpy, one core: {gbps:.1f} GB/s; the target per 4 MiB item (5 % of a copy): {target * 1e6:.1f} us")
+    cases: list[tuple[str, Callable[[], float]]] = [
+        ("tiny, producers idle", lambda: read_channels(_tiny_idle, 500 * scale)),
+        ("tiny, producers streaming", lambda: read_channels(_Streaming(), 500 * scale)),
+        ("4 MiB tensor, streaming", lambda: read_channels(_tensor, 500 * scale)),
+        ("4 MiB tensor, from full rings", lambda: read_channels(_tensor, 250 * scale, burst=8)),
+        ("in-process unpickling", lambda: unpickle_in_process(20_000 * scale)),
+        ("DataLoader2 + mprs_plus", lambda: full_loader(500 * scale)),
+    ]
+    for name, run in cases:
+        figures = sorted(run() for _ in range(3))
+        per_item = figures[1]
+        print(f"{name:<32}{per_item * 1e6:>8.1f} us per item   {per_item / target:5.1f}x the target")
+
+
+if __name__ == "__main__":
+    main()
