@@ -54,11 +54,17 @@ class ChannelMux:
         wake: Callable[[], None] | None = None,
     ) -> None:
         self._receivers = list(receivers)
+        # Whether a channel has a message, without a system call where the transport
+        # offers that look (a gone sender shows in the pump's wait instead).
+        self._has_input = [getattr(r, "_has_input", r.poll) for r in self._receivers]
         self._wake = wake  # interrupts a pumping thread's wait (see ``advance``)
         self._recv = recv
         self._wait = wait
         self._held: list[Message | None] = [None] * len(self._receivers)
-        self._cv = threading.Condition(threading.Lock())
+        # ``with self._lock`` where only the lock is needed: the Condition's own
+        # ``__enter__`` is a Python-level call, paid on every item.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._pumping = False
         self._turn = 0
         # See "Which channels a pump waits on" in the module's docstring.
@@ -90,14 +96,14 @@ class ChannelMux:
         for this channel (a newer epoch began, or the sender closed the channel)."""
         held = self._held
         wants: tuple[int, ...] = ()
-        with self._cv:
+        with self._lock:
             try:
                 while True:
                     if epoch < self.newest:
                         return None
                     message = held[index]
                     if message is None:
-                        if not self._pumping and self._receivers[index].poll():
+                        if not self._pumping and self._has_input[index]():
                             message = self._recv(index)
                             self._note_current(index, message)
                         elif before_block is not None:
@@ -128,7 +134,7 @@ class ChannelMux:
         held = self._held
         order = sorted(indices)
         wants: tuple[int, ...] = ()
-        with self._cv:
+        with self._lock:
             try:
                 while True:
                     if epoch < self.newest:
