@@ -79,130 +79,125 @@ def test_mux_drains_other_channels_while_waiting():
         end.close()
 
 
-def _narrowing_mux(receivers, waited):
-    """A mux with a wake, as the service builds them: it waits on the channels it needs.
-    Every wait's channels are recorded in ``waited``."""
-    index_of = {id(r): i for i, r in enumerate(receivers)}
-    interrupted, interrupt = os.pipe()
-    os.set_blocking(interrupted, False)
+class Narrowing:
+    """Two channels and a mux with a wake, as the service builds them: it waits on the
+    channels it needs. Every wait's channels are recorded in ``waited``."""
 
-    def wait(ids):
-        waited.append(sorted(ids))
-        ready = wait_readable([receivers[i] for i in ids], timeout=20, also=[interrupted])
-        if interrupted in ready:
-            while True:
-                try:
-                    os.read(interrupted, 4096)
-                except BlockingIOError:
-                    break
-        return [index_of[id(r)] for r in ready if id(r) in index_of]
+    def __init__(self):
+        (self.tx0, rx0), (self.tx1, rx1) = channel(), channel()
+        self.ends = (self.tx0, rx0, self.tx1, rx1)
+        self.waited = []
+        receivers = [rx0, rx1]
+        self.pipe = interrupted, interrupt = os.pipe()
+        os.set_blocking(interrupted, False)
 
-    mux = ChannelMux(receivers, recv=lambda i: receivers[i].recv(), wait=wait, wake=lambda: os.write(interrupt, b"\0"))
-    return mux, (interrupted, interrupt)
+        def wait(ids):
+            self.waited.append(sorted(ids))
+            ready = wait_readable([receivers[i] for i in ids], timeout=20, also=[interrupted])
+            if interrupted in ready:
+                while True:
+                    try:
+                        os.read(interrupted, 4096)
+                    except BlockingIOError:
+                        break
+            return [receivers.index(r) for r in ready if r in receivers]
+
+        self.mux = ChannelMux(
+            receivers, recv=lambda i: receivers[i].recv(), wait=wait, wake=lambda: os.write(interrupt, b"\0")
+        )
+
+    def current(self, epoch):
+        """Epoch ``epoch``, with a message of it read from each channel: both known current."""
+        self.mux.advance(epoch)
+        self.tx0.send((Kind.ITEMS, epoch, ["a0"]))
+        self.tx1.send((Kind.ITEMS, epoch, ["b0"]))
+        assert self.mux.take(0, epoch)[2] == ["a0"]
+        assert self.mux.take(1, epoch)[2] == ["b0"]
+
+    def on_first_wait(self, action):
+        """Run ``action`` when the mux first waits (then the waiting reader is committed)."""
+        real_wait, started = self.mux._wait, []
+
+        def wait(ids):
+            if not started:
+                started.append(True)
+                action()
+            return real_wait(ids)
+
+        self.mux._wait = wait
+
+    def close(self):
+        for end in self.ends:
+            end.close()
+        for fd in self.pipe:
+            os.close(fd)
+
+
+@pytest.fixture
+def narrowing():
+    setup = Narrowing()
+    yield setup
+    setup.close()
 
 
 @pytest.mark.timeout(30)
-def test_an_in_order_reader_waits_only_for_the_channel_it_reads():
+def test_an_in_order_reader_waits_only_for_the_channel_it_reads(narrowing):
     """Once both channels delivered a message of the epoch, a reader waiting for channel 0
     is not woken by channel 1's messages (they wait in their ring for their turn)."""
-    (tx0, rx0), (tx1, rx1) = channel(), channel()
-    waited = []
-    mux, pipe = _narrowing_mux([rx0, rx1], waited)
-    mux.advance(1)
-    tx0.send((Kind.ITEMS, 1, ["a0"]))
-    tx1.send((Kind.ITEMS, 1, ["b0"]))
-    assert mux.take(0, 1) == (Kind.ITEMS, 1, ["a0"])
-    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["b0"])
+    narrowing.current(1)
 
     def producer():
-        tx1.send((Kind.ITEMS, 1, ["b1"]))
-        tx0.send((Kind.ITEMS, 1, ["a1"]))
+        narrowing.tx1.send((Kind.ITEMS, 1, ["b1"]))
+        narrowing.tx0.send((Kind.ITEMS, 1, ["a1"]))
 
     thread = threading.Thread(target=producer)
-    real_wait = mux._wait
-
-    def wait(ids):
-        if not thread.is_alive() and thread.ident is None:
-            thread.start()  # the reader is about to wait: now the producer sends
-        return real_wait(ids)
-
-    mux._wait = wait
-    waited.clear()
-    assert mux.take(0, 1) == (Kind.ITEMS, 1, ["a1"])
+    narrowing.on_first_wait(thread.start)
+    narrowing.waited.clear()
+    assert narrowing.mux.take(0, 1) == (Kind.ITEMS, 1, ["a1"])
     thread.join(10)
-    assert waited and all(ids == [0] for ids in waited), waited
-    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["b1"])
-    for end in (tx0, rx0, tx1, rx1):
-        end.close()
-    for fd in pipe:
-        os.close(fd)
+    assert narrowing.waited and all(ids == [0] for ids in narrowing.waited), narrowing.waited
+    assert narrowing.mux.take(1, 1) == (Kind.ITEMS, 1, ["b1"])
 
 
 @pytest.mark.timeout(30)
-def test_a_narrowed_wait_still_drains_stale_messages_after_a_new_epoch():
+def test_a_narrowed_wait_still_drains_stale_messages_after_a_new_epoch(narrowing):
     """After ``advance`` no channel is known to be current: a reader waiting on channel 0
     reads channel 1 too, and drops its stale messages, so their producer is not stuck."""
-    (tx0, rx0), (tx1, rx1) = channel(), channel()
-    waited = []
-    mux, pipe = _narrowing_mux([rx0, rx1], waited)
-    mux.advance(1)
-    tx1.send((Kind.ITEMS, 1, ["current"]))
-    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["current"])  # channel 1 is now known current ...
-    mux.advance(2)  # ... until the next epoch
+    narrowing.current(1)
+    narrowing.mux.advance(2)
 
     def producer():
         for _ in range(50):  # far more than a channel holds
-            tx1.send((Kind.ITEMS, 1, [bytes(8192)]))
-        tx1.send((Kind.END, 2, None))
-        tx0.send((Kind.ITEMS, 2, ["late"]))
+            narrowing.tx1.send((Kind.ITEMS, 1, [bytes(8192)]))
+        narrowing.tx1.send((Kind.END, 2, None))
+        narrowing.tx0.send((Kind.ITEMS, 2, ["late"]))
 
     thread = threading.Thread(target=producer)
     thread.start()
-    assert mux.take(0, 2) == (Kind.ITEMS, 2, ["late"])
+    assert narrowing.mux.take(0, 2) == (Kind.ITEMS, 2, ["late"])
     thread.join(10)
     assert not thread.is_alive()
-    assert [0, 1] in waited
-    for end in (tx0, rx0, tx1, rx1):
-        end.close()
-    for fd in pipe:
-        os.close(fd)
+    assert [0, 1] in narrowing.waited
 
 
 @pytest.mark.timeout(30)
-def test_a_second_reader_thread_interrupts_a_wait_that_does_not_cover_its_channel():
+def test_a_second_reader_thread_interrupts_a_wait_that_does_not_cover_its_channel(narrowing):
     """Thread A waits for channel 0 (which stays empty); thread B then wants channel 1,
     which has a message: B gets it at once, though A's wait did not include channel 1."""
-    (tx0, rx0), (tx1, rx1) = channel(), channel()
-    waited = []
-    mux, pipe = _narrowing_mux([rx0, rx1], waited)
-    mux.advance(1)
-    tx0.send((Kind.ITEMS, 1, ["a0"]))
-    tx1.send((Kind.ITEMS, 1, ["b0"]))
-    assert mux.take(0, 1)[2] == ["a0"]
-    assert mux.take(1, 1)[2] == ["b0"]
+    narrowing.current(1)
+    waiting = threading.Event()
+    narrowing.on_first_wait(waiting.set)
     got_a = []
-    waiting_on_0 = threading.Event()
-    real_wait = mux._wait
-
-    def wait(ids):
-        waiting_on_0.set()
-        return real_wait(ids)
-
-    mux._wait = wait
-    reader_a = threading.Thread(target=lambda: got_a.append(mux.take(0, 1)))
+    reader_a = threading.Thread(target=lambda: got_a.append(narrowing.mux.take(0, 1)))
     reader_a.start()
-    assert waiting_on_0.wait(10)
-    tx1.send((Kind.ITEMS, 1, ["b1"]))
+    assert waiting.wait(10)
+    narrowing.tx1.send((Kind.ITEMS, 1, ["b1"]))
     started = time.monotonic()
-    assert mux.take(1, 1) == (Kind.ITEMS, 1, ["b1"])
+    assert narrowing.mux.take(1, 1) == (Kind.ITEMS, 1, ["b1"])
     assert time.monotonic() - started < 5  # not after A's 20 s wait timed out
-    tx0.send((Kind.ITEMS, 1, ["a1"]))
+    narrowing.tx0.send((Kind.ITEMS, 1, ["a1"]))
     reader_a.join(10)
     assert got_a == [(Kind.ITEMS, 1, ["a1"])]
-    for end in (tx0, rx0, tx1, rx1):
-        end.close()
-    for fd in pipe:
-        os.close(fd)
 
 
 def test_a_child_applies_control_with_every_lane_parked():
