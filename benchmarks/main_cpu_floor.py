@@ -11,7 +11,9 @@ turn with bare ``recv()`` calls: no loader layers. Cases:
     tiny, producers idle         an int per message; the producers sleep between messages,
                                  so that the consumer waits for each, as in the suite
     tiny, producers streaming    an int per message; between messages each producer copies
-                                 8 MiB (what making a 4 MiB tensor and lending it costs)
+                                 8 MiB (what making a 4 MiB tensor and lending it costs),
+                                 or 64 MiB (a 64 MiB tensor's): more than this machine's
+                                 last-level cache, so the consumer wakes up to cold caches
     4 MiB tensor, streaming      a fresh torch.full lent to the consumer (the suite's row
                                  without its loader layers)
     4 MiB tensor, from full rings
@@ -64,12 +66,12 @@ def _tiny_idle(i: int) -> Any:
 
 
 class _Streaming:
-    """Copies 8 MiB before each message: the memory traffic of a worker making and lending
-    a 4 MiB tensor, without sending it."""
+    """Copies ``2 * half`` bytes before each message: with 4 MiB halves, the memory traffic
+    of a worker making and lending a 4 MiB tensor, without sending it."""
 
-    def __init__(self) -> None:
-        self.source = np.ones(4 * MIB, dtype=np.uint8)
-        self.target = np.empty(4 * MIB, dtype=np.uint8)
+    def __init__(self, half: int = 4 * MIB) -> None:
+        self.source = np.ones(half, dtype=np.uint8)
+        self.target = np.empty(half, dtype=np.uint8)
 
     def __call__(self, i: int) -> Any:
         self.target[:] = self.source
@@ -208,7 +210,8 @@ def main() -> None:
     print(f"memcpy, one core: {gbps:.1f} GB/s; the target per 4 MiB item (5 % of a copy): {target * 1e6:.1f} us")
     cases: list[tuple[str, Callable[[], float]]] = [
         ("tiny, producers idle", lambda: read_channels(_tiny_idle, 500 * scale)),
-        ("tiny, producers streaming", lambda: read_channels(_Streaming(), 500 * scale)),
+        ("tiny, producers streaming 8 MiB", lambda: read_channels(_Streaming(), 500 * scale)),
+        ("tiny, producers streaming 64 MiB", lambda: read_channels(_Streaming(32 * MIB), 100 * scale)),
         ("4 MiB tensor, streaming", lambda: read_channels(_tensor, 500 * scale)),
         ("4 MiB tensor, from full rings", lambda: read_channels(_tensor, 250 * scale, burst=8)),
         ("in-process unpickling", lambda: unpickle_in_process(20_000 * scale)),

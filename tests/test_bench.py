@@ -96,6 +96,23 @@ def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
                 assert cell["samples"]["main_cpu_gbps"][0] > 0, (name, contender)
 
 
+def test_main_cpu_floor_script_reports_every_case() -> None:
+    """``benchmarks/main_cpu_floor.py --quick`` runs end to end (no figure is checked)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/main_cpu_floor.py", "--quick"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=105,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "the target per 4 MiB item" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if "us per item" in line]
+    assert len(rows) == 7, done.stdout
+    assert any(row.startswith("DataLoader2 + mprs_plus") for row in rows)
+
+
 def test_workers_sweep_runs_the_suite_once_per_count(tmp_path: Path) -> None:
     done = _run_quick_suite(tmp_path, "--only", "tiny_items", "--contenders", "mprs_plus,in-process", "--workers", "1,2")
     per_count = sorted(json.loads(p.read_text())["settings"]["num_workers"] for p in tmp_path.glob("bench-*.json"))
