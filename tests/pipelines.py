@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
+import threading
 from typing import Any
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
@@ -298,6 +300,40 @@ class JoinInMain(IterDataPipe):
 
     def __iter__(self) -> Any:
         return zip(*self.dps)
+
+    def is_replicable(self) -> bool:
+        return False
+
+
+class ThreadedJoin(IterDataPipe):
+    """A non-replicable zip that reads its first input in a thread of its own, while the
+    calling thread reads the second: two threads of the main process reading worker
+    outputs at once."""
+
+    def __init__(self, left: Any, right: Any) -> None:
+        self.left, self.right = left, right
+
+    def __iter__(self) -> Any:
+        lefts: queue.Queue[Any] = queue.Queue()
+
+        def read_left() -> None:
+            try:
+                for item in self.left:
+                    lefts.put(("item", item))
+            except BaseException as exc:  # handed to the calling thread
+                lefts.put(("error", exc))
+            lefts.put(("end", None))
+
+        reader = threading.Thread(target=read_left, daemon=True)
+        reader.start()
+        for right in self.right:
+            kind, left = lefts.get(timeout=30)
+            if kind == "error":
+                raise left
+            assert kind == "item", "the left input ended first"
+            yield left, right
+        assert lefts.get(timeout=30)[0] == "end", "the left input has items left"
+        reader.join(30)
 
     def is_replicable(self) -> bool:
         return False

@@ -42,10 +42,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def _run_quick_suite(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
-    """``benchmarks/run.py --quick`` in a subprocess, bounded in time; it must succeed."""
+def _run_script(script: str, *options: str) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script> --quick`` in a subprocess, bounded in time; it must succeed."""
     done = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--quick", "--no-progress", *options, "--out", str(out)],
+        [sys.executable, f"benchmarks/{script}", "--quick", *options],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
@@ -54,6 +54,10 @@ def _run_quick_suite(out: Path, *options: str) -> subprocess.CompletedProcess[st
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+def _run_quick_suite(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    return _run_script("run.py", "--no-progress", *options, "--out", str(out))
 
 
 def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
@@ -98,15 +102,7 @@ def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
 
 def test_main_cpu_floor_script_reports_every_case() -> None:
     """``benchmarks/main_cpu_floor.py --quick`` runs end to end (no figure is checked)."""
-    done = subprocess.run(
-        [sys.executable, "benchmarks/main_cpu_floor.py", "--quick"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=105,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _run_script("main_cpu_floor.py")
     assert "the target per 4 MiB item" in done.stdout
     rows = [line for line in done.stdout.splitlines() if "us per item" in line]
     assert len(rows) == 7, done.stdout

@@ -116,6 +116,17 @@ def test_an_error_in_one_branch_reaches_the_main_process():
         run(pipelines.JoinInMain(left, right))
 
 
+@pytest.mark.timeout(60)
+def test_two_threads_of_the_main_process_read_two_outputs_at_once():
+    """Each thread waits for its own output's channels: neither may keep the other
+    waiting (a reader that wants a channel outside another's wait interrupts it)."""
+    left = IterableWrapper(range(300)).sharding_filter().map(functools.partial(pipelines.tag, label="a"))
+    right = IterableWrapper(range(300)).sharding_filter().map(pipelines.big)
+    pipe = pipelines.ThreadedJoin(left, right)
+    for epoch in run(pipe, epochs=2):
+        assert [(a[1], b[0]) for a, b in epoch] == [(i, i) for i in range(300)]
+
+
 # -- no deadlock when an epoch is abandoned with full channels -----------------------------------
 
 
