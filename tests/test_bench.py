@@ -42,22 +42,22 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def _run_script(script: str, *options: str) -> subprocess.CompletedProcess[str]:
-    """``benchmarks/<script> --quick`` in a subprocess, bounded in time; it must succeed."""
+def _run_script(script: str, *options: str, timeout: float = 105) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script> <options>`` in a subprocess, bounded in time; it must succeed."""
     done = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", "--quick", *options],
+        [sys.executable, f"benchmarks/{script}", *options],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=105,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
 def _run_quick_suite(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
-    return _run_script("run.py", "--no-progress", *options, "--out", str(out))
+    return _run_script("run.py", "--quick", "--no-progress", *options, "--out", str(out))
 
 
 def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_quick_run_reports_every_workload_and_contender(tmp_path: Path) -> None:
 
 def test_main_cpu_floor_script_reports_every_case() -> None:
     """``benchmarks/main_cpu_floor.py --quick`` runs end to end (no figure is checked)."""
-    done = _run_script("main_cpu_floor.py")
+    done = _run_script("main_cpu_floor.py", "--quick")
     assert "the target per 4 MiB item" in done.stdout
     rows = [line for line in done.stdout.splitlines() if "us per item" in line]
     assert len(rows) == 7, done.stdout
@@ -257,15 +257,7 @@ def test_spdl_segments_left_by_its_shutdown_are_reported_and_removed(monkeypatch
 def test_startup_profile_reports_phases_and_committed_memory() -> None:
     """``benchmarks/startup_profile.py`` times both contenders and splits mprs_plus's time
     into its phases; the phases add up to the time to the first item."""
-    done = subprocess.run(
-        [sys.executable, "benchmarks/startup_profile.py", "--workers", "2", "--trials", "1"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _run_script("startup_profile.py", "--workers", "2", "--trials", "1", timeout=60)
     lines = [line.split(" | ") for line in done.stdout.splitlines() if " | " in line]
     header, row = lines[0], dict(zip(lines[0], lines[1]))
     assert header[:3] == ["workers", "mprs_plus", "torch"]

@@ -4,7 +4,6 @@ and control listener; and items that cannot travel."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import threading
 import time
@@ -20,7 +19,7 @@ from mprs_plus.runtime.child import ChildLoop
 from mprs_plus.runtime.control import SegmentControl, SegmentOutputs
 from mprs_plus.runtime.lanes import OutputLane
 from mprs_plus.runtime.messages import Kind
-from mprs_plus.runtime.mux import ChannelMux
+from mprs_plus.runtime.mux import ChannelMux, WakePipe
 from mprs_plus.runtime.protocol import Reset, pack
 from mprs_plus.transport import open_channel, wait_readable
 
@@ -88,23 +87,16 @@ class Narrowing:
         self.ends = (self.tx0, rx0, self.tx1, rx1)
         self.waited = []
         receivers = [rx0, rx1]
-        self.pipe = interrupted, interrupt = os.pipe()
-        os.set_blocking(interrupted, False)
+        self.interrupt = interrupt = WakePipe()
 
         def wait(ids):
             self.waited.append(sorted(ids))
-            ready = wait_readable([receivers[i] for i in ids], timeout=20, also=[interrupted])
-            if interrupted in ready:
-                while True:
-                    try:
-                        os.read(interrupted, 4096)
-                    except BlockingIOError:
-                        break
+            ready = wait_readable([receivers[i] for i in ids], timeout=20, also=[interrupt.fd])
+            if interrupt.fd in ready:
+                interrupt.clear()
             return [receivers.index(r) for r in ready if r in receivers]
 
-        self.mux = ChannelMux(
-            receivers, recv=lambda i: receivers[i].recv(), wait=wait, wake=lambda: os.write(interrupt, b"\0")
-        )
+        self.mux = ChannelMux(receivers, recv=lambda i: receivers[i].recv(), wait=wait, wake=interrupt.wake)
 
     def current(self, epoch):
         """Epoch ``epoch``, with a message of it read from each channel: both known current."""
@@ -129,8 +121,7 @@ class Narrowing:
     def close(self):
         for end in self.ends:
             end.close()
-        for fd in self.pipe:
-            os.close(fd)
+        self.interrupt.close()
 
 
 @pytest.fixture

@@ -20,10 +20,10 @@ Readers of several threads share the channel mux, where one thread waits for all
 
 from __future__ import annotations
 
-import os
 import threading
 
 from ..errors import ServiceClosedError
+from .mux import WakePipe
 
 CLOSED_MESSAGE = (
     "this reading service has been shut down (DataLoader2.shutdown() or an earlier error); "
@@ -37,12 +37,10 @@ class ReadGate:
         self._lock = threading.Lock()  # ``with self._lock`` on the per-item path: cheaper than the Condition's
         self._cv = threading.Condition(self._lock)
         self._inside: dict[int, int] = {}  # thread id -> nesting depth of its reads
-        self._wake_r, self._wake_w = os.pipe()
-        self.wake_fd = self._wake_r
-        self._nudge_r, self._nudge_w = os.pipe()
-        os.set_blocking(self._nudge_r, False)
-        os.set_blocking(self._nudge_w, False)
-        self.nudge_fd = self._nudge_r
+        self._closing = WakePipe()  # woken once by close(), never cleared
+        self.wake_fd = self._closing.fd
+        self._nudges = WakePipe()
+        self.nudge_fd = self._nudges.fd
 
     def enter(self) -> None:
         me = threading.get_ident()
@@ -73,34 +71,20 @@ class ReadGate:
         with self._cv:
             if not self.closed:
                 self.closed = True
-                try:
-                    os.write(self._wake_w, b"\0")  # never read back: every later wait returns at once
-                except OSError:
-                    pass
+                self._closing.wake()  # never cleared: every later wait returns at once
             if me in self._inside:
                 return False
             return self._cv.wait_for(lambda: not self._inside, timeout)
 
     def nudge(self) -> None:
         """Interrupt the reader that waits for the others (see the module's docstring)."""
-        try:
-            os.write(self._nudge_w, b"\0")
-        except OSError:
-            pass  # full of nudges already, or released: the waiter wakes either way
+        self._nudges.wake()
 
     def clear_nudge(self) -> None:
         """Called by the interrupted reader, before it looks at its channels again."""
-        try:
-            while os.read(self._nudge_r, 4096):
-                pass
-        except OSError:
-            pass
+        self._nudges.clear()
 
     def release(self) -> None:
         """Close the pipes; only once no reader can wait on them any more."""
-        for fd in (self._wake_r, self._wake_w, self._nudge_r, self._nudge_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_r = self._wake_w = self._nudge_r = self._nudge_w = -1
+        self._closing.close()
+        self._nudges.close()

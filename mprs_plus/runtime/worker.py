@@ -18,7 +18,6 @@ them moves on.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from .child import ChildLoop
 from .lanes import OutputLane, current_lane_stats, flush_current_lane
 from .lifecycle import child_setup
 from .messages import Kind, describe_process
-from .mux import CLOSED_EPOCH, ChannelMux
+from .mux import CLOSED_EPOCH, ChannelMux, WakePipe
 from .protocol import Received, Reset
 
 
@@ -172,25 +171,14 @@ def _input_mux(receivers: Sequence[Any], names: Sequence[str]) -> ChannelMux:
         except ChannelBroken as exc:
             raise RuntimeError(f"{names[index]}: the dispatch process is gone") from exc
 
-    # A pipe to interrupt a wait when a newer epoch is announced (ChannelMux.advance).
-    interrupted, interrupt = os.pipe()
-    os.set_blocking(interrupted, False)
-    os.set_blocking(interrupt, False)
+    # Interrupts a wait when a newer epoch is announced or another lane wants a channel
+    # this wait does not cover (ChannelMux.advance, ChannelMux._want).
+    interrupt = WakePipe()
 
     def wait(indices: list[int]) -> list[int]:
-        ready = wait_readable([receivers[i] for i in indices], also=[interrupted])
-        if interrupted in ready:
-            try:
-                while os.read(interrupted, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+        ready = wait_readable([receivers[i] for i in indices], also=[interrupt.fd])
+        if interrupt.fd in ready:
+            interrupt.clear()
         return [index_of[id(r)] for r in ready if id(r) in index_of]
 
-    def wake() -> None:
-        try:
-            os.write(interrupt, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
-
-    return ChannelMux(receivers, recv, wait, wake)
+    return ChannelMux(receivers, recv, wait, interrupt.wake)
