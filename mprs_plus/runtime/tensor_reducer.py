@@ -4,8 +4,15 @@ torch's default reduction copies the storage into the pickle stream (5.5 ms per 
 here). This one hands the transport the bytes the tensor covers as one out-of-band
 buffer, which the channel copies straight into shared memory:
 
-    tensor --> (dtype name, shape, strides | None, PickleBuffer of the bytes it spans)
-           --> frombuffer(bytes).view(dtype) --as_strided / view--> tensor
+    tensor --> (bytes | dtype name, shape, strides | None, storage offset)
+           --> torch.from_numpy(numpy array over the bytes) [--as_strided--> tensor]
+
+The receiving side is the main process, whose CPU time per item is what a training loop
+pays, and between two items its caches are cold (the workers' copies sweep them): each
+torch call there costs a few us then, so the usual tensor (contiguous, filling its
+storage) is rebuilt with one numpy array and one ``from_numpy``: 4 us per 4 MiB tensor
+with cold caches instead of 8 through an ``UntypedStorage`` and ``set_``, measured on a
+2-core machine. dtypes numpy lacks (bfloat16, the float8s) take that older path.
 
 A tensor whose elements fill the storage span they cover (contiguous, transposed,
 permuted, expanded) keeps its strides and is sent with the bytes it spans (or its
@@ -13,14 +20,11 @@ storage, see below: at most twice those bytes); a sparse view
 (``t[:, 0]`` of a big matrix) is made contiguous first, so no unused bytes travel.
 
 Storage sharing within one message is kept: a dense tensor that covers at least half of
-its storage travels as a view of that storage, and the storage is pickled by its own
-reducer, so pickle's memo sends it once per message and every tensor built on it arrives
-built on one storage again (``x`` and ``x.t()`` stay aliased, as with torchdata). It costs
-about 1 us per small tensor (a round trip of 64 tensors of 16 floats: 12 us per tensor
-instead of 11, measured on a 2-core machine); for a large tensor the copy of its bytes
-dominates, and an aliased pair sends its storage once instead of twice. A smaller view
-(``x[0]`` of a big ``x``) still travels as its own bytes, so that sending a slice never
-sends the whole storage; it then arrives as a copy, not aliased.
+its storage travels with the bytes of that storage, and those bytes travel once per
+message (``_storage_bytes``), so every tensor (and storage) built on them arrives built on
+the same memory again (``x`` and ``x.t()`` stay aliased, as with torchdata). A smaller
+view (``x[0]`` of a big ``x``) still travels as its own bytes, so that sending a slice
+never sends the whole storage; it then arrives as a copy, not aliased.
 
 Anything unusual (another device, autograd, quantized, conjugate / negative bits,
 sparse layouts, subclasses) falls back to torch's pickling, which knows how.
@@ -32,15 +36,37 @@ process of the service has it, whatever its start method.
 from __future__ import annotations
 
 import pickle
+import warnings
 from typing import Any
 
+import numpy
 import torch
 
 from ..transport import register_reducer
+from ..transport.serialize import message_memo
 
 _DTYPES: dict[str, torch.dtype] = {
     str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)
 }
+
+
+def _numpy_dtypes() -> dict[str, Any]:
+    """The dtypes numpy shares with torch (not bfloat16, the float8s, ...): those tensors are
+    rebuilt as numpy arrays over the buffer, wrapped by ``torch.from_numpy``."""
+    shared = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # making a tensor of some dtypes warns (complex32, quantized)
+        for name, dtype in _DTYPES.items():
+            try:
+                array = torch.empty((1,), dtype=dtype).numpy()
+                if torch.from_numpy(array).dtype == dtype:
+                    shared[name] = array.dtype
+            except (TypeError, RuntimeError):
+                pass
+    return shared
+
+
+_NUMPY = _numpy_dtypes()
 
 
 def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
@@ -60,10 +86,17 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
         return _rebuild_empty, (dtype, shape)
     strides: tuple[int, ...] | None = tensor.stride()
     span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    itemsize = tensor.element_size()
     if span <= numel:
         storage = tensor.untyped_storage()
-        if 2 * span * tensor.element_size() >= storage.nbytes():
-            return _rebuild_on_storage, (storage, dtype, shape, strides, tensor.storage_offset())
+        nbytes = storage.nbytes()
+        if 2 * span * itemsize >= nbytes:
+            offset = tensor.storage_offset()
+            if dtype in _NUMPY and nbytes % itemsize == 0:
+                if offset == 0 and span * itemsize == nbytes and tensor.is_contiguous():
+                    strides = None
+                return _rebuild_on_bytes, (_storage_bytes(storage), dtype, shape, strides, offset)
+            return _rebuild_on_storage, (storage, dtype, shape, strides, offset)
         # Dense (or overlapping, as when expanded): the bytes it covers are all useful.
         flat = tensor.as_strided((span,), (1,), tensor.storage_offset())
         if tensor.is_contiguous():
@@ -71,8 +104,36 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
     else:
         flat = tensor.contiguous().view(-1)
         strides = None
-    raw = flat.view(torch.uint8).numpy()  # a view: no copy until the channel's
-    return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype, shape, strides)
+    raw = pickle.PickleBuffer(flat.view(torch.uint8).numpy())  # a view: no copy until the channel's
+    if dtype in _NUMPY:
+        return _rebuild_on_bytes, ((raw,), dtype, shape, strides, 0)
+    return _rebuild_tensor, (raw, dtype, shape, strides)
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> tuple[pickle.PickleBuffer]:
+    """The bytes of ``storage`` as one out-of-band buffer, held in a tuple that is the same
+    object for every tensor and storage of this message that uses it: pickle memoizes the
+    tuple (never a buffer), so the bytes travel once and arrive as one buffer."""
+    memo = message_memo()
+    entry = memo.get(id(storage))  # the memo keeps the storage alive: its id stays its own
+    if entry is None:
+        raw = torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()  # a view: no copy
+        entry = memo[id(storage)] = (storage, (pickle.PickleBuffer(raw),))
+    return entry[1]
+
+
+def _rebuild_on_bytes(
+    held: tuple[Any], dtype: str, shape: tuple[int, ...], strides: tuple[int, ...] | None, offset: int
+) -> torch.Tensor:
+    """A tensor over ``buffer`` (bytes of a storage, lent shared memory or a copy): one numpy
+    array and one ``from_numpy`` for the usual tensor that fills its buffer. Each torch
+    call here is a trip through its dispatcher that costs the main process a few us
+    when its caches are cold, as they are between items; this is the whole rebuild."""
+    buffer, np_dtype = held[0], _NUMPY[dtype]
+    if strides is None:
+        return torch.from_numpy(numpy.ndarray(shape, np_dtype, buffer))
+    whole = torch.from_numpy(numpy.ndarray((len(buffer) // np_dtype.itemsize,), np_dtype, buffer))
+    return whole.as_strided(shape, strides, offset)
 
 
 def _rebuild_tensor(buffer: Any, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...] | None) -> torch.Tensor:
@@ -93,17 +154,16 @@ def _rebuild_on_storage(
 
 
 def reduce_storage(storage: torch.UntypedStorage) -> str | tuple[Any, ...]:
-    """A CPU storage as one buffer of its bytes (pickled once per message, see above)."""
+    """A CPU storage as one buffer of its bytes (sent once per message, see above)."""
     if storage.device.type != "cpu":
         return storage.__reduce_ex__(5)
     if storage.nbytes() == 0:
         return torch.UntypedStorage, (0,)
-    raw = torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()  # a view: no copy
-    return _rebuild_storage, (pickle.PickleBuffer(raw),)
+    return _rebuild_storage, (_storage_bytes(storage),)
 
 
-def _rebuild_storage(buffer: Any) -> torch.UntypedStorage:
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+def _rebuild_storage(held: tuple[Any]) -> torch.UntypedStorage:
+    return torch.frombuffer(held[0], dtype=torch.uint8).untyped_storage()
 
 
 register_reducer(torch.Tensor, reduce_tensor)

@@ -275,16 +275,18 @@ class LentViews:
         self._mapping = mapping  # the region's mmap: the root arrays are views of it
         self._start = area_start
         self._hold_limit = hold_limit
-        self._numpy: Any = None
+        self._frombuffer: Any = None
+        self._uint8: Any = None
 
     def take(self, offset: int, slot: int, length: int) -> Any:
         """The buffer at ``offset``: an ndarray over shared memory, or a bytearray copy."""
         holding = _holding
-        numpy = self._numpy
-        if numpy is None:
+        uint8 = self._uint8
+        if uint8 is None:
             import numpy
 
-            self._numpy = numpy
+            self._frombuffer = numpy.frombuffer
+            uint8 = self._uint8 = numpy.dtype(numpy.uint8)
         with holding.lock:
             lend = self.held == 0 or self.held + length <= self._hold_limit
             if lend:
@@ -301,7 +303,7 @@ class LentViews:
                     return bytearray(whole[start : start + length])
             finally:
                 self.ctl[SLOT_BASE + slot] = FREE
-        root = numpy.frombuffer(self._mapping, dtype=numpy.uint8, count=length, offset=start)
+        root = self._frombuffer(self._mapping, uint8, length, start)  # keywords cost it 0.3 us more
         ref = weakref.ref(root, _give_back)
         holding.roots[id(ref)] = (ref, self, slot, length)
         return root

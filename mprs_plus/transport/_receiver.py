@@ -30,6 +30,8 @@ from ._ring import (
 from ._wakeup import Outcome, fence, signal
 from .errors import ChannelBroken, ChannelClosed, EndOfStream
 
+_DESCRIPTOR = struct.Struct("<QQ")  # [offset, slot] of a lent buffer, where the frame has it
+
 
 class ShmReceiver(Endpoint):
     """Reading end. ``recv`` blocks until a message, the end of stream, or a dead peer."""
@@ -91,8 +93,11 @@ class ShmReceiver(Endpoint):
             size, words = self._size, self._words
             offset = read % size
             index = offset >> 3
+            head = words[index]
             frame = words[index + 2]
-            if words[index] == MESSAGE and available >= frame:
+            if head & LOW32 == MESSAGE and head != MESSAGE and available >= frame:
+                return self._take_whole(read, head >> 32, words[index + 1], frame)  # with buffers
+            if head == MESSAGE and available >= frame:
                 offset += HEADER
                 end = offset + words[index + 1]
                 if end <= size:
@@ -213,9 +218,11 @@ class ShmReceiver(Endpoint):
         buffers: list[Any] = []
         lent = 0
         if nbuf:
-            offset = position % size  # a multiple of 8: the table of lengths never wraps
-            lengths = struct.unpack_from(f"<{nbuf}Q", data, offset) if offset + 8 * nbuf <= size else ()
-            if not lengths:
+            offset = position % size  # a multiple of 8
+            if offset + 8 * nbuf <= size:
+                first = offset >> 3
+                lengths = self._words[first : first + nbuf].tolist()  # the table does not wrap
+            else:
                 lengths = struct.unpack(f"<{nbuf}Q", self._copy(position, 8 * nbuf))
             position += 8 * nbuf
             at = position + pickle_len
@@ -225,9 +232,9 @@ class ShmReceiver(Endpoint):
                     lent += length
                     where = at % size
                     if where + DESCRIPTOR <= size:
-                        extent, slot = struct.unpack_from("<QQ", data, where)
+                        extent, slot = _DESCRIPTOR.unpack_from(data, where)
                     else:
-                        extent, slot = struct.unpack("<QQ", self._copy(at, DESCRIPTOR))
+                        extent, slot = _DESCRIPTOR.unpack(self._copy(at, DESCRIPTOR))
                     buffers.append(self._take_lent(extent, slot, length))
                     at += DESCRIPTOR
                 else:

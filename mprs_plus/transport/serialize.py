@@ -24,6 +24,7 @@ import copyreg
 import io
 import pickle
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,16 @@ Reducer = Callable[[Any], "str | tuple[Any, ...]"]
 _reducers: dict[type, Reducer] = {}
 _registry_version = 0
 _numpy_registered = False
+_message = threading.local()
+
+
+def message_memo() -> dict[Any, Any]:
+    """A dict that lives while this thread's ``Encoder`` pickles one message, then is
+    dropped: where a reducer keeps what must be sent once per message whatever object
+    refers to it (pickle's own memo dedupes objects, not, say, the bytes of a storage that
+    two tensors reduce to). Outside an ``encode`` a fresh dict each call: nothing shared."""
+    memo = getattr(_message, "memo", None)
+    return {} if memo is None else memo
 
 
 def register_reducer(cls: type, reducer: Reducer) -> None:
@@ -85,6 +96,7 @@ class Encoder:
         file = self._file
         file.seek(0)
         file.truncate()
+        outer, _message.memo = getattr(_message, "memo", None), {}
         try:
             pickler.dump(obj)
         except BaseException:
@@ -93,6 +105,7 @@ class Encoder:
             raise
         finally:
             pickler.clear_memo()  # the memo holds references to parts of obj
+            _message.memo = outer  # and so does the reducers'
         if file.tell() <= _COPY_STREAM_LIMIT:
             stream: bytes | memoryview = file.getvalue()
         else:
@@ -183,4 +196,6 @@ def _rebuild_ndarray(buffer: Any, dtype_str: str, shape: tuple[int, ...], order:
     dtype = _dtypes.get(dtype_str)
     if dtype is None:
         dtype = _dtypes[dtype_str] = numpy.dtype(dtype_str)
-    return numpy.frombuffer(buffer, dtype=dtype).reshape(shape, order=order)
+    # One constructor, arguments by position: frombuffer + reshape with keywords cost the
+    # receiver (a training loop's main process) 0.3 us more per array, hot.
+    return numpy.ndarray(shape, dtype, buffer, 0, None, order)

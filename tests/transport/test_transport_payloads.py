@@ -148,13 +148,13 @@ def test_tensor_layouts_round_trip_exactly(channel, name):
 
 def test_dense_views_keep_their_strides_and_sparse_views_send_only_their_elements():
     transposed = torch.randn(64, 128).t()
-    _, (storage, _, _, strides, _) = reduce_tensor(transposed)  # sent with its storage
-    assert strides == transposed.stride() and storage.nbytes() == transposed.numel() * 4
+    _, ((buffer,), _, _, strides, _) = reduce_tensor(transposed)  # sent with its storage
+    assert strides == transposed.stride() and buffer.raw().nbytes == transposed.numel() * 4
     narrow = torch.randn(2000, 1000)[5:7]  # a small dense view: only its own bytes
-    _, (buffer, _, _, strides) = reduce_tensor(narrow)
+    _, ((buffer,), _, _, strides, _) = reduce_tensor(narrow)
     assert strides is None and buffer.raw().nbytes == narrow.numel() * 4
     column = torch.randn(512, 300)[:, 3]
-    _, (buffer, _, _, strides) = reduce_tensor(column)
+    _, ((buffer,), _, _, strides, _) = reduce_tensor(column)
     assert strides is None and buffer.raw().nbytes == 512 * 4
 
 
