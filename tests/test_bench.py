@@ -105,8 +105,9 @@ def test_main_cpu_floor_script_reports_every_case() -> None:
     done = _run_script("main_cpu_floor.py", "--quick")
     assert "the target per 4 MiB item" in done.stdout
     rows = [line for line in done.stdout.splitlines() if "us per item" in line]
-    assert len(rows) == 7, done.stdout
-    assert any(row.startswith("DataLoader2 + mprs_plus") for row in rows)
+    assert len(rows) == 10, done.stdout
+    for case in ("DataLoader2 + mprs_plus, 1 ms step", "DataLoader2 in-process, 1 ms step"):
+        assert any(row.startswith(case) for row in rows), done.stdout
 
 
 def test_workers_sweep_runs_the_suite_once_per_count(tmp_path: Path) -> None:

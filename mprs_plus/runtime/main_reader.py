@@ -84,6 +84,8 @@ class MainChannels:
         if self._stats is not None:
             self._stats.wait_input += time.perf_counter() - asked
         gate.check()  # a stop from another thread woke us up
+        if len(ready) == 1 and ready[0] is receivers[0] and len(indices) == 1:
+            return indices  # the usual wake-up of an in-order reader: its worker's item came
         nudged = gate.nudge_fd in [r for r in ready if isinstance(r, int)]
         if nudged:
             gate.clear_nudge()  # another thread wants a channel not waited on here: the mux asks again

@@ -42,6 +42,7 @@ Message = tuple[int, int, Any]  # (kind, epoch, payload)
 # The epoch of the message a mux holds for a channel whose sender has finished for good:
 # newer than every epoch, so every reader of that channel ends at once.
 CLOSED_EPOCH = sys.maxsize
+_NONE: frozenset[int] = frozenset()
 
 
 class WakePipe:
@@ -106,7 +107,8 @@ class ChannelMux:
         # See "Which channels a pump waits on" in the module's docstring.
         self._current = [False] * len(self._receivers)  # delivered a message of ``newest``
         self._wanted = [0] * len(self._receivers)  # takers waiting for each channel now
-        self._pump_set: frozenset[int] = frozenset()
+        self._pump_set: frozenset[int] = _NONE
+        self._sleepers = 0  # threads waiting on the condition for the pumping one
         # The newest epoch announced by the owner of the epoch (``MainReader`` in the main
         # process, a child's control listener in a worker): a watermark, not the epoch
         # anyone reads. Messages of older epochs are dropped; readers of older epochs end.
@@ -227,7 +229,11 @@ class ChannelMux:
     def _pump_or_wait(self) -> None:
         """Called with the lock held. Pump if nobody does, else wait for the pumping thread."""
         if self._pumping:
-            self._cv.wait()
+            self._sleepers += 1
+            try:
+                self._cv.wait()
+            finally:
+                self._sleepers -= 1
             return
         self._pumping = True
         held = self._held
@@ -256,5 +262,6 @@ class ChannelMux:
                     self._held[index] = message
                     self._current[index] = True
             self._pumping = False
-            self._pump_set = frozenset()
-            self._cv.notify_all()
+            self._pump_set = _NONE
+            if self._sleepers:  # nobody to notify, as for the lone reader of the main process
+                self._cv.notify_all()

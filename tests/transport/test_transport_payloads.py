@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import weakref
 
 import numpy as np
 import pytest
@@ -163,6 +164,18 @@ def test_a_big_tensor_costs_a_short_header_and_one_buffer():
     stream, buffers = Encoder().encode(tensor)
     assert len(buffers) == 1 and buffers[0].nbytes == tensor.numel() * 4
     assert len(stream) < 300  # torch's own pickling would put the 4 MiB in the stream
+
+
+def test_a_storage_goes_once_per_message_and_the_encoder_keeps_none_after_it():
+    encoder = Encoder()
+    tensor = torch.randn(64, 128)
+    for _ in range(2):  # each message carries the bytes again: nothing is remembered across
+        _, buffers = encoder.encode((tensor, tensor.t(), tensor.untyped_storage()))
+        assert [buffer.nbytes for buffer in buffers] == [64 * 128 * 4]
+        encoder.release()
+    storage = weakref.ref(tensor.untyped_storage())
+    del tensor
+    assert storage() is None
 
 
 def test_unusual_tensors_fall_back_to_torch_pickling(channel):
