@@ -573,3 +573,15 @@ class Ballast:
 
     def __call__(self, datapipe: Any) -> Any:
         return datapipe
+
+
+def is_even(item: Any) -> bool:
+    return item % 2 == 0
+
+
+def starving_pipe(n: int) -> IterDataPipe:
+    """Dispatched round-robin to two workers, then filtered: worker 1 receives only odd
+    items and keeps none, so an in-order read waits for it while worker 0's items pile up."""
+    return (
+        IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).filter(is_even)
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import multiprocessing
 
 import pytest
@@ -10,6 +12,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
+from mprs_plus.runtime import main_reader
 
 
 @pytest.mark.timeout(60)
@@ -56,3 +59,44 @@ def test_as_ready_in_process_is_plain_iteration():
         assert list(loader) == list(range(5))
     finally:
         loader.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_an_in_order_read_a_dispatcher_starves_is_reported_and_its_timeout_says_why(monkeypatch, caplog):
+    """The cycle ``service.py`` describes, closed on purpose: worker 1 keeps no item, so the
+    main process waits for it while worker 0 fills its channel, and the dispatcher waits
+    for room at worker 0. Without a report it would be a silent hang."""
+    monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
+    service = MultiProcessingReadingService(2, multiprocessing_context="fork", timeout=4)
+    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mprs_plus"):
+            with pytest.raises(TimeoutError, match="no item from worker 1 .*Pass in_order=False"):
+                list(loader)
+    finally:
+        loader.shutdown()
+    [report] = [record for record in caplog.records if "waited" in record.getMessage()]
+    assert "for worker 1's next item" in report.getMessage() and "in_order=False" in report.getMessage()
+
+
+def test_as_ready_reads_through_the_imbalance_in_order_cannot():
+    service = MultiProcessingReadingService(2, multiprocessing_context="fork", in_order=False)
+    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    try:
+        assert sorted(loader) == list(range(0, 2000, 2))
+    finally:
+        loader.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_without_a_dispatcher_a_long_wait_is_not_reported(monkeypatch, caplog):
+    """Each worker reads its own shard: a long wait for one is a slow worker, never the cycle."""
+    monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.2)
+    pipe = pipelines.plain_pipe(range(40), dispatch=False).map(functools.partial(pipelines.spin, seconds=0.05))
+    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(2, multiprocessing_context="fork"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="mprs_plus"):
+            assert list(loader) == [2 * i for i in range(40)]
+    finally:
+        loader.shutdown()
+    assert "waited" not in caplog.text

@@ -19,6 +19,7 @@ the facade, so no reference cycle keeps a dropped service alive until a garbage 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
@@ -28,6 +29,13 @@ from ..transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
 from .gate import CLOSED_MESSAGE, ReadGate
 from .mux import ChannelMux, Message
 from .reader import ReadCursor, read_as_ready, read_in_order
+
+_LOG = logging.getLogger("mprs_plus")
+
+# An in-order read that waits two of these spans for one worker, the second one while
+# every other worker sits on unread output and writes nothing more, is reported
+# (``MainChannels._wait_watching``).
+STUCK_SECONDS = 5.0
 from .stats import StatsWriter
 from .topology import Topology
 
@@ -52,6 +60,11 @@ class MainChannels:
         self._death_error = death_error
         self._timeout = timeout
         self._stats = stats
+        self._outputs = topology.outputs
+        # Only a dispatcher can starve a worker because another one is blocked: without
+        # one, each worker reads its own source and a long wait is a slow worker.
+        self._watch_stuck = topology.dispatch is not None and len(topology.workers) > 1
+        self.stuck_worker: int | None = None  # the worker of the last wait found stuck
 
     def recv(self, index: int) -> Message:
         try:
@@ -60,6 +73,42 @@ class MainChannels:
             raise self._death_error() from exc
         except ChannelError as exc:
             raise ServiceClosedError("the reading service was shut down during iteration") from exc
+
+    def _wait_watching(self, receivers: list[Any], index: int, also: list[Any]) -> list[Any]:
+        """``wait_readable`` of one channel, in slices of ``STUCK_SECONDS``: after a second
+        slice in which every other worker's channel of the same output held unread messages
+        and gained none, the wait is reported (once) as the cycle described in ``service.py``,
+        which an in-order read cannot leave. The wait itself goes on: a worker that is only
+        slow delivers, and ``timeout`` still ends it (with the same advice)."""
+        worker, branch = divmod(index, self._outputs)
+        others = [
+            self.receivers[w * self._outputs + branch] for w in range(len(self.receivers) // self._outputs) if w != worker
+        ]
+        timeout = self._timeout
+        start = time.monotonic()
+        written: list[int] | None = None  # looked at only once a slice has passed: no cost per item
+        self.stuck_worker = None
+        while True:
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            span = STUCK_SECONDS if left is None else max(0.0, min(left, STUCK_SECONDS))
+            ready = wait_readable(receivers, span, also=also)
+            if ready or (left is not None and left <= span):
+                return ready
+            traffic = [receiver.traffic() for receiver in others]
+            if (
+                written is not None
+                and self.stuck_worker is None
+                and all(now.queued_messages and now.messages == before for now, before in zip(traffic, written))
+            ):
+                self.stuck_worker = worker
+                _LOG.warning(
+                    "mprs_plus: the main process has waited %.0f s for worker %d's next item, while every other "
+                    "worker has items waiting to be read and has written none since. %s",
+                    time.monotonic() - start,
+                    worker,
+                    _STUCK_ADVICE,
+                )
+            written = [now.messages for now in traffic]
 
     def _children(self) -> list[int]:
         """The children's sentinels; kept once every child is started (under fork they
@@ -80,7 +129,11 @@ class MainChannels:
         gate.check()
         receivers = [self.receivers[i] for i in indices]
         asked = time.perf_counter()
-        ready = wait_readable(receivers, self._timeout, also=[*self._children(), gate.wake_fd, gate.nudge_fd])
+        also = [*self._children(), gate.wake_fd, gate.nudge_fd]
+        if self._watch_stuck and len(indices) == 1:
+            ready = self._wait_watching(receivers, indices[0], also)
+        else:
+            ready = wait_readable(receivers, self._timeout, also=also)
         if self._stats is not None:
             self._stats.wait_input += time.perf_counter() - asked
         gate.check()  # a stop from another thread woke us up
@@ -91,6 +144,10 @@ class MainChannels:
             gate.clear_nudge()  # another thread wants a channel not waited on here: the mux asks again
         if not ready:
             workers = sorted({self._worker_of[i] for i in indices})
+            if self.stuck_worker in workers:
+                raise TimeoutError(
+                    f"no item from worker {self.stuck_worker} within timeout={self._timeout} s. " + _STUCK_ADVICE
+                )
             raise TimeoutError(
                 f"no item from worker {', '.join(map(str, workers))} within timeout={self._timeout} s; the workers "
                 "are alive. Raise the timeout if items are this slow, or look for a stuck read in the pipeline."
@@ -100,6 +157,15 @@ class MainChannels:
         if not found and not nudged:
             raise self._death_error()
         return found
+
+
+_STUCK_ADVICE = (
+    "Read in order (in_order=True, the default), the main process must take that worker's item next. If the worker "
+    "is starved of input, the wait never ends: the dispatcher is blocked on another worker's full input, and that "
+    "worker on its output, which waits for the main process. A stage after the dispatcher that keeps far more items "
+    "on some workers than on others (a filter, a flat-map) leads there. Pass in_order=False to read whichever worker "
+    "is ready, or balance that stage. If the worker is only slow, its item will come."
+)
 
 
 class GatedMux:

@@ -32,7 +32,9 @@ for room at worker w', and w' waits for the main process to read it. The cycle c
 when the per-worker item counts drift apart by more than the channels hold (a filter or a
 flat-map after a dispatcher that keeps far more items on some workers than on others).
 With one worker output, ``in_order=False`` reads whichever worker is ready, so w' is
-always read and the cycle cannot close.
+always read and the cycle cannot close. The main process reports a wait that looks like
+this cycle (``main_reader.MainChannels._wait_watching``): a warning, and the advice in the
+``TimeoutError`` of a ``timeout``.
 """
 
 from __future__ import annotations
