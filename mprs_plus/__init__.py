@@ -17,6 +17,7 @@ __all__ = [
     "AmbiguousGraphError",
     "MultiProcessingReadingService",
     "NoGraph",
+    "PipelineStuckError",
     "Plan",
     "PlanError",
     "ProcessDiedError",
@@ -28,6 +29,7 @@ __all__ = [
 
 _HOMES = {
     "AmbiguousGraphError": ".errors",
+    "PipelineStuckError": ".errors",
     "PlanError": ".errors",
     "ProcessDiedError": ".errors",
     "ServiceClosedError": ".errors",
@@ -68,7 +70,14 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
-    from .errors import AmbiguousGraphError, PlanError, ProcessDiedError, ServiceClosedError, WorkerError
+    from .errors import (
+        AmbiguousGraphError,
+        PipelineStuckError,
+        PlanError,
+        ProcessDiedError,
+        ServiceClosedError,
+        WorkerError,
+    )
     from .graph import NoGraph
     from .plan import Plan, Segment, plan
     from .reading_service import MultiProcessingReadingService

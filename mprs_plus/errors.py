@@ -27,6 +27,16 @@ class ProcessDiedError(RuntimeError):
     """A dispatch or worker process exited without being asked to."""
 
 
+class PipelineStuckError(RuntimeError):
+    """The next item can never come: every process of the service waits for another.
+
+    Raised by a read in order when the worker it waits for is starved by a dispatcher
+    that waits for room at another worker, which waits for the main process (a stage
+    after the dispatcher that keeps far more items on some workers than on others). The
+    message names the worker and the ways out: ``in_order=False``, or balancing that stage.
+    """
+
+
 class ServiceClosedError(RuntimeError):
     """The reading service was shut down; a new DataLoader2 is needed to iterate again."""
 

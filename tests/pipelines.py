@@ -585,3 +585,10 @@ def starving_pipe(n: int) -> IterDataPipe:
     return (
         IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).filter(is_even)
     )
+
+
+def slow_on_two(item: Any) -> Any:
+    """Computes for a second on item 2 (worker 1's first, after ``plain_pipe`` doubles)."""
+    if item == 2:
+        spin(item, seconds=1.0)
+    return item

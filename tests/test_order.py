@@ -11,7 +11,7 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
-from mprs_plus import MultiProcessingReadingService
+from mprs_plus import MultiProcessingReadingService, PipelineStuckError
 from mprs_plus.runtime import main_reader
 
 
@@ -62,12 +62,13 @@ def test_as_ready_in_process_is_plain_iteration():
 
 
 @pytest.mark.timeout(60)
-def test_an_in_order_read_a_dispatcher_starves_is_reported_and_its_timeout_says_why(monkeypatch, caplog):
+def test_without_statistics_a_starved_in_order_read_is_reported_and_its_timeout_says_why(monkeypatch, caplog):
     """The cycle ``service.py`` describes, closed on purpose: worker 1 keeps no item, so the
     main process waits for it while worker 0 fills its channel, and the dispatcher waits
     for room at worker 0. Without a report it would be a silent hang."""
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
-    service = MultiProcessingReadingService(2, multiprocessing_context="fork", timeout=4)
+    # Without statistics the service cannot tell that every process sleeps: it warns.
+    service = MultiProcessingReadingService(2, multiprocessing_context="fork", timeout=4, collect_stats=False)
     loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
     try:
         with caplog.at_level(logging.WARNING, logger="mprs_plus"):
@@ -100,3 +101,36 @@ def test_without_a_dispatcher_a_long_wait_is_not_reported(monkeypatch, caplog):
     finally:
         loader.shutdown()
     assert "waited" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_an_in_order_read_a_dispatcher_starves_raises_instead_of_hanging(monkeypatch, start_method):
+    """No timeout set: every process sleeping in a channel wait while the main process
+    waits proves that the cycle closed, and the read raises the documented error."""
+    monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
+    service = MultiProcessingReadingService(2, multiprocessing_context=start_method)
+    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    try:
+        with pytest.raises(PipelineStuckError, match="worker 1's next item can never come.*Pass in_order=False"):
+            list(loader)
+    finally:
+        loader.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_fed_by_a_dispatcher_that_is_only_slow_is_never_called_stuck(monkeypatch, caplog):
+    """Worker 1 computes for a second on its first item while worker 0, its input cut
+    off by the dispatcher waiting on worker 1, sits on unread output: the same picture as
+    the cycle from outside (so a warning), but a computing worker is not asleep, so no
+    error, and every item comes."""
+    monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.1)
+    pipe = pipelines.plain_pipe(range(200), dispatch=True).map(pipelines.slow_on_two)
+    service = MultiProcessingReadingService(2, multiprocessing_context="fork", dispatch_buffer_size=2)
+    loader = DataLoader2(pipe, reading_service=service)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mprs_plus"):
+            assert list(loader) == [2 * i for i in range(200)]
+    finally:
+        loader.shutdown()
+    assert "for worker 1's next item" in caplog.text

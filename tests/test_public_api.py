@@ -9,6 +9,7 @@ def test_public_names_are_pinned_and_sorted():
         "AmbiguousGraphError",
         "MultiProcessingReadingService",
         "NoGraph",
+        "PipelineStuckError",
         "Plan",
         "PlanError",
         "ProcessDiedError",

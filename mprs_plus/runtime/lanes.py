@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..transport import note_blocking
 from .batching import Batcher
 from .messages import Kind, RemoteError
 from .stats import StatsWriter
@@ -44,6 +45,7 @@ def enter_lane(lane: Lane) -> None:
     _current.stats = lane.stats
     if lane.stats is not None:
         lane.stats.start()
+        note_blocking(lane.stats.note_asleep)  # its sleeps in channel waits, for a stuck read
 
 
 def current_lane_stats() -> StatsWriter | None:

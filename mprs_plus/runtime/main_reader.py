@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
-from ..errors import ServiceClosedError
+from ..errors import PipelineStuckError, ServiceClosedError
 from ..transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
 from .gate import CLOSED_MESSAGE, ReadGate
 from .mux import ChannelMux, Message
@@ -50,6 +50,7 @@ class MainChannels:
         death_error: Callable[[], Exception],
         timeout: float | None,
         stats: StatsWriter | None,
+        asleep_for: Callable[[float], bool] | None = None,
     ) -> None:
         pairs = topology.data_receivers()
         self.receivers = [receiver for _, receiver in pairs]
@@ -65,6 +66,10 @@ class MainChannels:
         # one, each worker reads its own source and a long wait is a slow worker.
         self._watch_stuck = topology.dispatch is not None and len(topology.workers) > 1
         self.stuck_worker: int | None = None  # the worker of the last wait found stuck
+        # Whether every child's lane has slept in one channel wait for so many seconds
+        # (``StatsView.asleep_for``); None without statistics. With one worker output the
+        # main process has one reader, so that and its own wait prove the cycle closed.
+        self._asleep_for = asleep_for if topology.outputs == 1 else None
 
     def recv(self, index: int) -> Message:
         try:
@@ -100,13 +105,21 @@ class MainChannels:
                 and self.stuck_worker is None
                 and all(now.queued_messages and now.messages == before for now, before in zip(traffic, written))
             ):
+                if self._asleep_for is not None and self._asleep_for(span):
+                    raise PipelineStuckError(
+                        f"worker {worker}'s next item can never come: the main process has waited "
+                        f"{time.monotonic() - start:.0f} s for it, and every process of the reading service has "
+                        f"slept for at least {span:g} s waiting for another: the worker is starved of input. "
+                        + _STUCK_ADVICE
+                    )
                 self.stuck_worker = worker
                 _LOG.warning(
                     "mprs_plus: the main process has waited %.0f s for worker %d's next item, while every other "
-                    "worker has items waiting to be read and has written none since. %s",
+                    "worker has items waiting to be read and has written none since. %s%s",
                     time.monotonic() - start,
                     worker,
                     _STUCK_ADVICE,
+                    _ONLY_SLOW,
                 )
             written = [now.messages for now in traffic]
 
@@ -146,7 +159,9 @@ class MainChannels:
             workers = sorted({self._worker_of[i] for i in indices})
             if self.stuck_worker in workers:
                 raise TimeoutError(
-                    f"no item from worker {self.stuck_worker} within timeout={self._timeout} s. " + _STUCK_ADVICE
+                    f"no item from worker {self.stuck_worker} within timeout={self._timeout} s. "
+                    + _STUCK_ADVICE
+                    + _ONLY_SLOW
                 )
             raise TimeoutError(
                 f"no item from worker {', '.join(map(str, workers))} within timeout={self._timeout} s; the workers "
@@ -164,8 +179,9 @@ _STUCK_ADVICE = (
     "is starved of input, the wait never ends: the dispatcher is blocked on another worker's full input, and that "
     "worker on its output, which waits for the main process. A stage after the dispatcher that keeps far more items "
     "on some workers than on others (a filter, a flat-map) leads there. Pass in_order=False to read whichever worker "
-    "is ready, or balance that stage. If the worker is only slow, its item will come."
+    "is ready, or balance that stage."
 )
+_ONLY_SLOW = " If the worker is only slow, its item will come."
 
 
 class GatedMux:
@@ -204,8 +220,9 @@ class MainReader:
         in_order: bool,
         timeout: float | None,
         stats: StatsWriter | None,
+        asleep_for: Callable[[float], bool] | None = None,
     ) -> None:
-        channels = MainChannels(topology, gate, death_error, timeout, stats)
+        channels = MainChannels(topology, gate, death_error, timeout, stats, asleep_for)
         self.epoch = 0
         self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait, gate.nudge)
         self._take = GatedMux(self._mux, gate)

@@ -32,9 +32,10 @@ for room at worker w', and w' waits for the main process to read it. The cycle c
 when the per-worker item counts drift apart by more than the channels hold (a filter or a
 flat-map after a dispatcher that keeps far more items on some workers than on others).
 With one worker output, ``in_order=False`` reads whichever worker is ready, so w' is
-always read and the cycle cannot close. The main process reports a wait that looks like
-this cycle (``main_reader.MainChannels._wait_watching``): a warning, and the advice in the
-``TimeoutError`` of a ``timeout``.
+always read and the cycle cannot close. When it does close, the read raises
+``PipelineStuckError`` instead of waiting forever (``main_reader.MainChannels._wait_watching``:
+every child's lane asleep in a channel wait, per the statistics table, while the main
+process waits); without statistics it logs a warning.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class ServiceRuntime:
                 self.options.in_order,
                 self.options.timeout,
                 self._stats.main if self._stats is not None else None,
+                self._stats.asleep_for if self._stats is not None else None,
             )
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
             main_pipeline = build_main_pipeline(self.plan, readers)

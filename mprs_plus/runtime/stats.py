@@ -42,9 +42,16 @@ class StatsTable:
     def __init__(self, ctx: Any, rows: int) -> None:
         self.rows = rows
         self._table = ctx.RawArray("d", rows * len(FIELDS))
+        # Per row: since when its lane sleeps in a channel wait (time.monotonic), 0 while
+        # it is not. Apart from the counters: a state, not a statistic (``asleep_since``).
+        self._asleep = ctx.RawArray("d", rows)
 
     def writer(self, row: int) -> StatsWriter:
-        return StatsWriter(self._table, row * len(FIELDS))
+        return StatsWriter(self._table, row * len(FIELDS), self._asleep, row)
+
+    def asleep_since(self, row: int) -> float:
+        """Since when the lane of ``row`` sleeps in a channel wait; 0.0 when it does not."""
+        return self._asleep[row]
 
     def read(self, row: int) -> dict[str, float]:
         base = row * len(FIELDS)
@@ -54,11 +61,24 @@ class StatsTable:
 class StatsWriter:
     """The owning process's view of its row: accumulate locally, ``publish()`` often."""
 
-    __slots__ = ("_table", "_base", "items_in", "items_out", "busy", "wait_input", "wait_output", "channels")
+    __slots__ = (
+        "_table",
+        "_base",
+        "_asleep",
+        "_row",
+        "items_in",
+        "items_out",
+        "busy",
+        "wait_input",
+        "wait_output",
+        "channels",
+    )
 
-    def __init__(self, table: Any, base: int) -> None:
+    def __init__(self, table: Any, base: int, asleep: Any, row: int) -> None:
         self._table = table
         self._base = base
+        self._asleep = asleep
+        self._row = row
         self.items_in = 0
         self.items_out = 0
         self.busy = 0.0
@@ -66,11 +86,15 @@ class StatsWriter:
         self.wait_output = 0.0
         self.channels: tuple[Any, ...] = ()  # output endpoints, for bytes and queue fill
 
-    def __getstate__(self) -> tuple[Any, int]:
-        return (self._table, self._base)
+    def __getstate__(self) -> tuple[Any, int, Any, int]:
+        return (self._table, self._base, self._asleep, self._row)
 
-    def __setstate__(self, state: tuple[Any, int]) -> None:
+    def __setstate__(self, state: tuple[Any, int, Any, int]) -> None:
         self.__init__(*state)  # type: ignore[misc]
+
+    def note_asleep(self, since: float) -> None:
+        """The transport's ``note_blocking`` callback for this row's lane."""
+        self._asleep[self._row] = since
 
     def start(self) -> None:
         self._table[self._base + _STARTED] = time.monotonic()
@@ -257,6 +281,15 @@ class StatsView:
         self._topology = topology
         self._pid = pid
         self._lending_before = lending()  # the process's counters run across services
+
+    def asleep_for(self, seconds: float) -> bool:
+        """Whether the lane of every child has slept in one channel wait for at least
+        ``seconds``, without waking: then none of them can write or read anything that
+        would wake another, and only the main process could."""
+        rows = [row for link in self._topology.children() for row in link.stats_rows]
+        since = [self.table.asleep_since(row) for row in rows]
+        latest = time.monotonic() - seconds
+        return bool(since) and all(0.0 < t <= latest for t in since)
 
     def writers(self, link: Any) -> tuple[StatsWriter, ...]:
         """The rows ``link``'s lanes write, in lane order."""

@@ -30,6 +30,7 @@ choice. ``TRANSPORT`` says which is in use.
 import os
 import platform
 
+from ._wakeup import note_blocking
 from .errors import ChannelBroken, ChannelClosed, ChannelError, EndOfStream
 from .serialize import register_reducer
 from .traffic import Lending, Traffic
@@ -61,6 +62,7 @@ __all__ = [
     "Traffic",
     "open_channel",
     "lending",
+    "note_blocking",
     "register_reducer",
     "release_all_except",
     "wait_readable",

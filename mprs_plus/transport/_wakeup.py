@@ -74,6 +74,20 @@ _WATCHDOG_MS = round(WATCHDOG_SECONDS * 1000)
 race_hook: Callable[[str], None] | None = None
 
 _fence_lock = threading.Lock()
+_blocking = threading.local()
+
+
+def note_blocking(note: Callable[[float], None] | None) -> None:
+    """Report the calling thread's sleeps in channel waits: ``note(time.monotonic())`` as
+    it goes to sleep, ``note(0.0)`` once it is awake again (a watchdog turn does not wake
+    it in this sense). A runtime uses this to tell a wait that can never end from a slow
+    one; None stops the reports. Costs nothing to a wait that does not sleep."""
+    _blocking.note = note
+
+
+def blocking_note() -> Callable[[float], None] | None:
+    """The calling thread's ``note_blocking`` callback, if it has one."""
+    return getattr(_blocking, "note", None)
 
 
 def fence() -> None:
@@ -182,6 +196,17 @@ class Sleeper:
                 os.sched_yield()
             self._misses += 1
         poller = self._poller if self._poller is not None and self._poller_also == also else self._new_poller(also)
+        note = getattr(_blocking, "note", None)
+        if note is None:
+            return self._sleep(ready, deadline, also, poller)
+        note(time.monotonic())
+        try:
+            return self._sleep(ready, deadline, also, poller)
+        finally:
+            note(0.0)
+
+    def _sleep(self, ready: Callable[[], Any], deadline: float | None, also: tuple[Any, ...], poller: Any) -> int:
+        """Steps 1-5 of the protocol, until ``ready()`` or the end of the wait."""
         ctl, flag = self._ctl, self._flag
         while True:
             if self.peer_gone:

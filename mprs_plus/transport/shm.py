@@ -89,6 +89,18 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
     deadline = None if timeout is None else time.monotonic() + timeout
     if len(receivers) == 1:
         return _wait_one(receivers[0], deadline, tuple(also))
+    note = _wakeup.blocking_note()
+    if note is None:
+        return _wait_several(receivers, deadline, also)
+    note(time.monotonic())
+    try:
+        return _wait_several(receivers, deadline, also)
+    finally:
+        note(0.0)
+
+
+def _wait_several(receivers: list[Any], deadline: float | None, also: list[Any]) -> list[Any]:
+    """``wait_readable`` of several receivers: the protocol's loop over all of them."""
     while True:
         # The looks before the block skip poll()'s check for a gone peer (a system call):
         # the block sees a gone peer as a hang-up of its pipe, and the look after it is
