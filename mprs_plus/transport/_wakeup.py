@@ -49,7 +49,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 # A sleep/wake round trip through a pipe costs about 15-20 us on a 2-core machine; spin
 # about that long before blocking. The spin yields the CPU at every turn: on a machine
@@ -75,6 +75,7 @@ race_hook: Callable[[str], None] | None = None
 
 _fence_lock = threading.Lock()
 _blocking = threading.local()
+_T = TypeVar("_T")
 
 
 def note_blocking(note: Callable[[float], None] | None) -> None:
@@ -85,9 +86,17 @@ def note_blocking(note: Callable[[float], None] | None) -> None:
     _blocking.note = note
 
 
-def blocking_note() -> Callable[[float], None] | None:
-    """The calling thread's ``note_blocking`` callback, if it has one."""
-    return getattr(_blocking, "note", None)
+def asleep(wait: Callable[[], _T]) -> _T:
+    """``wait()``, a blocking wait of the calling thread, reported to its
+    ``note_blocking`` callback as one sleep."""
+    note = getattr(_blocking, "note", None)
+    if note is None:
+        return wait()
+    note(time.monotonic())
+    try:
+        return wait()
+    finally:
+        note(0.0)
 
 
 def fence() -> None:
@@ -196,14 +205,7 @@ class Sleeper:
                 os.sched_yield()
             self._misses += 1
         poller = self._poller if self._poller is not None and self._poller_also == also else self._new_poller(also)
-        note = getattr(_blocking, "note", None)
-        if note is None:
-            return self._sleep(ready, deadline, also, poller)
-        note(time.monotonic())
-        try:
-            return self._sleep(ready, deadline, also, poller)
-        finally:
-            note(0.0)
+        return asleep(lambda: self._sleep(ready, deadline, also, poller))
 
     def _sleep(self, ready: Callable[[], Any], deadline: float | None, also: tuple[Any, ...], poller: Any) -> int:
         """Steps 1-5 of the protocol, until ``ready()`` or the end of the wait."""

@@ -42,6 +42,7 @@ from typing import Any
 
 from ._memory import PAGE
 from ._ring import MIN_RING
+from ._wakeup import asleep
 from .errors import ChannelBroken, ChannelClosed, EndOfStream
 from .serialize import Encoder
 from .traffic import NO_TRAFFIC, Lending, Traffic
@@ -173,7 +174,7 @@ class PipeSender(_Endpoint):
         assert credits is not None
         while self._full(size):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([credits, *self._watched], left)
+            ready = asleep(lambda: wait([credits, *self._watched], left))
             if not ready:
                 raise TimeoutError("no room in the channel within the timeout; nothing was sent")
             self._take_credits()
@@ -226,7 +227,7 @@ class PipeReceiver(_Endpoint):
         if self._ended:
             raise EndOfStream()
         if not conn.poll(0):
-            ready = wait([conn, *self._watched], timeout)
+            ready = asleep(lambda: wait([conn, *self._watched], timeout))
             if not ready:
                 raise TimeoutError(f"no message within {timeout} s")
             if conn not in ready and not conn.poll(0):
@@ -330,4 +331,4 @@ def release_all_except(keep: Iterable[Any]) -> None:
 
 def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: Iterable[Any] = ()) -> list[Any]:
     """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout."""
-    return wait([*receivers, *also], timeout)
+    return asleep(lambda: wait([*receivers, *also], timeout))

@@ -89,14 +89,7 @@ def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: 
     deadline = None if timeout is None else time.monotonic() + timeout
     if len(receivers) == 1:
         return _wait_one(receivers[0], deadline, tuple(also))
-    note = _wakeup.blocking_note()
-    if note is None:
-        return _wait_several(receivers, deadline, also)
-    note(time.monotonic())
-    try:
-        return _wait_several(receivers, deadline, also)
-    finally:
-        note(0.0)
+    return _wakeup.asleep(lambda: _wait_several(receivers, deadline, also))
 
 
 def _wait_several(receivers: list[Any], deadline: float | None, also: list[Any]) -> list[Any]:

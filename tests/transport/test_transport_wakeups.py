@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -238,3 +239,35 @@ def test_a_waiter_stops_spinning_while_spins_keep_failing_and_spins_again_when_o
     yields.clear()
     calls.clear()
     assert sleeper.wait(soon) == _wakeup.Outcome.READY and yields  # spinning is back
+
+
+@pytest.mark.parametrize("how", WAYS)
+def test_a_thread_asleep_in_a_channel_wait_is_reported_until_it_wakes(channel, idle_receiver, how):
+    """``note_blocking``: the stamp a runtime reads to tell a wait that can never end."""
+    sender, receiver = channel
+    notes: list[float] = []
+    asleep = threading.Event()
+
+    def note(since: float) -> None:
+        notes.append(since)
+        if since:
+            asleep.set()
+
+    def read() -> None:
+        _wakeup.note_blocking(note)
+        try:
+            if how == "recv":
+                receiver.recv()
+            else:
+                _wait_readable(how, receiver, idle_receiver, 30)
+        finally:
+            _wakeup.note_blocking(None)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert asleep.wait(30)  # it went to sleep, and said since when
+    assert notes[0] <= time.monotonic()
+    sender.send("wake up")
+    reader.join(30)
+    assert not reader.is_alive()
+    assert notes[-1] == 0.0 and all(notes[i] > 0 for i in range(0, len(notes), 2))
