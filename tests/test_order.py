@@ -12,7 +12,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService, PipelineStuckError
-from mprs_plus.runtime import main_reader
+from mprs_plus.runtime import main_reader, stats
 
 
 @pytest.mark.timeout(60)
@@ -134,3 +134,28 @@ def test_a_worker_fed_by_a_dispatcher_that_is_only_slow_is_never_called_stuck(mo
     finally:
         loader.shutdown()
     assert "for worker 1's next item" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_read_first_seen_while_a_process_still_ran_raises_at_a_later_look(monkeypatch, caplog):
+    """The first look at the stalled picture finds a process not yet asleep for a whole
+    span (forced here: that look answers no): a warning, and the next look must still
+    raise, never leave the read waiting forever with only a warning."""
+    monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
+    looks = []
+    real = stats.StatsView.asleep_for
+
+    def first_look_says_no(self, seconds):
+        looks.append(seconds)
+        return len(looks) > 1 and real(self, seconds)
+
+    monkeypatch.setattr(stats.StatsView, "asleep_for", first_look_says_no)
+    service = MultiProcessingReadingService(2, multiprocessing_context="fork")
+    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mprs_plus"):
+            with pytest.raises(PipelineStuckError):
+                list(loader)
+    finally:
+        loader.shutdown()
+    assert len(looks) >= 2 and "for worker 1's next item" in caplog.text

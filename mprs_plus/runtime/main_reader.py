@@ -29,15 +29,15 @@ from ..transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
 from .gate import CLOSED_MESSAGE, ReadGate
 from .mux import ChannelMux, Message
 from .reader import ReadCursor, read_as_ready, read_in_order
+from .stats import StatsWriter
+from .topology import Topology
 
 _LOG = logging.getLogger("mprs_plus")
 
 # An in-order read that waits two of these spans for one worker, the second one while
-# every other worker sits on unread output and writes nothing more, is reported
-# (``MainChannels._wait_watching``).
+# every other worker sits on unread output and writes nothing more, is looked at: a
+# warning, or PipelineStuckError when every process sleeps (``_wait_watching``).
 STUCK_SECONDS = 5.0
-from .stats import StatsWriter
-from .topology import Topology
 
 
 class MainChannels:
@@ -80,11 +80,16 @@ class MainChannels:
             raise ServiceClosedError("the reading service was shut down during iteration") from exc
 
     def _wait_watching(self, receivers: list[Any], index: int, also: list[Any]) -> list[Any]:
-        """``wait_readable`` of one channel, in slices of ``STUCK_SECONDS``: after a second
-        slice in which every other worker's channel of the same output held unread messages
-        and gained none, the wait is reported (once) as the cycle described in ``service.py``,
-        which an in-order read cannot leave. The wait itself goes on: a worker that is only
-        slow delivers, and ``timeout`` still ends it (with the same advice)."""
+        """``wait_readable`` of one channel, in slices of ``STUCK_SECONDS``. After a slice
+        (not the first) in which every other worker's channel of the same output held unread
+        messages and gained none, the wait looks like the cycle described in ``service.py``,
+        which an in-order read cannot leave:
+
+        * if every child's lane has slept in a channel wait for the whole slice, nothing
+          can wake anyone but this read: ``PipelineStuckError``;
+        * otherwise (a lane computes, or nothing records sleeps) a warning, once per wait,
+          and the wait goes on: a worker that is only slow delivers, and ``timeout``
+          still ends it (with the same advice). Later slices look again."""
         worker, branch = divmod(index, self._outputs)
         others = [
             self.receivers[w * self._outputs + branch] for w in range(len(self.receivers) // self._outputs) if w != worker
@@ -100,10 +105,8 @@ class MainChannels:
             if ready or (left is not None and left <= span):
                 return ready
             traffic = [receiver.traffic() for receiver in others]
-            if (
-                written is not None
-                and self.stuck_worker is None
-                and all(now.queued_messages and now.messages == before for now, before in zip(traffic, written))
+            if written is not None and all(
+                now.queued_messages and now.messages == before for now, before in zip(traffic, written)
             ):
                 if self._asleep_for is not None and self._asleep_for(span):
                     raise PipelineStuckError(
@@ -112,15 +115,16 @@ class MainChannels:
                         f"slept for at least {span:g} s waiting for another: the worker is starved of input. "
                         + _STUCK_ADVICE
                     )
-                self.stuck_worker = worker
-                _LOG.warning(
-                    "mprs_plus: the main process has waited %.0f s for worker %d's next item, while every other "
-                    "worker has items waiting to be read and has written none since. %s%s",
-                    time.monotonic() - start,
-                    worker,
-                    _STUCK_ADVICE,
-                    _ONLY_SLOW,
-                )
+                if self.stuck_worker is None:
+                    self.stuck_worker = worker
+                    _LOG.warning(
+                        "mprs_plus: the main process has waited %.0f s for worker %d's next item, while every "
+                        "other worker has items waiting to be read and has written none since. %s%s",
+                        time.monotonic() - start,
+                        worker,
+                        _STUCK_ADVICE,
+                        _ONLY_SLOW,
+                    )
             written = [now.messages for now in traffic]
 
     def _children(self) -> list[int]:
