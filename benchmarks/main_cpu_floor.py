@@ -172,16 +172,8 @@ def unpickle_in_process(count: int) -> float:
 
 def full_loader(count: int) -> float:
     """The suite's 4 MiB row through DataLoader2 and every layer of the service."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torchdata.dataloader2 import DataLoader2
-        from torchdata.datapipes.iter import IterableWrapper
-
-        from mprs_plus import MultiProcessingReadingService
-
     total = PRODUCERS * count
-    pipe = IterableWrapper(range(total)).sharding_filter().map(_indexed_tensor)
-    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(num_workers=PRODUCERS))
+    loader = _service_loader(total)
     warm = total // 10
     seen = 0
     start = 0.0
@@ -197,8 +189,22 @@ def full_loader(count: int) -> float:
     return cpu / (total - warm)
 
 
-def _indexed_tensor(i: int) -> Any:
-    return torch.full((MIB,), float(i))
+def _torchdata() -> tuple[Any, Any]:
+    """torchdata's ``DataLoader2`` and ``IterableWrapper``, without its deprecation warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchdata.dataloader2 import DataLoader2
+        from torchdata.datapipes.iter import IterableWrapper
+    return DataLoader2, IterableWrapper
+
+
+def _service_loader(count: int) -> Any:
+    """The suite's 4 MiB row: ``count`` tensors made by ``PRODUCERS`` workers."""
+    from mprs_plus import MultiProcessingReadingService
+
+    DataLoader2, IterableWrapper = _torchdata()
+    pipe = IterableWrapper(range(count)).sharding_filter().map(_tensor)
+    return DataLoader2(pipe, reading_service=MultiProcessingReadingService(num_workers=PRODUCERS))
 
 
 STEP_S = 1e-3  # the "training step" between two items: the main process is elsewhere
@@ -226,22 +232,17 @@ def cpu_per_next(iterator: Any, count: int, step: bool) -> float:
 
 def _sweep() -> None:
     """A neighbour that copies 8 MiB over and over, as a worker making 4 MiB tensors does."""
-    source = np.ones(8 * MIB, dtype=np.uint8)
-    target = np.empty_like(source)
+    copy = _Streaming()
     while True:
-        target[:] = source
+        copy(0)
 
 
 def in_process_loader(count: int, step: bool) -> float:
     """DataLoader2 with no reading service over tensors made beforehand, while
     ``PRODUCERS`` neighbours sweep memory as the workers would: what torchdata's own
     per-item layers cost the main process, hot (no step) or with cold caches (step)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torchdata.dataloader2 import DataLoader2
-        from torchdata.datapipes.iter import IterableWrapper
-
-    ready = [torch.full((MIB,), float(i)) for i in range(8)]
+    DataLoader2, IterableWrapper = _torchdata()
+    ready = [_tensor(i) for i in range(8)]
     loader = DataLoader2(IterableWrapper([ready[i % 8] for i in range(count)]))
     neighbours = [CTX.Process(target=_sweep, daemon=True) for _ in range(PRODUCERS)]
     for neighbour in neighbours:
@@ -257,15 +258,7 @@ def in_process_loader(count: int, step: bool) -> float:
 
 def stepped_loader(count: int) -> float:
     """The suite's 4 MiB row through every layer, with a training step between items."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torchdata.dataloader2 import DataLoader2
-        from torchdata.datapipes.iter import IterableWrapper
-
-        from mprs_plus import MultiProcessingReadingService
-
-    pipe = IterableWrapper(range(count)).sharding_filter().map(_indexed_tensor)
-    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(num_workers=PRODUCERS))
+    loader = _service_loader(count)
     try:
         return cpu_per_next(iter(loader), count, step=True)
     finally:

@@ -65,7 +65,7 @@ class MainChannels:
         # Only a dispatcher can starve a worker because another one is blocked: without
         # one, each worker reads its own source and a long wait is a slow worker.
         self._watch_stuck = topology.dispatch is not None and len(topology.workers) > 1
-        self.stuck_worker: int | None = None  # the worker of the last wait found stuck
+        self._stuck_worker: int | None = None  # the worker of the last wait found stuck
         # Whether every child's lane has slept in one channel wait for so many seconds
         # (``StatsView.asleep_for``); None without statistics. With one worker output the
         # main process has one reader, so that and its own wait prove the cycle closed.
@@ -90,14 +90,12 @@ class MainChannels:
         * otherwise (a lane computes, or nothing records sleeps) a warning, once per wait,
           and the wait goes on: a worker that is only slow delivers, and ``timeout``
           still ends it (with the same advice). Later slices look again."""
-        worker, branch = divmod(index, self._outputs)
-        others = [
-            self.receivers[w * self._outputs + branch] for w in range(len(self.receivers) // self._outputs) if w != worker
-        ]
+        worker = self._worker_of[index]
+        others = [r for r in self._topology.receivers_of(index % self._outputs) if r is not receivers[0]]
         timeout = self._timeout
         start = time.monotonic()
         written: list[int] | None = None  # looked at only once a slice has passed: no cost per item
-        self.stuck_worker = None
+        self._stuck_worker = None
         while True:
             left = None if timeout is None else timeout - (time.monotonic() - start)
             span = STUCK_SECONDS if left is None else max(0.0, min(left, STUCK_SECONDS))
@@ -115,8 +113,8 @@ class MainChannels:
                         f"slept for at least {span:g} s waiting for another: the worker is starved of input. "
                         + _STUCK_ADVICE
                     )
-                if self.stuck_worker is None:
-                    self.stuck_worker = worker
+                if self._stuck_worker is None:
+                    self._stuck_worker = worker
                     _LOG.warning(
                         "mprs_plus: the main process has waited %.0f s for worker %d's next item, while every "
                         "other worker has items waiting to be read and has written none since. %s%s",
@@ -161,9 +159,9 @@ class MainChannels:
             gate.clear_nudge()  # another thread wants a channel not waited on here: the mux asks again
         if not ready:
             workers = sorted({self._worker_of[i] for i in indices})
-            if self.stuck_worker in workers:
+            if self._stuck_worker in workers:
                 raise TimeoutError(
-                    f"no item from worker {self.stuck_worker} within timeout={self._timeout} s. "
+                    f"no item from worker {self._stuck_worker} within timeout={self._timeout} s. "
                     + _STUCK_ADVICE
                     + _ONLY_SLOW
                 )

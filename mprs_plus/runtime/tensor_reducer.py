@@ -125,7 +125,7 @@ def _storage_bytes(storage: torch.UntypedStorage) -> tuple[pickle.PickleBuffer]:
 def _rebuild_on_bytes(
     held: tuple[Any], dtype: str, shape: tuple[int, ...], strides: tuple[int, ...] | None, offset: int
 ) -> torch.Tensor:
-    """A tensor over ``buffer`` (bytes of a storage, lent shared memory or a copy): one numpy
+    """A tensor over ``held[0]`` (bytes of a storage, lent shared memory or a copy): one numpy
     array and one ``from_numpy`` for the usual tensor that fills its buffer. Each torch
     call here is a trip through its dispatcher that costs the main process a few us
     when its caches are cold, as they are between items; this is the whole rebuild."""

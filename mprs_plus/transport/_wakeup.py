@@ -82,7 +82,8 @@ def note_blocking(note: Callable[[float], None] | None) -> None:
     """Report the calling thread's sleeps in channel waits: ``note(time.monotonic())`` as
     it goes to sleep, ``note(0.0)`` once it is awake again (a watchdog turn does not wake
     it in this sense). A runtime uses this to tell a wait that can never end from a slow
-    one; None stops the reports. Costs nothing to a wait that does not sleep."""
+    one; None stops the reports. The rings' sleeper reports only after its spin, so a
+    wait that a spin ends costs nothing."""
     _blocking.note = note
 
 

@@ -135,8 +135,9 @@ def _wait_several(receivers: list[Any], deadline: float | None, also: list[Any])
 def _wait_one(receiver: Any, deadline: float | None, also: tuple[Any, ...]) -> list[Any]:
     """``wait_readable`` of a single receiver: its own ``Sleeper``, which spins while
     spinning pays and keeps its poll object. An in-order reader waits for one worker at a
-    time (``runtime/mux.py``), and the general loop below costs it several microseconds
-    more per wait (about 5 us per 4 MiB item with two workers, spinning disabled in both)."""
+    time (``runtime/mux.py``), and the general loop (``_wait_several``) costs it several
+    microseconds more per wait (about 5 us per 4 MiB item with two workers, spinning
+    disabled in both)."""
     if receiver._has_input():
         return [receiver]
     outcome = receiver._sleeper.wait(receiver._has_input, deadline, also)
