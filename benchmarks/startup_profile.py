@@ -104,7 +104,7 @@ class PhaseClock:
 def phase_clock() -> PhaseClock:
     """Hooks the main process's start-up steps of mprs_plus (this process only)."""
     from mprs_plus import reading_service
-    from mprs_plus.runtime import service, supervisor
+    from mprs_plus.runtime.main import service, supervisor
 
     phases = PhaseClock()
     phases.wrap(reading_service, "plan", "plan")

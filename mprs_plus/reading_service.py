@@ -25,8 +25,8 @@ from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 
 from .options import Options
 from .plan import Plan, plan
-from .runtime.resume import Checkpoints
-from .runtime.service import ServiceRuntime, WorkerReader
+from .runtime.main.restore import Checkpoints
+from .runtime.main.service import ServiceRuntime, WorkerReader
 from .runtime.stats import Stats, aggregate
 
 

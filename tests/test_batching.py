@@ -14,8 +14,8 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.runtime.batching import Batcher
-from mprs_plus.runtime.messages import Kind
+from mprs_plus.runtime.child.batching import Batcher
+from mprs_plus.runtime.data_messages import Kind
 from mprs_plus.transport import open_channel, wait_readable
 from mprs_plus.transport import _ring
 

@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 from mprs_plus import WorkerError
-from mprs_plus.runtime.messages import RemoteError, describe_process
+from mprs_plus.runtime.data_messages import RemoteError, describe_process
 
 
 class CustomError(Exception):

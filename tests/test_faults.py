@@ -22,7 +22,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService, ProcessDiedError, WorkerError
-from mprs_plus.runtime.diagnose import find_unpicklable
+from mprs_plus.runtime.main.diagnose import find_unpicklable
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -327,7 +327,7 @@ def test_unpicklable_segment_under_spawn_names_the_object(monkeypatch):
     from mprs_plus.options import Options
     from mprs_plus.plan import plan
     from mprs_plus.runtime import segments
-    from mprs_plus.runtime.service import ServiceRuntime
+    from mprs_plus.runtime.main.service import ServiceRuntime
 
     monkeypatch.setattr(segments, "_dill", lambda: None)  # as when dill is not installed
 

@@ -15,12 +15,12 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.runtime.child import ChildLoop
-from mprs_plus.runtime.control import SegmentControl, SegmentOutputs
-from mprs_plus.runtime.lanes import OutputLane
-from mprs_plus.runtime.messages import Kind
+from mprs_plus.runtime.child.loop import ChildLoop
+from mprs_plus.runtime.child.control import SegmentControl, SegmentOutputs
+from mprs_plus.runtime.child.lanes import OutputLane
+from mprs_plus.runtime.data_messages import Kind
 from mprs_plus.runtime.mux import ChannelMux, WakePipe
-from mprs_plus.runtime.protocol import Reset, pack
+from mprs_plus.runtime.control_messages import Reset, pack
 from mprs_plus.transport import open_channel, wait_readable
 
 CTX = multiprocessing.get_context("fork")

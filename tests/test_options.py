@@ -14,7 +14,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.runtime import service as service_module
+from mprs_plus.runtime.main import service as service_module
 
 
 def test_torchdata_arguments_come_first_in_torchdatas_order():

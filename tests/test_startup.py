@@ -22,7 +22,7 @@ import pipelines
 from mprs_plus import MultiProcessingReadingService
 from mprs_plus.options import Options
 from mprs_plus.plan import plan
-from mprs_plus.runtime.service import ServiceRuntime
+from mprs_plus.runtime.main.service import ServiceRuntime
 from mprs_plus.transport import TRANSPORT
 
 CHANNEL = "memfd:mprs_plus"
@@ -133,7 +133,7 @@ def test_a_first_epoch_too_large_to_queue_still_starts(method):
 def test_a_channel_that_fails_to_open_releases_every_channel_opened_before(monkeypatch, failing):
     """Channels: the dispatch control channel, 2 from the dispatch process to the workers,
     then per worker a control channel and a data channel (7 in all)."""
-    from mprs_plus.runtime import service
+    from mprs_plus.runtime.main import service
 
     gc.collect()
     held = channel_descriptors()

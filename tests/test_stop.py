@@ -153,7 +153,7 @@ def test_a_dropped_runtime_stops_its_processes_without_a_garbage_collection():
 
     from mprs_plus.options import Options
     from mprs_plus.plan import plan
-    from mprs_plus.runtime.service import ServiceRuntime
+    from mprs_plus.runtime.main.service import ServiceRuntime
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     gc.collect()
@@ -174,7 +174,7 @@ def test_a_dropped_runtime_stops_its_processes_without_a_garbage_collection():
 
 
 def test_a_control_message_a_stopped_worker_never_reads_fails_in_bounded_time(monkeypatch):
-    from mprs_plus.runtime import supervisor
+    from mprs_plus.runtime.main import supervisor
 
     monkeypatch.setattr(supervisor, "CONTROL_WAIT", 1.0)
     before = {p.pid for p in psutil.Process().children(recursive=True)}

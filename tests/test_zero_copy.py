@@ -13,7 +13,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.runtime import service as service_module
+from mprs_plus.runtime.main import service as service_module
 from mprs_plus.transport import TRANSPORT
 
 pytestmark = pytest.mark.skipif(TRANSPORT != "shm", reason="only the shared-memory transport lends buffers")

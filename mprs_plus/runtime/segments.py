@@ -26,7 +26,7 @@ from ..explain import describe
 from ..errors import PlanError
 from ..graph import replace_reference
 from ..plan import Plan, Segment
-from .worker import DispatchedInput, WorkerProgram
+from .child.worker import DispatchedInput, WorkerProgram
 
 
 def build_worker_program(plan: Plan) -> WorkerProgram:

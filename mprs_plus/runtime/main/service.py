@@ -50,19 +50,19 @@ from typing import Any
 
 from torch.utils.data import IterDataPipe
 
-from ..options import Options
-from ..plan import Plan
-from ..transport import open_channel
-from .dispatch import DispatchSetup, dispatch_main
-from .lifecycle import stop_at_exit
-from .main_reader import MainReader
-from .protocol import Limit, Pause, Reset, Resume, pack
-from .reader import ReadCursor
-from .segments import build_dispatch_sources, build_main_pipeline, build_worker_program
-from .stats import Stats, StatsTable, StatsView, aggregate
+from ...options import Options
+from ...plan import Plan
+from ...transport import open_channel
+from ..child.dispatch import DispatchSetup, dispatch_main
+from ..lifecycle import stop_at_exit
+from .reader import MainReader
+from ..control_messages import Limit, Pause, Reset, Resume, pack
+from .cursor import ReadCursor
+from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
+from ..stats import Stats, StatsTable, StatsView, aggregate
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
 from .topology import ChildLink, Role, Topology, plan_topology
-from .worker import WorkerSetup, worker_main
+from ..child.worker import WorkerSetup, worker_main
 
 _DATA_BYTES = 64 << 20
 _STATS_LOG = logging.getLogger("mprs_plus.stats")

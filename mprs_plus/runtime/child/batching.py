@@ -39,8 +39,8 @@ import time
 from collections import deque
 from typing import Any
 
-from ..transport import ChannelError
-from .messages import Kind, RemoteError
+from ...transport import ChannelError
+from ..data_messages import Kind, RemoteError
 
 _clock = time.perf_counter
 

@@ -20,7 +20,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from .messages import RemoteError
+from .data_messages import RemoteError
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 from torch.utils.data import IterDataPipe
 
-from ..resume_state import Phase, ResumeState
+from ...resume_state import Phase, ResumeState
 from .service import ServiceRuntime
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..plan import Plan
+from ...plan import Plan
 
 
 class Role(enum.Enum):

@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .messages import Kind
-from .mux import ChannelMux
+from ..data_messages import Kind
+from ..mux import ChannelMux
 
 
 class ReadCursor:

@@ -27,11 +27,11 @@ import numpy.random  # noqa: F401
 from torch.utils.data import IterDataPipe
 from torchdata.dataloader2.graph import list_dps, traverse_dps
 
-from .messages import RemoteError
-from .protocol import Limit, Pause, Received, Reset, Resume, Unreadable, unpack
+from ..data_messages import RemoteError
+from ..control_messages import Limit, Pause, Received, Reset, Resume, Unreadable, unpack
 
 if TYPE_CHECKING:
-    from .child import ChildLoop
+    from .loop import ChildLoop
 
 
 class SegmentOutputs(IterDataPipe):

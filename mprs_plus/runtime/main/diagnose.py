@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..graph import MAX_DEPTH, NoGraph, container_items, render_path, state_items
-from . import segments
+from ...graph import MAX_DEPTH, NoGraph, container_items, render_path, state_items
+from .. import segments
 
 # Objects nest inside containers: a little deeper than the graph walk's container limit.
 _MAX_DEPTH = MAX_DEPTH + 4

@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
-from ..errors import PipelineStuckError, ServiceClosedError
-from ..transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
+from ...errors import PipelineStuckError, ServiceClosedError
+from ...transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
 from .gate import CLOSED_MESSAGE, ReadGate
-from .mux import ChannelMux, Message
-from .reader import ReadCursor, read_as_ready, read_in_order
-from .stats import StatsWriter
+from ..mux import ChannelMux, Message
+from .cursor import ReadCursor, read_as_ready, read_in_order
+from ..stats import StatsWriter
 from .topology import Topology
 
 _LOG = logging.getLogger("mprs_plus")

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import ServiceClosedError
-from .mux import WakePipe
+from ...errors import ServiceClosedError
+from ..mux import WakePipe
 
 CLOSED_MESSAGE = (
     "this reading service has been shut down (DataLoader2.shutdown() or an earlier error); "

@@ -23,10 +23,10 @@ from typing import Any
 from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
 from .control import SegmentControl, make_locks, outputs_of, segment_root
-from .child import ChildLoop
+from .loop import ChildLoop
 from .lanes import DealLane
-from .lifecycle import child_setup
-from .messages import RemoteError, describe_process
+from ..lifecycle import child_setup
+from ..data_messages import RemoteError, describe_process
 
 
 @dataclass

@@ -30,10 +30,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..transport import note_blocking
+from ...transport import note_blocking
 from .batching import Batcher
-from .messages import Kind, RemoteError
-from .stats import StatsWriter
+from ..data_messages import Kind, RemoteError
+from ..stats import StatsWriter
 
 # The lane running in the current thread, so that an input about to block can flush it.
 _current = threading.local()

@@ -35,10 +35,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..transport import ChannelError
+from ...transport import ChannelError
 from .lanes import Lane, enter_lane
-from .messages import RemoteError
-from .protocol import Received, Stop, Unreadable
+from ..data_messages import RemoteError
+from ..control_messages import Received, Stop, Unreadable
 
 _JOIN_SECONDS = 5.0
 

@@ -28,14 +28,14 @@ from torch.utils.data import IterDataPipe
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
-from ..transport import ChannelBroken, EndOfStream, wait_readable
+from ...transport import ChannelBroken, EndOfStream, wait_readable
 from .control import SegmentControl, make_locks, outputs_of, segment_root
-from .child import ChildLoop
+from .loop import ChildLoop
 from .lanes import OutputLane, current_lane_stats, flush_current_lane
-from .lifecycle import child_setup
-from .messages import Kind, describe_process
-from .mux import CLOSED_EPOCH, ChannelMux, WakePipe
-from .protocol import Received, Reset
+from ..lifecycle import child_setup
+from ..data_messages import Kind, describe_process
+from ..mux import CLOSED_EPOCH, ChannelMux, WakePipe
+from ..control_messages import Received, Reset
 
 
 class DispatchedInput(IterDataPipe):

@@ -1,0 +1,1 @@
+"""The child side: code that runs in a dispatch or worker process."""

@@ -1,0 +1,1 @@
+"""The main side: code that runs in the training process."""
