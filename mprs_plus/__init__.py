@@ -36,7 +36,7 @@ _HOMES = {
     "WorkerError": ".errors",
     "NoGraph": ".graph",
     "Plan": ".plan",
-    "Segment": ".plan",
+    "Segment": ".segment",
     "plan": ".plan",
     "MultiProcessingReadingService": ".reading_service",
 }
@@ -79,5 +79,6 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from .graph import NoGraph
-    from .plan import Plan, Segment, plan
+    from .plan import Plan, plan
+    from .segment import Segment
     from .reading_service import MultiProcessingReadingService

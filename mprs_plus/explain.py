@@ -13,13 +13,13 @@ only one with an optional dependency; the DOT text needs nothing.
 
 from __future__ import annotations
 
-import functools
 import textwrap
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .errors import GraphvizNotFound
-from .plan import Segment
+from .graph import describe
+from .segment import Segment
 
 if TYPE_CHECKING:
     from .graph import Node
@@ -28,23 +28,6 @@ if TYPE_CHECKING:
 RENDER_FORMATS = ("svg", "png")
 
 _WRAP = 96  # warnings are long sentences; wrap them for terminals and image captions
-
-
-def describe(datapipe: Any) -> str:
-    """A short label: the class name, plus the function of a map/filter-like DataPipe."""
-    name = type(datapipe).__name__
-    fn = getattr(datapipe, "fn", None) or getattr(datapipe, "filter_fn", None)
-    if fn is None:
-        return name
-    return f"{name}({_callable_name(fn)})"
-
-
-def _callable_name(fn: Any) -> str:
-    if isinstance(fn, functools.partial):
-        inner = _callable_name(fn.func)
-        shown = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
-        return f"{inner}[{', '.join(shown)}]" if shown else inner
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 # -- what both renderings say -------------------------------------------------------------

@@ -14,6 +14,7 @@ target.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -334,3 +335,20 @@ def _holds(value: Any, steps: tuple[Step, ...], old: Any) -> bool:
     if not steps:
         return value is old
     return any(_holds(item, steps[1:], old) for step, item in container_items(value))
+
+
+def describe(datapipe: Any) -> str:
+    """A short label: the class name, plus the function of a map/filter-like DataPipe."""
+    name = type(datapipe).__name__
+    fn = getattr(datapipe, "fn", None) or getattr(datapipe, "filter_fn", None)
+    if fn is None:
+        return name
+    return f"{name}({_callable_name(fn)})"
+
+
+def _callable_name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        inner = _callable_name(fn.func)
+        shown = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
+        return f"{inner}[{', '.join(shown)}]" if shown else inner
+    return getattr(fn, "__qualname__", None) or type(fn).__name__

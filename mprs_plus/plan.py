@@ -12,7 +12,6 @@ A reference that straddles two segments in a way the split cannot honour raises
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,14 +19,7 @@ from torchdata.datapipes.iter.util.sharding import ShardingRoundRobinDispatcherI
 
 from .errors import AmbiguousGraphError, PlanError
 from .graph import Edge, Graph, NoGraph, Node, discover
-
-
-class Segment(str, enum.Enum):
-    """The kind of process a DataPipe runs in; a ``str`` so that it prints as its value."""
-
-    DISPATCH = "dispatch"
-    WORKER = "worker"
-    MAIN = "main"
+from .segment import Segment
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchdata.dataloader2.graph import list_dps, set_graph_random_seed, traverse_dps
 from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
@@ -27,7 +27,9 @@ from .options import Options
 from .plan import Plan, plan
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, WorkerReader
-from .runtime.stats import Stats, aggregate
+
+if TYPE_CHECKING:
+    from .stats import Stats
 
 
 class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
@@ -320,4 +322,8 @@ class _Family:
         running = self._running() if self._running is not None else None
         if running is not None and running not in self._stopped:
             return running.stats()
-        return self._final if self._final is not None else aggregate([])
+        if self._final is not None:
+            return self._final
+        from .stats import aggregate  # the report types load when statistics are asked for
+
+        return aggregate([])

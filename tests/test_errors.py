@@ -13,6 +13,7 @@ import pytest
 
 from mprs_plus import WorkerError
 from mprs_plus.runtime.data_messages import RemoteError, describe_process
+from mprs_plus.segment import Segment
 
 
 class CustomError(Exception):
@@ -53,7 +54,7 @@ def travelled(exc: BaseException, where: str) -> BaseException:
 
 
 def test_same_type_with_torchs_message():
-    exc = travelled(CustomError("oops"), describe_process("worker", 0))
+    exc = travelled(CustomError("oops"), describe_process(Segment.WORKER, 0))
     assert type(exc) is CustomError
     text = str(exc)
     assert text.startswith("Caught CustomError in worker process 0 (pid ")
@@ -63,30 +64,30 @@ def test_same_type_with_torchs_message():
 
 
 def test_dispatching_process_is_named_as_torchdata_names_it():
-    exc = travelled(CustomError("oops"), describe_process("dispatch process"))
+    exc = travelled(CustomError("oops"), describe_process(Segment.DISPATCH))
     assert "Caught CustomError in dispatching process" in str(exc)
 
 
 def test_key_error_text_is_not_quoted():
-    exc = travelled(KeyError("missing"), describe_process("worker", 2))
+    exc = travelled(KeyError("missing"), describe_process(Segment.WORKER, 2))
     assert type(exc) is KeyError
     assert str(exc).startswith("Caught KeyError in worker process 2")
     assert "\\n" not in str(exc)  # newlines are real, not escaped by KeyError's repr
 
 
 def test_attributes_of_the_original_are_kept():
-    exc = travelled(WithField("bad"), describe_process("worker", 0))
+    exc = travelled(WithField("bad"), describe_process(Segment.WORKER, 0))
     assert type(exc) is WithField and exc.code == 7
 
 
 def test_a_type_that_takes_no_single_message_is_the_original_with_the_text_in_a_note():
-    exc = travelled(KeywordOnly(reason="why"), describe_process("worker", 1))
+    exc = travelled(KeywordOnly(reason="why"), describe_process(Segment.WORKER, 1))
     assert type(exc) is KeywordOnly and exc.reason == "why"
     assert any(note.startswith("Caught KeywordOnly in worker process 1") for note in exc.__notes__)
 
 
 def test_a_type_the_main_process_cannot_import_becomes_worker_error():
-    error = RemoteError.capture(CustomError("lost"), describe_process("worker", 0))
+    error = RemoteError.capture(CustomError("lost"), describe_process(Segment.WORKER, 0))
     error = RemoteError(None, None, *list(vars(error).values())[2:])  # as if neither unpickles
     exc = error.rebuild()
     assert type(exc) is WorkerError and isinstance(exc, RuntimeError)
@@ -94,20 +95,20 @@ def test_a_type_the_main_process_cannot_import_becomes_worker_error():
 
 
 def test_note_names_the_process():
-    exc = travelled(CustomError("oops"), describe_process("worker", 3))
+    exc = travelled(CustomError("oops"), describe_process(Segment.WORKER, 3))
     assert any("raised in worker process 3 (pid" in note for note in exc.__notes__)
 
 
 @pytest.mark.parametrize("exc", [ValueError("v"), TypeError("t"), StopIteration(), OSError(2, "gone")])
 def test_builtin_types_survive(exc):
-    rebuilt = travelled(exc, describe_process("worker", 0))
+    rebuilt = travelled(exc, describe_process(Segment.WORKER, 0))
     assert type(rebuilt) is type(exc)
 
 
 def test_an_error_passed_on_by_another_child_still_names_where_it_happened():
     # A dispatch error reaches the main process through a worker, which raises it again.
-    arrived = travelled(CustomError("oops"), describe_process("dispatch process"))
-    again = RemoteError.capture(arrived, describe_process("worker", 1))
+    arrived = travelled(CustomError("oops"), describe_process(Segment.DISPATCH))
+    again = RemoteError.capture(arrived, describe_process(Segment.WORKER, 1))
     exc = pickle.loads(pickle.dumps(again)).rebuild()
     assert str(exc).startswith("Caught CustomError in dispatching process")
     assert "worker process" not in str(exc)

@@ -12,7 +12,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService, PipelineStuckError
-from mprs_plus.runtime import stats
+from mprs_plus.runtime.main import stats
 from mprs_plus.runtime.main import reader as main_reader
 
 

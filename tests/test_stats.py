@@ -11,7 +11,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.runtime.stats import SegmentStats, bottleneck
+from mprs_plus.stats import SegmentStats, bottleneck
 
 
 def run_epoch(pipe, consume=None, **options):

@@ -22,7 +22,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService, ServiceClosedError
-from mprs_plus.runtime.lifecycle import STOP_GRACE
+from mprs_plus.runtime.main.lifecycle import STOP_GRACE
 
 
 def loader_for(pipe, **options):

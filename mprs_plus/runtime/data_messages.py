@@ -30,6 +30,7 @@ from typing import Any
 from torch.utils.data import IterDataPipe, MapDataPipe
 
 from ..errors import WorkerError
+from ..segment import Segment
 
 
 class Kind(enum.IntEnum):
@@ -163,14 +164,14 @@ def _load(data: bytes | None) -> Any:
         return None
 
 
-def describe_process(role: str, worker_id: int | None = None) -> str:
+def describe_process(role: Segment, worker_id: int = 0) -> str:
     """Where an error was raised, in torch's words: ``worker process 0``, ``dispatching process``."""
-    if role.startswith("dispatch"):
+    if role is Segment.DISPATCH:
         name = "dispatching process"
-    elif worker_id is None:
-        name = role
+    elif role is Segment.WORKER:
+        name = f"worker process {worker_id}"
     else:
-        name = f"{role} process {worker_id}" if role == "worker" else f"{role} {worker_id}"
+        name = "main process"
     return f"{name} (pid {os.getpid()})"
 
 

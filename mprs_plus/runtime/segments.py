@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from ..explain import describe
 from ..errors import PlanError
-from ..graph import replace_reference
-from ..plan import Plan, Segment
+from ..graph import describe, replace_reference
+from ..plan import Plan
+from ..segment import Segment
 from .child.worker import DispatchedInput, WorkerProgram
 
 

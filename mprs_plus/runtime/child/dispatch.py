@@ -25,8 +25,9 @@ from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 from .control import SegmentControl, make_locks, outputs_of, segment_root
 from .loop import ChildLoop
 from .lanes import DealLane
-from ..lifecycle import child_setup
+from .lifecycle import child_setup
 from ..data_messages import RemoteError, describe_process
+from ...segment import Segment
 
 
 @dataclass
@@ -43,7 +44,7 @@ class DispatchSetup:
 
 def dispatch_main(setup: DispatchSetup) -> None:
     child_setup([setup.control, *(sender for row in setup.outputs for sender in row)])
-    where = describe_process("dispatch process")
+    where = describe_process(Segment.DISPATCH)
     info = WorkerInfo(setup.num_workers, 0)
     count = len(setup.sources)
     root = segment_root(setup.sources)

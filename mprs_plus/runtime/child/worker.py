@@ -32,8 +32,9 @@ from ...transport import ChannelBroken, EndOfStream, wait_readable
 from .control import SegmentControl, make_locks, outputs_of, segment_root
 from .loop import ChildLoop
 from .lanes import OutputLane, current_lane_stats, flush_current_lane
-from ..lifecycle import child_setup
+from .lifecycle import child_setup
 from ..data_messages import Kind, describe_process
+from ...segment import Segment
 from ..mux import CLOSED_EPOCH, ChannelMux, WakePipe
 from ..control_messages import Received, Reset
 
@@ -114,7 +115,7 @@ class WorkerSetup:
 
 def worker_main(setup: WorkerSetup) -> None:
     child_setup([setup.control, *setup.data, *setup.inputs])
-    where = describe_process("worker", setup.worker_id)
+    where = describe_process(Segment.WORKER, setup.worker_id)
     info = WorkerInfo(setup.num_workers, setup.worker_id)
     program = setup.program
     mux = _input_mux(setup.inputs, [placeholder.name for placeholder in program.inputs])

@@ -46,23 +46,28 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterDataPipe
 
 from ...options import Options
 from ...plan import Plan
+from ...segment import Segment
 from ...transport import open_channel
 from ..child.dispatch import DispatchSetup, dispatch_main
-from ..lifecycle import stop_at_exit
+from .lifecycle import stop_at_exit
 from .reader import MainReader
 from ..control_messages import Limit, Pause, Reset, Resume, pack
 from .cursor import ReadCursor
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
-from ..stats import Stats, StatsTable, StatsView, aggregate
+from ..stats import StatsTable
+from .stats import StatsView
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
-from .topology import ChildLink, Role, Topology, plan_topology
+from .topology import ChildLink, Topology, plan_topology
 from ..child.worker import WorkerSetup, worker_main
+
+if TYPE_CHECKING:
+    from ...stats import Stats
 
 _DATA_BYTES = 64 << 20
 _STATS_LOG = logging.getLogger("mprs_plus.stats")
@@ -225,7 +230,7 @@ class ServiceRuntime:
         n = len(self._topology.workers)
 
         def share(link: ChildLink) -> tuple[int | None, Any]:
-            if num_batches is None or link.role is Role.DISPATCH:
+            if num_batches is None or link.role is Segment.DISPATCH:
                 return (num_batches, limit_fn)
             return (num_batches // n + (link.index < num_batches % n), limit_fn)
 
@@ -247,7 +252,11 @@ class ServiceRuntime:
 
     def stats(self) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict."""
-        return aggregate([]) if self._stats is None else self._stats.snapshot()
+        if self._stats is not None:
+            return self._stats.snapshot()
+        from ...stats import aggregate  # the report types load when statistics are asked for
+
+        return aggregate([])
 
     def stop(self) -> None:
         self._finalizer()

@@ -44,7 +44,7 @@ from ...errors import ServiceClosedError
 from ...transport import ChannelError, wait_readable
 from .diagnose import unpicklable_error
 from .gate import CLOSED_MESSAGE, ReadGate
-from ..lifecycle import DEATH_GRACE, death_error, stop_processes
+from .lifecycle import DEATH_GRACE, death_error, stop_processes
 from .topology import ChildLink, Topology
 
 CONTROL_ITEMS = 4  # control messages are small and rare; a few in flight is plenty

@@ -15,18 +15,12 @@ Nothing else in the main process counts positions: a worker's data receivers are
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...plan import Plan
-
-
-class Role(enum.Enum):
-    DISPATCH = "dispatch"
-    WORKER = "worker"
-    MAIN = "main"
+from ...segment import Segment
 
 
 @dataclass(eq=False)
@@ -37,7 +31,7 @@ class ChildLink:
     endpoints and ``process`` are filled in by the supervisor when it starts the child.
     """
 
-    role: Role
+    role: Segment  # the segment this child runs: DISPATCH or WORKER
     index: int
     name: str  # the process name, as errors and ``ps`` show it
     lanes: int  # dispatch process: one per dispatcher; worker: one per worker output
@@ -92,10 +86,10 @@ def plan_topology(plan: Plan, num_workers: int) -> Topology:
     dispatch = None
     if plan.dispatchers:
         lanes = len(plan.dispatchers)
-        dispatch = ChildLink(Role.DISPATCH, 0, "mprs_plus dispatch process", lanes, rows(lanes))
+        dispatch = ChildLink(Segment.DISPATCH, 0, "mprs_plus dispatch process", lanes, rows(lanes))
     outputs = len(plan.worker_outputs)
     workers = tuple(
-        ChildLink(Role.WORKER, w, f"mprs_plus worker {w}", outputs, rows(outputs)) for w in range(num_workers)
+        ChildLink(Segment.WORKER, w, f"mprs_plus worker {w}", outputs, rows(outputs)) for w in range(num_workers)
     )
     main_row = rows(1)[0]
     return Topology(dispatch, workers, main_row, row)

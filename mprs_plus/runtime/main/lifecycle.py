@@ -1,39 +1,27 @@
-"""Process lifecycle: what every child does first, and how the main process ends them.
+"""How the main process ends its children: bounded shutdown, the exit hook, and the
+error for a child that is gone without being asked. (What a child does first is
+``child/lifecycle.py``.)
 
-Children
-    * ignore SIGINT: Ctrl-C reaches the whole process group, but only the main process
-      decides to stop; children then end when their control channel closes, instead
-      of printing tracebacks;
-    * watch their parent: a daemon thread waits on the parent's sentinel and exits the
-      child at once when the parent is gone, so a killed main process leaves no orphans;
-    * drop inherited channel endpoints they do not own (fork), so that a dead peer
-      shows as a broken pipe.
-
-Main process
-    ``stop_processes`` asks nicely (the caller already closed the control channels, which
-    is the children's STOP), then escalates join -> terminate -> kill, each step bounded:
-    it returns within ``STOP_GRACE`` plus a fraction of a second whatever the children
-    do (a child stopped by SIGSTOP ignores SIGTERM until killed). ``stop_at_exit``
-    registers, when the first service starts, an exit hook that stops every service still
-    running; being registered after ``multiprocessing`` set up its own, it runs before the
-    interpreter joins or terminates child processes.
+``stop_processes`` asks nicely (the caller already closed the control channels, which
+is the children's STOP), then escalates join -> terminate -> kill, each step bounded:
+it returns within ``STOP_GRACE`` plus a fraction of a second whatever the children
+do (a child stopped by SIGSTOP ignores SIGTERM until killed). ``stop_at_exit``
+registers, when the first service starts, an exit hook that stops every service still
+running; being registered after ``multiprocessing`` set up its own, it runs before the
+interpreter joins or terminates child processes.
 """
 
 from __future__ import annotations
 
 import atexit
-import multiprocessing
-import os
-import weakref
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from ..errors import ProcessDiedError
-from ..transport import release_all_except
+from ...errors import ProcessDiedError
 
 
 STOP_GRACE = 5.0  # seconds children get to exit on their own once asked
@@ -57,30 +45,6 @@ def stop_at_exit(resources: Any) -> None:
 def _stop_all() -> None:
     for resources in list(_running):
         resources.stop()
-
-
-def child_setup(own_endpoints: Iterable[Any]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    release_all_except(own_endpoints)
-    _limit_intra_op_threads()
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        threading.Thread(target=_exit_when_parent_dies, args=(parent.sentinel,), daemon=True).start()
-
-
-def _limit_intra_op_threads() -> None:
-    # N workers each running torch's default thread pool would oversubscribe the cores.
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-    except Exception:  # pragma: no cover - torch is a dependency, but never fail a worker over it
-        pass
-
-
-def _exit_when_parent_dies(sentinel: int) -> None:
-    wait([sentinel])
-    os._exit(0)
 
 
 def exit_description(process: Any) -> str:

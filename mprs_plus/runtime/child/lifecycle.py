@@ -1,0 +1,50 @@
+"""What every child process does first, before it runs its segment.
+
+    * ignore SIGINT: Ctrl-C reaches the whole process group, but only the main process
+      decides to stop; children then end when their control channel closes, instead
+      of printing tracebacks;
+    * watch its parent: a daemon thread waits on the parent's sentinel and exits the
+      child at once when the parent is gone, so a killed main process leaves no orphans;
+    * drop inherited channel endpoints it does not own (fork), so that a dead peer
+      shows as a broken pipe;
+    * run torch's intra-op pool on one thread: N children each running the default pool
+      would oversubscribe the cores.
+
+How the main process ends children is ``main/lifecycle.py``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Iterable
+from multiprocessing.connection import wait
+from typing import Any
+
+from ...transport import release_all_except
+
+
+def child_setup(own_endpoints: Iterable[Any]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    release_all_except(own_endpoints)
+    _limit_intra_op_threads()
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_when_parent_dies, args=(parent.sentinel,), daemon=True).start()
+
+
+def _limit_intra_op_threads() -> None:
+    # N workers each running torch's default thread pool would oversubscribe the cores.
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except Exception:  # pragma: no cover - torch is a dependency, but never fail a worker over it
+        pass
+
+
+def _exit_when_parent_dies(sentinel: int) -> None:
+    wait([sentinel])
+    os._exit(0)

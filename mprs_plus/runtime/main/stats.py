@@ -1,0 +1,78 @@
+"""The main process's view of the shared statistics table: which rows belong to which
+child (from the topology, so no row is found by position), the main process's own row,
+and a snapshot as ``mprs_plus.stats.Stats`` when statistics are asked for.
+
+    worker w  --(writes its own rows)-->  [ StatsTable ]  <--(reads)-- StatsView.snapshot()
+    dispatch  --(writes its own rows)-->                  <--(reads)-- StatsView.asleep_for()
+
+The report types load on the first snapshot, not when a service starts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ...segment import Segment
+from ...transport import lending
+from ..stats import StatsTable, StatsWriter
+
+if TYPE_CHECKING:
+    from ...stats import Stats
+
+
+class StatsView:
+    """The main process's view of a running service's statistics: the shared table, the
+    main process's own row, and which rows and channels belong to which process (from the
+    topology, so no row is found by position)."""
+
+    def __init__(self, table: StatsTable, topology: Any, pid: int) -> None:
+        self.table = table
+        self.main = table.writer(topology.main_row)  # written by the main process's reads
+        self.main.start()
+        self._topology = topology
+        self._pid = pid
+        self._lending_before = lending()  # the process's counters run across services
+
+    def asleep_for(self, seconds: float) -> bool:
+        """Whether the lane of every child has slept in one channel wait for at least
+        ``seconds``, without waking: then none of them can write or read anything that
+        would wake another, and only the main process could."""
+        rows = [row for link in self._topology.children() for row in link.stats_rows]
+        since = [self.table.asleep_since(row) for row in rows]
+        latest = time.monotonic() - seconds
+        return bool(since) and all(0.0 < t <= latest for t in since)
+
+    def writers(self, link: Any) -> tuple[StatsWriter, ...]:
+        """The rows ``link``'s lanes write, in lane order."""
+        return tuple(self.table.writer(row) for row in link.stats_rows)
+
+    def snapshot(self) -> Stats:
+        """Every process's counters as of now, added up per segment, with a verdict."""
+        from ...stats import aggregate, make_process_stats
+
+        table, main, topology = self.table, self.main, self._topology
+        main.busy = max(0.0, time.monotonic() - table.read(topology.main_row)["started"] - main.wait_input)
+        main.items_out = main.items_in
+        main.publish()
+        processes = []
+        queued_to_main = 0
+        for link in topology.children():
+            found = make_process_stats(
+                link.role,
+                link.index,
+                link.process.pid if link.process is not None else 0,
+                [table.read(row) for row in link.stats_rows],
+            )
+            if link.data:  # a worker: exact and current, from this end of its channels
+                traffic = [receiver.traffic() for receiver in link.data]
+                queued = sum(t.queued_messages for t in traffic)
+                queued_to_main += queued
+                found = replace(found, bytes_out=sum(t.bytes for t in traffic), queued=queued)
+            processes.append(found)
+        # The main process's queue is the workers' channels towards it.
+        mine = make_process_stats(Segment.MAIN, 0, self._pid, [table.read(topology.main_row)])
+        processes.append(replace(mine, queued=queued_to_main))
+        now, before = lending(), self._lending_before
+        return aggregate(processes, now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied))
