@@ -20,13 +20,15 @@ import importlib
 import pickle
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from ..graph import describe, replace_reference
-from ..plan import Plan
 from ..segment import Segment
 from .child.worker import DispatchedInput, WorkerProgram
+
+if TYPE_CHECKING:
+    from ..plan import Plan  # the plan is read, never built here: a child unpickling a segment needs none of it
 
 
 def build_worker_program(plan: Plan) -> WorkerProgram:
