@@ -6,7 +6,7 @@
                                           PAUSE / RESUME every child
                 --_limit----------------> limit_fn to the children and the main segment
                 --finalize--------------> ServiceRuntime.stop()
-                --checkpoint------------> bytes: the epoch as the user has seen it (runtime/resume.py)
+                --checkpoint------------> bytes: the epoch as the user has seen it (runtime/main/restore.py)
                 --restore(dp, bytes)----> initialize(dp); the next initialize_iteration resumes
 """
 

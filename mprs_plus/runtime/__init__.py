@@ -1,12 +1,36 @@
-"""The process loops and the main-side service that wires them with channels.
+"""The process loops, and the main-side service that wires them with channels.
 
-    service.py         main side: start, epochs, round-robin reading, stop
-    dispatch.py        the dispatch process loop
-    worker.py          the worker process loop
-    segments.py        runnable copies of a Plan's segments
-    messages.py        the message protocol and remote errors
-    lifecycle.py       child set-up, parent watch, bounded shutdown
-    tensor_reducer.py  tensors through the channels as raw bytes (registered on import)
+Rooms by process: a module's folder says where its code runs.
+
+    main/      the training process only
+      service.py     ServiceRuntime: the facade the reading service calls; wires the children
+      topology.py    which children exist, their channels and statistics rows, by name
+      supervisor.py  starts the children, sends control messages, stops them
+      lifecycle.py   bounded stop (join -> terminate -> kill), exit hook, death errors
+      reader.py      the epoch, one mux over every worker output, death diagnosis
+      cursor.py      reads of one worker output, in order or as ready; what was handed out
+      gate.py        reads versus a stop from another thread
+      stats.py       the main process's view of the statistics table
+      restore.py     checkpoint capture and restore
+      diagnose.py    what in a segment cannot be pickled
+    child/     a dispatch or worker process only
+      worker.py      the worker process: one replica of the worker segment
+      dispatch.py    the dispatch process: deals items round-robin to the workers
+      loop.py        lanes that produce, a listener that reads control messages
+      lanes.py       what each lane produces and where it writes
+      batching.py    items bound for one channel, in batches
+      control.py     how a child applies control messages to its segment copy
+      lifecycle.py   what a child does first (SIGINT, parent watch, threads)
+    (here)     both sides
+      control_messages.py  main -> child: Reset, Pause, Resume, Limit
+      data_messages.py     child -> next process: items, end, remote errors
+      mux.py               several channels read as one
+      segments.py          runnable copies of a Plan's segments (built in main, run in children)
+      stats.py             the shared statistics table and its writers
+      tensor_reducer.py    tensors through the channels as raw bytes (registered on import)
+
+The child side and the shared modules never import the main side
+(``tests/test_architecture.py`` proves it from the source).
 """
 
 from . import tensor_reducer  # noqa: F401  (registers the fast tensor pickling in every process)

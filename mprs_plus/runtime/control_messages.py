@@ -1,4 +1,4 @@
-"""Control messages, main process -> each child, as types (data messages: ``messages.py``).
+"""Control messages, main process -> each child, as types (data messages: ``data_messages.py``).
 
     Reset(epoch, payload)    start epoch ``epoch``; payload: (seed_generator, iter_reset_fn);
                              ``skip[k]``: items lane k drops first (a restored epoch)

@@ -1,5 +1,5 @@
 """The data protocol between the dispatch, worker and main processes (control messages,
-main -> each child, are typed: ``protocol.py``).
+main -> each child, are typed: ``control_messages.py``).
 
 Every data message is a tuple ``(kind, epoch, payload)``; tuples pickle fastest.
 

@@ -24,9 +24,8 @@ waits on the idle channels that a taker wants or that are not known to be curren
 and a thread that comes to want a channel outside the running pump's set interrupts the
 pump with ``wake`` (as ``advance`` does), so that it is waited on at once. An in-order
 reader then sleeps until *its* worker's item arrives, instead of waking for every other
-worker's item in between (measured with two workers, together with the single-receiver
-wait of ``wait_readable``: main-process CPU per 1 MiB array 27 -> 16 us, sleeps per
-4 MiB tensor 0.5 -> 0.3). A mux without ``wake`` waits on every idle channel.
+worker's item in between: fewer sleeps and less main-process CPU per large item (figures
+in docs/benchmarks.md, Design figures). A mux without ``wake`` waits on every idle channel.
 """
 
 from __future__ import annotations

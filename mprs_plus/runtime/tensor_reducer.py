@@ -1,7 +1,7 @@
 """Send CPU tensors through the channels as raw bytes, not with torch's own pickling.
 
-torch's default reduction copies the storage into the pickle stream (5.5 ms per 4 MiB
-here). This one hands the transport the bytes the tensor covers as one out-of-band
+torch's default reduction copies the storage into the pickle stream, an extra copy of
+every byte. This one hands the transport the bytes the tensor covers as one out-of-band
 buffer, which the channel copies straight into shared memory:
 
     tensor --> (bytes | dtype name, shape, strides | None, storage offset)
@@ -9,10 +9,11 @@ buffer, which the channel copies straight into shared memory:
 
 The receiving side is the main process, whose CPU time per item is what a training loop
 pays, and between two items its caches are cold (the workers' copies sweep them): each
-torch call there costs a few us then, so the usual tensor (contiguous, filling its
-storage) is rebuilt with one numpy array and one ``from_numpy``: 4 us per 4 MiB tensor
-with cold caches instead of 8 through an ``UntypedStorage`` and ``set_``, measured on a
-2-core machine. dtypes numpy lacks (bfloat16, the float8s) take that older path.
+torch call there is a trip through its dispatcher, dear with cold caches, so the usual
+tensor (contiguous, filling its storage) is rebuilt with one numpy array and one
+``from_numpy``, about half the cost of an ``UntypedStorage`` and ``set_`` (figures in
+docs/benchmarks.md, Design figures). dtypes numpy lacks (bfloat16, the float8s) take
+that older path.
 
 A tensor whose elements fill the storage span they cover (contiguous, transposed,
 permuted, expanded) keeps its strides and is sent with the bytes it spans (or its
@@ -127,8 +128,8 @@ def _rebuild_on_bytes(
 ) -> torch.Tensor:
     """A tensor over ``held[0]`` (bytes of a storage, lent shared memory or a copy): one numpy
     array and one ``from_numpy`` for the usual tensor that fills its buffer. Each torch
-    call here is a trip through its dispatcher that costs the main process a few us
-    when its caches are cold, as they are between items; this is the whole rebuild."""
+    call here is a trip through its dispatcher, dear to the main process when its caches
+    are cold, as they are between items; this is the whole rebuild."""
     buffer, np_dtype = held[0], _NUMPY[dtype]
     if strides is None:
         return torch.from_numpy(numpy.ndarray(shape, np_dtype, buffer))

@@ -67,10 +67,9 @@ from typing import Any
 from ._memory import PAGE
 from .traffic import Lending
 
-# Bytes; smaller buffers are copied through the ring. Measured on a 2-core machine (a
-# producer re-sending one array): at 64 KiB lending and copying cost the receiver the
-# same 6 us per item and copying went faster; at 128 KiB lending saves the receiver a
-# sixth of its CPU, and the gap grows with the size.
+# Bytes; smaller buffers are copied through the ring. Below this size lending saved the
+# receiver nothing and copying went faster; from it on, lending saves the receiver CPU,
+# more the larger the buffer (figures in docs/benchmarks.md, Design figures).
 LEND_MIN = 128 << 10
 HOLD_FACTOR = 2  # a receiver lends its user up to this many times the ring at a time
 LEND_FACTOR = 4  # the lend area is this many times the ring: in flight, held, and slack
@@ -303,7 +302,7 @@ class LentViews:
                     return bytearray(whole[start : start + length])
             finally:
                 self.ctl[SLOT_BASE + slot] = FREE
-        root = self._frombuffer(self._mapping, uint8, length, start)  # keywords cost it 0.3 us more
+        root = self._frombuffer(self._mapping, uint8, length, start)  # keywords cost it more
         ref = weakref.ref(root, _give_back)
         holding.roots[id(ref)] = (ref, self, slot, length)
         return root

@@ -7,8 +7,8 @@ Why memfd and not ``multiprocessing.shared_memory``
     A named segment must be unlinked by somebody who is still alive, and in Python 3.11
     every process that *attaches* one registers it with the resource tracker too, which
     then warns about, or unlinks, a segment it does not own. Both kinds are shmem pages
-    and cost the same to use; measured on a 2-core machine, 64 MiB: create + map
-    0.02 ms (memfd) vs 0.08 ms (named), first write of every page 0.79 vs 0.53 GB/s.
+    and cost the same to use; a memfd was also the quicker to create, map and first
+    write (figures in docs/benchmarks.md, Design figures).
 
 Handing it to another process
     fork: the child inherits the mapping. spawn / forkserver: the descriptor travels
@@ -17,13 +17,13 @@ Handing it to another process
 
 Committing memory
     Nothing is committed when a channel opens: a page of the ring is committed by the
-    first message that touches it (a fault plus zeroing, under 1 GB/s), and stays until
+    first message that touches it (a fault plus zeroing), and stays until
     the channel is gone. The traffic of a consumer that keeps up stays in the first pages
     of the ring (see ``_ring.py``: an empty ring restarts at its beginning), so a channel
-    at rest holds what its largest burst touched, not its capacity. Prefaulting 2 MiB
-    per ring at creation cost the main process about 1 ms per channel before the first
-    child could start (17 ms for 8 workers), and 3 MiB per worker at rest, for a saving
-    measured below the noise of steady-state throughput (tiny items, 1 MiB arrays).
+    at rest holds what its largest burst touched, not its capacity. Prefaulting each ring
+    at creation made the first child wait for every channel's pages, and kept them
+    committed at rest, for a saving below the noise of steady-state throughput (figures
+    in docs/benchmarks.md, Start-up).
 """
 
 from __future__ import annotations

@@ -51,15 +51,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-# A sleep/wake round trip through a pipe costs about 15-20 us on a 2-core machine; spin
-# about that long before blocking. The spin yields the CPU at every turn: on a machine
+# Spin for about as long as a sleep/wake round trip through a pipe costs before blocking
+# (figures in docs/benchmarks.md, Design figures). The spin yields the CPU at every turn: on a machine
 # with more runnable processes than cores, that lets the peer (or anyone) run instead of
-# burning the time slice, and it cut sleeps (and their system calls) from about one
-# message in five to almost none in the one-int-per-message benchmark on a busy machine.
+# burning the time slice, and it cut sleeps (and their system calls) to almost none in the
+# one-int-per-message benchmark on a busy machine.
 SPIN_SECONDS = 20e-6
-# A spin that fails costs its 20 us of CPU for nothing: that is most of what a process
-# waiting for each large item spends (measured: 16 us per item instead of 37, 4 MiB
-# arrays from a producer that makes them). See Sleeper.wait.
+# A spin that fails costs its CPU for nothing: that was most of what a process waiting
+# for each large item spent, so spinning stops after a few misses in a row (figures in
+# docs/benchmarks.md, Design figures). See Sleeper.wait.
 SPIN_MISSES = 4
 SPIN_PROBE = 16
 

@@ -14,8 +14,8 @@ rebuild from either through the buffer protocol.
 ``copyreg`` does, but only for this transport's picklers, never process-wide). The
 transport itself knows no array library: numpy's reducer below is registered lazily once
 numpy is imported, and the runtime registers one for torch tensors. Both exist because
-the defaults are slow: numpy spends 13-16 us per array pickling its dtype, torch copies a
-tensor's storage into the stream (5.5 ms per 4 MiB).
+the defaults are slow: numpy pickles every array's dtype the long way, torch copies a
+tensor's storage into the stream (figures in docs/benchmarks.md, Design figures).
 """
 
 from __future__ import annotations
@@ -197,5 +197,5 @@ def _rebuild_ndarray(buffer: Any, dtype_str: str, shape: tuple[int, ...], order:
     if dtype is None:
         dtype = _dtypes[dtype_str] = numpy.dtype(dtype_str)
     # One constructor, arguments by position: frombuffer + reshape with keywords cost the
-    # receiver (a training loop's main process) 0.3 us more per array, hot.
+    # receiver (a training loop's main process) measurably more per array, even hot.
     return numpy.ndarray(shape, dtype, buffer, 0, None, order)

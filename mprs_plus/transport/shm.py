@@ -160,7 +160,7 @@ def _poll(waitables: list[Any], timeout: float) -> list[Any]:
 
     What ``multiprocessing.connection.wait`` does, without building a new selector on
     every call: a reader waiting for each item in turn waits on the same descriptors
-    over and over, and the selector cost about 20 us of its CPU per wait. The poll object
+    over and over, and building a selector each time cost it CPU on every wait. The poll object
     is kept per thread (one object must not be polled by two threads at once) and per
     set of descriptor numbers, which is all a poll object holds."""
     fds = tuple(w if isinstance(w, int) else w.fileno() for w in waitables)

@@ -1,6 +1,6 @@
-"""How a child applies control messages (``protocol.py``) to its copy of a segment.
+"""How a child applies control messages (``control_messages.py``) to its copy of a segment.
 
-Lane 0 of a child (see ``child.py``) calls ``SegmentControl.apply`` with every lane parked:
+Lane 0 of a child (see ``loop.py``) calls ``SegmentControl.apply`` with every lane parked:
 
     Reset(e)   reseed and reset the segment, then start every lane's stream for epoch e
                (a restored epoch: each lane first drops the items the user already had)
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 # torchdata's per-epoch reseeding seeds numpy's global generator, and numpy loads its
 # random module on first use. Loaded here, before any child is forked, it is not imported
-# again in every child on the path to its first item (about 8 ms each on 2 cores).
+# again in every child on the path to its first item.
 import numpy.random  # noqa: F401
 from torch.utils.data import IterDataPipe
 from torchdata.dataloader2.graph import list_dps, traverse_dps

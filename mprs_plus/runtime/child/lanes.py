@@ -2,7 +2,7 @@
 
 A child has one *lane* per output: a worker one per worker output (branch), the dispatch
 process one per dispatcher. Each lane iterates its own DataPipe and is the only writer of
-its own channels, so a full channel stops that lane and nothing else. ``child.py`` runs
+its own channels, so a full channel stops that lane and nothing else. ``loop.py`` runs
 the lanes and applies control messages between their items.
 
     OutputLane   worker output k -> one channel to the main process, in batches

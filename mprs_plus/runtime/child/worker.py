@@ -7,7 +7,7 @@
 One lane per worker output (branch), each the only writer of its channel to the main
 process; a worker segment with one output runs its single lane in the process's main
 thread, as torchdata's workers do. The lanes and the control messages are described in
-``lanes.py``, ``child.py`` and ``control.py``.
+``lanes.py``, ``loop.py`` and ``control.py``.
 
 A worker never rediscovers the graph: it receives its segment ready to run, with
 ``DispatchedInput`` placeholders where the dispatch process feeds it. All its dispatched

@@ -1,5 +1,5 @@
 """The main process's reading side: the epoch, one mux over every worker output, and the
-reads of one output in order or as ready (``reader.py``).
+reads of one output in order or as ready (``cursor.py``).
 
     worker w, output k --data--> receiver --+
                                             +--> ChannelMux --> read_in_order / read_as_ready

@@ -6,7 +6,7 @@
                 check_shape
                 begin the epoch   the seed generator set back, in place, to the recorded
                                   state; every worker re-seeded as at the epoch start, told
-                                  to drop its first consumed[w] items itself (``child.py``);
+                                  to drop its first consumed[w] items itself (``child/loop.py``);
                                   the in-order reader starts at the recorded turn
 
 Why it is exact: with ``in_order=True`` the items the user gets are worker 0, 1, ..., N-1

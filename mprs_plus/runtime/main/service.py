@@ -1,7 +1,7 @@
 """The running service as the reading service sees it: a facade over three parts.
 
     ServiceRuntime --> Supervisor   (supervisor.py)  processes, control messages, stop
-                   --> MainReader   (main_reader.py) the epoch, the reads, death diagnosis
+                   --> MainReader   (reader.py)      the epoch, the reads, death diagnosis
                    --> StatsView    (stats.py)       the statistics table
     all three built around one Topology (topology.py): which children, which channels
 
@@ -33,7 +33,7 @@ when the per-worker item counts drift apart by more than the channels hold (a fi
 flat-map after a dispatcher that keeps far more items on some workers than on others).
 With one worker output, ``in_order=False`` reads whichever worker is ready, so w' is
 always read and the cycle cannot close. When it does close, the read raises
-``PipelineStuckError`` instead of waiting forever (``main_reader.MainChannels._wait_watching``:
+``PipelineStuckError`` instead of waiting forever (``reader.MainChannels._wait_watching``:
 every child's lane asleep in a channel wait, per the statistics table, while the main
 process waits); without statistics it logs a warning.
 """
@@ -165,7 +165,7 @@ class ServiceRuntime:
         """Open a new epoch everywhere; items of earlier epochs still in flight are dropped.
 
         A restored epoch passes ``skips[w]``, the items worker w drops before sending (the
-        user had them), and ``next_worker``, whose turn comes first (``resume.py``).
+        user had them), and ``next_worker``, whose turn comes first (``restore.py``).
         Children not started yet start here, one after another, each with its Reset
         already queued (see ``start``)."""
         epoch = self._started().begin_epoch(next_worker, skips)
