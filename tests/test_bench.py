@@ -266,3 +266,19 @@ def test_startup_profile_reports_phases_and_committed_memory() -> None:
     phases = ["construct", "plan", "copies", "channels", "processes", "messages", "first item"]
     assert abs(sum(float(row[p]) for p in phases) - float(row["mprs_plus"])) < 1.0  # ms: medians of one trial add up, but for rounding
     assert float(row["shared MiB/worker"]) >= 0
+
+
+@pytest.mark.timeout(150)
+def test_cold_start_runs_each_sample_in_a_fresh_process(tmp_path: Path) -> None:
+    """The suite's cold start: one fresh interpreter per sample (after one that fills the
+    bytecode caches), its cold and warm first items reported for both contenders."""
+    _run_quick_suite(tmp_path, "--only", "cold_start", "--contenders", "mprs_plus,torch")
+    [result_file] = tmp_path.glob("*.json")
+    cells = json.loads(result_file.read_text())["workloads"]["cold_start"]["contenders"]
+    for contender in ("mprs_plus", "torch"):
+        cell = cells[contender]
+        assert cell["status"] == "ok", (contender, cell["errors"])
+        [detail] = cell["details"]
+        [sample] = detail["samples"]
+        assert 0 <= sample["imports"] < sample["cold_first_item"], contender
+        assert cell["samples"]["warm_first_item"][0] > 0, contender

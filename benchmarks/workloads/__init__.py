@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..harness import Workload
 from . import (
+    cold_start,
     cpu_bound,
     dispatch_pipeline,
     large_tensors,
@@ -28,5 +29,6 @@ WORKLOADS: tuple[Workload, ...] = (
     dispatch_pipeline.WORKLOAD,
     seed_wrapper.WORKLOAD,
     startup_shutdown.WORKLOAD,
+    cold_start.WORKLOAD,
     memory_growth.WORKLOAD,
 )
