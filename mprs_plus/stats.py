@@ -2,8 +2,8 @@
 and a one-sentence verdict naming the bottleneck (``MultiProcessingReadingService.stats()``).
 
 Plain frozen data, computed in the main process from the shared counters table
-(``runtime/stats.py``, read by ``runtime/main/stats.py``). Loaded only when statistics
-are asked for, not on the path to a loader's first item.
+(``runtime/stats.py``, read by ``runtime/main/stats.py``). Loaded when statistics are
+asked for, or kept as a service stops; never on the path to a loader's first item.
 """
 
 from __future__ import annotations

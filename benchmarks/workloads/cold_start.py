@@ -33,6 +33,7 @@ def run(contender: str, settings: harness.Settings) -> dict[str, object]:
         "cold_first_item": statistics.median(s["cold_first_item"] for s in samples),
         "warm_first_item": statistics.median(s["warm_first_item"] for s in samples),
         "imports": statistics.median(s["imports"] for s in samples),
+        "cold_main_cpu": statistics.median(s["cold_main_cpu"] for s in samples),
         "samples": samples,
     }
 
