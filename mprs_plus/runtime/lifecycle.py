@@ -33,7 +33,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ..errors import ProcessDiedError
-from ..transport import release_all_except
+from ..transport import Endpoint, release_all_except
 
 
 STOP_GRACE = 5.0  # seconds children get to exit on their own once asked
@@ -59,7 +59,7 @@ def _stop_all() -> None:
         resources.stop()
 
 
-def child_setup(own_endpoints: Iterable[Any]) -> None:
+def child_setup(own_endpoints: Iterable[Endpoint]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     release_all_except(own_endpoints)
     _limit_intra_op_threads()

@@ -36,7 +36,7 @@ import struct
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -215,6 +215,22 @@ class PipeReceiver(_Endpoint):
         """True when ``recv`` would return (or raise) without blocking."""
         return self._ended or self._live().poll(0)
 
+    def has_input(self) -> bool:
+        """``poll()``: through a pipe a message, its end and a gone sender look alike."""
+        return self._ended or self._live().poll(0)
+
+    def wait(self, timeout: float | None = None, also: Sequence[Any] = ()) -> list[Any]:
+        """This receiver alone: the kernel's wait on its pipe and ``also`` together."""
+        return asleep(lambda: wait([self, *also], timeout))
+
+    def arm(self) -> int:
+        """The data pipe: readable while a message (or its end) is there, so nothing need
+        be set for a sender to wake a waiter."""
+        return self.fileno()
+
+    def disarm(self, woken: bool, timed_out: bool = False) -> None:
+        """Nothing to undo or drain: the wake-up is the message itself."""
+
     def traffic(self) -> Traffic:
         """Not counted at this end: the sender's figures are the channel's."""
         return NO_TRAFFIC
@@ -329,6 +345,3 @@ def release_all_except(keep: Iterable[Any]) -> None:
             endpoint.release()
 
 
-def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: Iterable[Any] = ()) -> list[Any]:
-    """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout."""
-    return asleep(lambda: wait([*receivers, *also], timeout))
