@@ -206,6 +206,12 @@ class PipeReceiver(_Endpoint):
     def __init__(self, conn: Connection, credits: Connection) -> None:
         super().__init__(conn, credits)
         self._ended = False
+        self._probe: Any = None  # a poll object on the pipe, made at the first look
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_probe"] = None  # a poll object does not travel; the new owner makes its own
+        return state
 
     def fileno(self) -> int:
         """Readable when ``recv`` would not block; for ``multiprocessing.connection.wait``."""
@@ -213,11 +219,19 @@ class PipeReceiver(_Endpoint):
 
     def poll(self) -> bool:
         """True when ``recv`` would return (or raise) without blocking."""
-        return self._ended or self._live().poll(0)
+        if self._ended:
+            return True
+        probe = self._probe
+        if probe is None:
+            probe = self._probe = select.poll()
+            probe.register(self._live().fileno(), select.POLLIN)
+        else:
+            self._live()
+        return bool(probe.poll(0))
 
     def has_input(self) -> bool:
         """``poll()``: through a pipe a message, its end and a gone sender look alike."""
-        return self._ended or self._live().poll(0)
+        return self.poll()
 
     def wait(self, timeout: float | None = None, also: Sequence[Any] = ()) -> list[Any]:
         """This receiver alone: the kernel's wait on its pipe and ``also`` together."""
