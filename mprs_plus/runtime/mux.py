@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from ..transport import Receiver
+
 Message = tuple[int, int, Any]  # (kind, epoch, payload)
 
 # The epoch of the message a mux holds for a channel whose sender has finished for good:
@@ -84,7 +86,7 @@ class ChannelMux:
 
     def __init__(
         self,
-        receivers: Sequence[Any],
+        receivers: Sequence[Receiver],
         recv: Callable[[int], Message],
         wait: Callable[[list[int]], list[int]],
         wake: Callable[[], None] | None = None,
@@ -92,7 +94,7 @@ class ChannelMux:
         self._receivers = list(receivers)
         # Whether a channel has a message, without a system call where the transport
         # offers that look (a gone sender shows in the pump's wait instead).
-        self._has_input = [getattr(r, "_has_input", r.poll) for r in self._receivers]
+        self._has_input = [r.has_input for r in self._receivers]
         self._wake = wake  # interrupts a pumping thread's wait (see ``advance``)
         self._recv = recv
         self._wait = wait

@@ -34,6 +34,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..transport import Sender
+
 FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "queued", "started", "rescues")
 _ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED, _RESCUES = range(len(FIELDS))
 
@@ -86,7 +88,7 @@ class StatsWriter:
         self.busy = 0.0
         self.wait_input = 0.0
         self.wait_output = 0.0
-        self.channels: tuple[Any, ...] = ()  # output endpoints, for bytes and queue fill
+        self.channels: tuple[Sender, ...] = ()  # output endpoints, for bytes and queue fill
 
     def __getstate__(self) -> tuple[Any, int, Any, int]:
         return (self._table, self._base, self._asleep, self._row)

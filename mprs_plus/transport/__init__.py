@@ -1,36 +1,49 @@
 """Bounded one-way channels between processes. Knows nothing of DataPipes or torch.
 
     sender, receiver = open_channel(ctx, capacity_items=..., capacity_bytes=...)
-    sender.send(obj)          # blocks while the channel is full: backpressure
-    sender.send(obj, timeout) # ... at most timeout s (0: a try), then TimeoutError, nothing sent
-    sender.peer_waiting()     # -> the receiver is blocked waiting for data now (no system call)
-    sender.close()            # end of stream
-    receiver.recv(timeout)    # -> obj | raises EndOfStream / ChannelBroken / TimeoutError
-    receiver.skip()           # -> True: the next message was dropped unread; False: none is
-                              #    buffered (never blocks); raises EndOfStream / ChannelBroken
-    receiver.watch(sentinel)  # a ready waitable while blocked means: the sender is gone
-    endpoint.release()        # drop this process's handle of an endpoint another one owns
-    release_all_except(keep)  # in a forked child: drop every inherited endpoint but these
-    register_reducer(cls, fn) # a faster pickling for one type, in this transport only
-    endpoint.traffic()        # -> Traffic: messages and bytes so far, and still queued
-    lending()                 # -> Lending: large buffers this process received as views of
-                              #    shared memory, or copied; and those its users hold now
+
+The endpoints implement ``Sender`` and ``Receiver``, declared once in ``channel.py``;
+the runtime calls nothing else on them:
+
+    Sender.send(obj, timeout)   # blocks while the channel is full: backpressure; timeout
+                                #   (0: a try) then TimeoutError, nothing sent
+    Sender.peer_waiting()       # -> the receiver is blocked waiting for data now
+    Sender.close()              # end of stream
+    Receiver.recv(timeout)      # -> obj | raises EndOfStream / ChannelBroken / TimeoutError
+    Receiver.skip()             # -> True: the next message was dropped unread; False: none
+                                #    is buffered (never blocks)
+    Receiver.poll(), .has_input()  # recv would not block (has_input: without a system call)
+    endpoint.watch(sentinel)    # a ready waitable while blocked means: the sender is gone
+    endpoint.release()          # drop this process's handle of an endpoint another one owns
+    endpoint.traffic()          # -> Traffic: messages and bytes so far, and still queued
+    wait_readable(receivers, timeout, also)  # the ready ones, of any transports together
+                                #   (the protocol: channel.py; Receiver.wait / arm / disarm)
+
+and the module functions of the transport in use:
+
+    release_all_except(keep)    # in a forked child: drop every inherited endpoint but these
+    register_reducer(cls, fn)   # a faster pickling for one type, in this transport only
+    lending()                   # -> Lending: large buffers this process received as views of
+                                #    shared memory, or copied; and those its users hold now
 
 Both endpoints may be handed to a child process when it is started; each endpoint has
 exactly one owner process after that.
 
-Two implementations keep this interface, with the same capacity limits and the same
-errors: shared-memory rings (``shm.py``, the default on Linux x86-64, where memfd exists
-and the ring's memory ordering argument holds) and OS pipes (``pipe.py``, everywhere
-else). The environment variable ``MPRS_PLUS_TRANSPORT`` (``shm``, ``pipe``, or ``auto``,
-the default) chooses one when this package is first imported; child processes inherit the
-choice. ``TRANSPORT`` says which is in use.
+Two implementations of the interface carry messages between processes, with the same
+capacity limits and the same errors: shared-memory rings (``shm.py``, the default on Linux
+x86-64, where memfd exists and the ring's memory ordering argument holds) and OS pipes
+(``pipe.py``, everywhere else). The environment variable ``MPRS_PLUS_TRANSPORT`` (``shm``,
+``pipe``, or ``auto``, the default) chooses one when this package is first imported; child
+processes inherit the choice. ``TRANSPORT`` says which is in use. A third, ``inprocess.py``,
+carries them between the threads of one process (for tests of the runtime), written from
+the protocols alone.
 """
 
 import os
 import platform
 
 from ._wakeup import note_blocking
+from .channel import Endpoint, Receiver, Sender, wait_readable
 from .errors import ChannelBroken, ChannelClosed, ChannelError, EndOfStream
 from .serialize import register_reducer
 from .traffic import Lending, Traffic
@@ -46,11 +59,11 @@ TRANSPORT = "shm" if _CHOICE == "shm" or (_CHOICE == "auto" and _SHM_WORKS) else
 if TRANSPORT == "shm":
     from ._lend import lending
     from .shm import open_shm_channel as open_channel
-    from .shm import release_all_except, wait_readable
+    from .shm import release_all_except
 else:
     from .pipe import lending
     from .pipe import open_pipe_channel as open_channel
-    from .pipe import release_all_except, wait_readable
+    from .pipe import release_all_except
 
 __all__ = [
     "TRANSPORT",
@@ -58,7 +71,10 @@ __all__ = [
     "ChannelClosed",
     "ChannelError",
     "EndOfStream",
+    "Endpoint",
     "Lending",
+    "Receiver",
+    "Sender",
     "Traffic",
     "open_channel",
     "lending",

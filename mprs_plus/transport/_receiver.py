@@ -8,6 +8,7 @@ from __future__ import annotations
 import pickle
 import struct
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ._lend import DESCRIPTOR, HOLD_FACTOR, LEND_MIN, LENT_BIT, LentViews
@@ -64,7 +65,7 @@ class ShmReceiver(Endpoint):
             return True
         return self._sleeper.check_peer_gone()
 
-    def _has_input(self) -> bool:
+    def has_input(self) -> bool:
         """``poll()`` without its system call: a message or the end of the stream, but a
         gone peer is not looked for. Enough before a block, whose ``poll`` reports the
         peer's end as a hang-up of the wake-up pipe anyway."""
@@ -373,23 +374,46 @@ class ShmReceiver(Endpoint):
             return
         raise ChannelBroken("the sender stopped in the middle of a message (its process ended); the message is lost")
 
-    # -- for wait_readable, which follows the Sleeper's protocol over several receivers --
+    # -- waiting: alone (its own Sleeper), or with others (channel.wait_together) -------
 
-    def _arm(self) -> None:
+    def wait(self, timeout: float | None = None, also: Sequence[Any] = ()) -> list[Any]:
+        """This receiver alone: its own ``Sleeper``, which spins while spinning pays and
+        keeps its poll object (an in-order reader waits for one worker at a time, and the
+        general protocol of ``channel.py`` would cost it a few microseconds more a wait)."""
+        if self.has_input():
+            return [self]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        also = tuple(also)
+        outcome = self._sleeper.wait(self.has_input, deadline, also)
+        if outcome == Outcome.READY or outcome == Outcome.PEER_GONE:
+            return [self]
+        if outcome == Outcome.WATCHED:
+            hits = self._sleeper.hits
+            if not hits or self.has_input():
+                return [self, *hits]  # with no hit: one of its own watched processes ended
+            return hits
+        return []
+
+    def arm(self) -> int:
+        """Set this side's sleeping flag and fence: a sender that publishes from now on
+        writes a byte to the wake-up pipe returned (see ``_wakeup.py``)."""
+        if not self._open:
+            raise ChannelClosed("wait on a closed channel: this receiver was closed or released")
         self._ctl[RX_SLEEPING] = 1
+        fence()
+        return self._wait_fd
 
-    def _disarm(self) -> bool:
-        """Clear the flag; True when it was still set (no sender had begun to wake us)."""
+    def disarm(self, woken: bool, timed_out: bool = False) -> None:
+        """Clear the flag; drain the pipe when it woke us. Input found after a whole
+        watchdog interval with the flag still set (no sender had begun to wake us) is a
+        rescue, counted in the channel's traffic."""
         ctl = self._ctl
         unwoken = ctl[RX_SLEEPING]
         ctl[RX_SLEEPING] = 0
-        return bool(unwoken)
-
-    def _drain(self) -> None:
-        self._sleeper.drain()
-
-    def _count_rescue(self) -> None:
-        self._sleeper.count_rescue()
+        if woken:
+            self._sleeper.drain()
+        elif timed_out and unwoken and self._open and self.has_input():
+            self._sleeper.count_rescue()
 
 
 def _lent_bytes(lengths: tuple[int, ...]) -> int:

@@ -36,7 +36,7 @@ import struct
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -206,6 +206,12 @@ class PipeReceiver(_Endpoint):
     def __init__(self, conn: Connection, credits: Connection) -> None:
         super().__init__(conn, credits)
         self._ended = False
+        self._probe: Any = None  # a poll object on the pipe, made at the first look
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_probe"] = None  # a poll object does not travel; the new owner makes its own
+        return state
 
     def fileno(self) -> int:
         """Readable when ``recv`` would not block; for ``multiprocessing.connection.wait``."""
@@ -213,7 +219,31 @@ class PipeReceiver(_Endpoint):
 
     def poll(self) -> bool:
         """True when ``recv`` would return (or raise) without blocking."""
-        return self._ended or self._live().poll(0)
+        if self._ended:
+            return True
+        probe = self._probe
+        if probe is None:
+            probe = self._probe = select.poll()
+            probe.register(self._live().fileno(), select.POLLIN)
+        else:
+            self._live()
+        return bool(probe.poll(0))
+
+    def has_input(self) -> bool:
+        """``poll()``: through a pipe a message, its end and a gone sender look alike."""
+        return self.poll()
+
+    def wait(self, timeout: float | None = None, also: Sequence[Any] = ()) -> list[Any]:
+        """This receiver alone: the kernel's wait on its pipe and ``also`` together."""
+        return asleep(lambda: wait([self, *also], timeout))
+
+    def arm(self) -> int:
+        """The data pipe: readable while a message (or its end) is there, so nothing need
+        be set for a sender to wake a waiter."""
+        return self.fileno()
+
+    def disarm(self, woken: bool, timed_out: bool = False) -> None:
+        """Nothing to undo or drain: the wake-up is the message itself."""
 
     def traffic(self) -> Traffic:
         """Not counted at this end: the sender's figures are the channel's."""
@@ -329,6 +359,3 @@ def release_all_except(keep: Iterable[Any]) -> None:
             endpoint.release()
 
 
-def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: Iterable[Any] = ()) -> list[Any]:
-    """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout."""
-    return asleep(lambda: wait([*receivers, *also], timeout))

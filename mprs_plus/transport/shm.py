@@ -21,17 +21,14 @@ wake-up impossible, and the watchdog behind it, are in ``_wakeup.py``):
                                                             waitables (process sentinels: the
                                                             kernel's, no flag involved)
 
-All go through ``Sleeper.wait`` except ``wait_readable``, which runs the same steps over
-several receivers. ``poll()``, ``skip()`` and ``traffic()`` never block and never read a
+All go through ``Sleeper.wait`` except a wait for several receivers, which runs the same
+steps over all of them (``channel.wait_together``, through ``arm`` / ``disarm``).
+``poll()``, ``has_input()``, ``skip()`` and ``traffic()`` never block and never read a
 wake-up pipe. Control channels are channels like any other.
 """
 
 from __future__ import annotations
 
-import math
-import select
-import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,8 +37,7 @@ from ._memory import PAGE, SharedRegion
 from ._receiver import ShmReceiver
 from ._ring import ENDPOINTS, MIN_RING, close_fds
 from ._sender import ShmSender
-from . import _wakeup
-from ._wakeup import WATCHDOG_SECONDS, Outcome, fence, wake_pipe
+from ._wakeup import wake_pipe
 
 
 def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> tuple[ShmSender, ShmReceiver]:
@@ -77,108 +73,4 @@ def release_all_except(keep: Iterable[Any]) -> None:
             endpoint.release()
 
 
-def wait_readable(receivers: Iterable[Any], timeout: float | None = None, also: Iterable[Any] = ()) -> list[Any]:
-    """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout.
-
-    A receiver is ready when ``recv`` would not block: a message, the end of the stream,
-    or a dead sender. Follows the protocol of ``_wakeup.py`` over several receivers at
-    once: arm all, fence, check all, block (never longer than the watchdog interval),
-    disarm, drain the pipes that woke us, check again."""
-    receivers = list(receivers)
-    also = list(also)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    if len(receivers) == 1:
-        return _wait_one(receivers[0], deadline, tuple(also))
-    return _wakeup.asleep(lambda: _wait_several(receivers, deadline, also))
-
-
-def _wait_several(receivers: list[Any], deadline: float | None, also: list[Any]) -> list[Any]:
-    """``wait_readable`` of several receivers: the protocol's loop over all of them."""
-    while True:
-        # The looks before the block skip poll()'s check for a gone peer (a system call):
-        # the block sees a gone peer as a hang-up of its pipe, and the look after it is
-        # poll()'s own.
-        ready = [r for r in receivers if r._has_input()]
-        if ready:
-            return ready
-        for receiver in receivers:
-            receiver._arm()  # from now on a sender writes a wake-up byte
-        unwoken = []
-        try:
-            fence()
-            ready = [r for r in receivers if r._has_input()]
-            if ready:
-                return ready
-            left = WATCHDOG_SECONDS
-            if deadline is not None:
-                left = min(left, max(0.0, deadline - time.monotonic()))
-            if _wakeup.race_hook is not None:
-                _wakeup.race_hook("armed")
-            hits = _poll([*receivers, *also], left)
-        finally:
-            unwoken = [receiver._disarm() for receiver in receivers]
-        for receiver in receivers:
-            if any(h is receiver for h in hits):
-                receiver._drain()  # woken: drain before the re-check, never after it
-        ready = [r for r in receivers if r.poll()]
-        others = [h for h in hits if not any(h is r for r in receivers)]
-        if not hits and left == WATCHDOG_SECONDS:
-            for receiver, still_set in zip(receivers, unwoken):
-                if still_set and receiver in ready:
-                    receiver._count_rescue()  # data was there, and no wake-up came
-        if ready or others:
-            return ready + others
-        if deadline is not None and time.monotonic() >= deadline:
-            return []
-
-
-def _wait_one(receiver: Any, deadline: float | None, also: tuple[Any, ...]) -> list[Any]:
-    """``wait_readable`` of a single receiver: its own ``Sleeper``, which spins while
-    spinning pays and keeps its poll object. An in-order reader waits for one worker at a
-    time (``runtime/mux.py``), and the general loop (``_wait_several``) costs it several
-    microseconds more per wait (about 5 us per 4 MiB item with two workers, spinning
-    disabled in both)."""
-    if receiver._has_input():
-        return [receiver]
-    outcome = receiver._sleeper.wait(receiver._has_input, deadline, also)
-    if outcome == Outcome.READY or outcome == Outcome.PEER_GONE:
-        return [receiver]
-    if outcome == Outcome.WATCHED:
-        hits = receiver._sleeper.hits
-        if not hits or receiver._has_input():
-            return [receiver, *hits]  # with no hit: one of its own watched processes ended
-        return hits
-    return []
-
-
-_local = threading.local()
-
-
-def _poll(waitables: list[Any], timeout: float) -> list[Any]:
-    """The waitables (descriptors, or objects with ``fileno()``) readable, hung up or
-    invalid within ``timeout`` seconds.
-
-    What ``multiprocessing.connection.wait`` does, without building a new selector on
-    every call: a reader waiting for each item in turn waits on the same descriptors
-    over and over, and building a selector each time cost it CPU on every wait. The poll object
-    is kept per thread (one object must not be polled by two threads at once) and per
-    set of descriptor numbers, which is all a poll object holds."""
-    fds = tuple(w if isinstance(w, int) else w.fileno() for w in waitables)
-    pollers = getattr(_local, "pollers", None)
-    if pollers is None:
-        pollers = _local.pollers = {}
-    poller = pollers.get(fds)
-    if poller is None:
-        if len(pollers) >= 16:
-            pollers.clear()
-        poller = pollers[fds] = select.poll()
-        for fd in set(fds):
-            poller.register(fd, select.POLLIN)
-    events = poller.poll(math.ceil(timeout * 1000))
-    if not events:
-        return []
-    hit = {fd for fd, _ in events}
-    return [w for w, fd in zip(waitables, fds) if fd in hit]
-
-
-__all__ = ["ShmReceiver", "ShmSender", "open_shm_channel", "release_all_except", "wait_readable"]
+__all__ = ["ShmReceiver", "ShmSender", "open_shm_channel", "release_all_except"]

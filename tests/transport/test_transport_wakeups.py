@@ -53,7 +53,7 @@ def test_a_message_sent_between_the_readers_check_and_its_block_wakes_it(channel
     # that was there. Here the message is sent exactly in that window: right after the
     # armed receiver's look at its ring.
     sender, receiver = channel
-    real = type(receiver)._has_input
+    real = type(receiver).has_input
     sent = []
 
     def check_then_race(self):
@@ -63,7 +63,7 @@ def test_a_message_sent_between_the_readers_check_and_its_block_wakes_it(channel
             sent.append(True)
         return found
 
-    monkeypatch.setattr(type(receiver), "_has_input", check_then_race)
+    monkeypatch.setattr(type(receiver), "has_input", check_then_race)
     started = time.monotonic()
     ready = wait_readable([receiver], timeout=2.0)
     slept = time.monotonic() - started
@@ -150,10 +150,11 @@ def test_poll_never_swallows_a_wake_up(channel):
     # poll() may be called at any time, also between another wait's check and block;
     # it must leave the pipe alone.
     sender, receiver = channel
-    receiver._arm()
+    receiver.arm()
     sender.send("x")  # writes the byte
     assert receiver.poll()
-    assert not receiver._disarm()  # the sender cleared the flag
+    assert receiver._ctl[_ring.RX_SLEEPING] == 0  # the sender cleared the flag
+    receiver.disarm(woken=False)
     assert os.read(receiver._wait_fd, 16) == b"\x01"  # the byte is still there
     assert receiver.recv(timeout=0) == "x"
 

@@ -39,7 +39,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ...transport import ChannelError
+from ...transport import ChannelError, Sender
 from ..data_messages import Kind, RemoteError
 
 _clock = time.perf_counter
@@ -96,7 +96,7 @@ class Batcher:
 
     def __init__(
         self,
-        sender: Any,
+        sender: Sender,
         epoch: int,
         max_items: int = 64,
         max_delay: float = 0.002,
@@ -114,7 +114,7 @@ class Batcher:
         self._handed = 0  # items of this epoch already sent (numbers the culprit of an error)
         self._failed_epoch: int | None = None
         self._lock = threading.Lock()
-        self._reader_waiting = getattr(sender, "peer_waiting", _never)
+        self._reader_waiting = sender.peer_waiting
         self._where = where
         self._to = to
 
@@ -228,10 +228,6 @@ class Batcher:
             return None
         finally:
             self._lock.release()
-
-
-def _never() -> bool:
-    return False
 
 
 def _first_unpicklable(items: list[Any]) -> int | None:

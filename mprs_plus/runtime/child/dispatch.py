@@ -22,6 +22,7 @@ from typing import Any
 
 from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
+from ...transport import Receiver, Sender
 from .control import SegmentControl, make_locks, outputs_of, segment_root
 from .loop import ChildLoop
 from .lanes import DealLane
@@ -34,8 +35,8 @@ from ...segment import Segment
 class DispatchSetup:
     sources: tuple[Any, ...]  # the copied dispatcher nodes; iterating one runs its part of the segment
     num_workers: int
-    control: Any  # receiver: main -> dispatch
-    outputs: tuple[tuple[Any, ...], ...]  # outputs[d][w]: sender from dispatcher d to worker w
+    control: Receiver  # main -> dispatch
+    outputs: tuple[tuple[Sender, ...], ...]  # outputs[d][w]: from dispatcher d to worker w
     init_fn: Callable[..., Any] | None = None
     groups: tuple[int, ...] = (0,)  # dispatchers with the same group share DataPipes (and a lock)
     max_items: int = 64  # at most this many items per message (no more than a channel's capacity)

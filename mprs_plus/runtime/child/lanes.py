@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ...transport import note_blocking
+from ...transport import Sender, note_blocking
 from .batching import Batcher
 from ..data_messages import Kind, RemoteError
 from ..stats import StatsWriter
@@ -83,7 +83,7 @@ class OutputLane:
     """A worker's lane: items of one output go to one channel, in batches."""
 
     def __init__(
-        self, sender: Any, lock: threading.Lock | None, where: str, max_items: int = 64, stats: StatsWriter | None = None
+        self, sender: Sender, lock: threading.Lock | None, where: str, max_items: int = 64, stats: StatsWriter | None = None
     ) -> None:
         self.lock = lock
         self.stats = stats
@@ -118,7 +118,7 @@ class DealLane:
 
     def __init__(
         self,
-        senders: Sequence[Any],
+        senders: Sequence[Sender],
         lock: threading.Lock | None,
         where: str,
         max_items: int = 64,

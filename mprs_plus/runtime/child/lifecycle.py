@@ -21,12 +21,10 @@ import signal
 import threading
 from collections.abc import Iterable
 from multiprocessing.connection import wait
-from typing import Any
-
-from ...transport import release_all_except
+from ...transport import Endpoint, release_all_except
 
 
-def child_setup(own_endpoints: Iterable[Any]) -> None:
+def child_setup(own_endpoints: Iterable[Endpoint]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     release_all_except(own_endpoints)
     _limit_intra_op_threads()

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ...transport import ChannelError
+from ...transport import ChannelError, Receiver
 from .lanes import Lane, enter_lane
 from ..data_messages import RemoteError
 from ..control_messages import Received, Stop, Unreadable
@@ -65,7 +65,7 @@ class Inbox:
         self._gone = 0
         self._generation = 0
 
-    def listen(self, control: Any, where: str, announce: Callable[[Received], None] | None) -> None:
+    def listen(self, control: Receiver, where: str, announce: Callable[[Received], None] | None) -> None:
         """The listener thread: read every control message as it arrives, until the end."""
         while True:
             try:
@@ -146,7 +146,7 @@ class ChildLoop:
 
     def __init__(
         self,
-        control_channel: Any,
+        control_channel: Receiver,
         lanes: Sequence[Lane],
         control: Applier,
         where: str,

@@ -28,7 +28,7 @@ from torch.utils.data import IterDataPipe
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
-from ...transport import ChannelBroken, EndOfStream, wait_readable
+from ...transport import ChannelBroken, EndOfStream, Receiver, Sender, wait_readable
 from .control import SegmentControl, make_locks, outputs_of, segment_root
 from .loop import ChildLoop
 from .lanes import OutputLane, current_lane_stats, flush_current_lane
@@ -105,9 +105,9 @@ class WorkerSetup:
     worker_id: int
     num_workers: int
     program: WorkerProgram
-    control: Any  # receiver: main -> this worker
-    data: tuple[Any, ...]  # senders: this worker -> main, one per output
-    inputs: tuple[Any, ...]  # receivers: dispatch -> this worker, one per DispatchedInput
+    control: Receiver  # main -> this worker
+    data: tuple[Sender, ...]  # this worker -> main, one per output
+    inputs: tuple[Receiver, ...]  # dispatch -> this worker, one per DispatchedInput
     init_fn: Callable[..., Any] | None
     reset_fn: Callable[..., Any] | None
     stats: tuple[Any, ...] = ()  # a StatsWriter per output lane, when statistics are collected
@@ -161,7 +161,7 @@ def _announcer(mux: ChannelMux) -> Callable[[Received], None]:
     return announce
 
 
-def _input_mux(receivers: Sequence[Any], names: Sequence[str]) -> ChannelMux:
+def _input_mux(receivers: Sequence[Receiver], names: Sequence[str]) -> ChannelMux:
     index_of = {id(receiver): i for i, receiver in enumerate(receivers)}
 
     def recv(index: int) -> tuple[int, int, Any]:

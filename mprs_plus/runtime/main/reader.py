@@ -25,7 +25,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from ...errors import PipelineStuckError, ServiceClosedError
-from ...transport import ChannelBroken, ChannelError, EndOfStream, wait_readable
+from ...transport import ChannelBroken, ChannelError, EndOfStream, Receiver, wait_readable
+from ...transport.channel import Waitable
 from .gate import CLOSED_MESSAGE, ReadGate
 from ..mux import ChannelMux, Message
 from .cursor import ReadCursor, read_as_ready, read_in_order
@@ -79,7 +80,7 @@ class MainChannels:
         except ChannelError as exc:
             raise ServiceClosedError("the reading service was shut down during iteration") from exc
 
-    def _wait_watching(self, receivers: list[Any], index: int, also: list[Any]) -> list[Any]:
+    def _wait_watching(self, receivers: list[Receiver], index: int, also: list[Waitable]) -> list[Any]:
         """``wait_readable`` of one channel, in slices of ``STUCK_SECONDS``. After a slice
         (not the first) in which every other worker's channel of the same output held unread
         messages and gained none, the wait looks like the cycle described in ``service.py``,

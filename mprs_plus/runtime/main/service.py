@@ -53,7 +53,7 @@ from torch.utils.data import IterDataPipe
 from ...options import Options
 from ...plan import Plan
 from ...segment import Segment
-from ...transport import open_channel
+from ...transport import Receiver, Sender, open_channel
 from ..child.dispatch import DispatchSetup, dispatch_main
 from .lifecycle import stop_at_exit
 from .reader import MainReader
@@ -275,10 +275,10 @@ def _prepare_children(
     program = build_worker_program(plan)
     dispatch_sources = build_dispatch_sources(plan)
 
-    def channel(items: int, size: int) -> tuple[Any, Any]:
+    def channel(items: int, size: int) -> tuple[Sender, Receiver]:
         return open_channel(ctx, capacity_items=items, capacity_bytes=size)
 
-    worker_inputs: dict[int, list[Any]] = {link.index: [] for link in topology.workers}
+    worker_inputs: dict[int, list[Receiver]] = {link.index: [] for link in topology.workers}
     if topology.dispatch is not None and dispatch_sources is not None:
         link, (sources, groups) = topology.dispatch, dispatch_sources
         buffer = options.dispatch_channel_items

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import ServiceClosedError
-from ...transport import ChannelError, wait_readable
+from ...transport import ChannelError, Endpoint, wait_readable
 from .diagnose import unpicklable_error
 from .gate import CLOSED_MESSAGE, ReadGate
 from .lifecycle import DEATH_GRACE, death_error, stop_processes
@@ -73,7 +73,7 @@ class Supervisor:
         self._pending: dict[ChildLink, tuple[Callable[[Any], None], Any]] = {}
         # Channel ends that belong to the children: held until every child is started
         # (a fork inherits them), then released here.
-        self._held: list[Any] = []
+        self._held: list[Endpoint] = []
 
     @property
     def stopped(self) -> bool:
@@ -81,7 +81,7 @@ class Supervisor:
 
     # -- start ---------------------------------------------------------------------------
 
-    def hold(self, *ends: Any) -> None:
+    def hold(self, *ends: Endpoint) -> None:
         """Keep channel ends that belong to children until every child has started (a fork
         inherits them), then let go of them here; a stop lets go of them in any case."""
         self._held.extend(ends)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ...plan import Plan
 from ...segment import Segment
+from ...transport import Receiver, Sender
 
 
 @dataclass(eq=False)
@@ -36,8 +37,8 @@ class ChildLink:
     name: str  # the process name, as errors and ``ps`` show it
     lanes: int  # dispatch process: one per dispatcher; worker: one per worker output
     stats_rows: tuple[int, ...]  # one statistics row per lane
-    control: Any = None  # sender: main -> this child
-    data: tuple[Any, ...] = ()  # receivers: this child's output k -> main (workers only)
+    control: Sender | None = None  # main -> this child
+    data: tuple[Receiver, ...] = ()  # this child's output k -> main (workers only)
     process: Any = None
 
     @property
@@ -64,11 +65,11 @@ class Topology:
     def started(self) -> list[ChildLink]:
         return [link for link in self.children() if link.process is not None]
 
-    def receivers_of(self, branch: int) -> list[Any]:
+    def receivers_of(self, branch: int) -> list[Receiver]:
         """Worker output ``branch`` of every worker, in worker order."""
         return [link.data[branch] for link in self.workers]
 
-    def data_receivers(self) -> list[tuple[ChildLink, Any]]:
+    def data_receivers(self) -> list[tuple[ChildLink, Receiver]]:
         return [(link, receiver) for link in self.workers for receiver in link.data]
 
 
