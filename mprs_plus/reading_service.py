@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
 
@@ -26,7 +26,9 @@ from .runtime.main.family import Family
 from .runtime.main.inprocess import InProcessRuntime
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
-from .runtime.stats import Stats
+
+if TYPE_CHECKING:
+    from .runtime.stats import Stats
 
 
 class MultiProcessingReadingService(CheckpointableReadingServiceInterface):

@@ -15,9 +15,8 @@ import os
 import weakref
 from typing import TYPE_CHECKING, ClassVar
 
-from ..stats import Stats, StatsView, aggregate
-
 if TYPE_CHECKING:
+    from ..stats import Stats, StatsView
     from .reader import MainReader
 
 
@@ -43,7 +42,7 @@ class Family:
         self._figures = figures
 
     def stats(self) -> Stats:
-        return self._figures.snapshot() if self._figures is not None else aggregate([])
+        return self._figures.snapshot() if self._figures is not None else _empty()
 
 
 class Figures:
@@ -66,7 +65,7 @@ class Figures:
         if final is not None:
             return final
         if view is None or reader is None:
-            return aggregate([])
+            return _empty()
         view.main.items_in = reader.handed_out()
         return view.snapshot()
 
@@ -75,3 +74,9 @@ class Figures:
         if self._final is None:
             self._final = self.snapshot()
             self._view = self._reader = None
+
+
+def _empty() -> Stats:
+    from ..stats import aggregate  # the report types load when statistics are asked for
+
+    return aggregate([])

@@ -18,17 +18,19 @@ iterating them on needs no service.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchdata.dataloader2.graph import set_graph_random_seed
 from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 
 from ...options import Options
 from ..pausing import pause_datapipes, resume_datapipes
-from ..stats import Stats
 from .cursor import ReadCursor
 from .family import Figures
 from .state import Lifecycle, State
+
+if TYPE_CHECKING:
+    from ..stats import Stats
 
 
 class InProcessRuntime:

@@ -61,7 +61,7 @@ from ..control_messages import Limit, Pause, Reset, Resume, pack
 from .cursor import ReadCursor
 from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
-from ..stats import Stats, StatsTable, StatsView, aggregate
+from ..stats import Stats, StatsTable, StatsView
 from .family import Figures
 from .inprocess import InProcessRuntime
 from .state import Lifecycle, State
