@@ -40,7 +40,7 @@ class ReadGate:
     seen the state and left."""
 
     def __init__(self, lifecycle: Lifecycle) -> None:
-        self._lifecycle = lifecycle
+        self.lifecycle = lifecycle
         self._lock = threading.Lock()  # ``with self._lock`` on the per-item path: cheaper than the Condition's
         self._cv = threading.Condition(self._lock)
         self._inside: dict[int, int] = {}  # thread id -> nesting depth of its reads
@@ -51,7 +51,7 @@ class ReadGate:
 
     @property
     def closed(self) -> bool:
-        return self._lifecycle.closed
+        return self.lifecycle.closed
 
     def enter(self) -> None:
         me = threading.get_ident()

@@ -265,9 +265,10 @@ class MainReader:
 
 def _guarded(items: Iterator[Any], gate: ReadGate, interrupted: Callable[[], None]) -> Iterator[Any]:
     """Let no internal error of a stopped service reach the user."""
+    lifecycle = gate.lifecycle
     try:
         for item in items:
-            if gate.closed:  # items already read when the service was shut down are not handed out
+            if lifecycle.closed:  # items already read when the service was shut down are not handed out
                 raise ServiceClosedError(CLOSED_MESSAGE)
             yield item
         gate.check()
