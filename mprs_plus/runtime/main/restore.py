@@ -152,8 +152,9 @@ def set_seed_state(seed_generator: Any, state: bytes) -> None:
 class Checkpoints:
     """The reading service's checkpoint side, in one object so that the adapter only calls it.
 
-        adapt(main, runtime)       what DataLoader2 iterates: the main segment, wrapped in a
-                                   ``MainCounter`` unless it is one worker output as is
+        adapt(main, counted)       what DataLoader2 iterates: the main segment, wrapped in a
+                                   ``MainCounter`` unless the runtime's reader counts it
+                                   (one worker output as is)
         begin_epoch(generator)     a restored epoch: set the generator back; record the
                                    epoch's seeds; returns what each worker skips, whose
                                    turn is first (nothing and worker 0 for a normal epoch)
