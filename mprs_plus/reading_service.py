@@ -1,32 +1,31 @@
-"""Thin adapter to torchdata's ``ReadingServiceInterface``: plan, start, seed, pause, stop.
+"""Thin adapter to torchdata's ``ReadingServiceInterface``: every method hands over to a runtime.
 
-    DataLoader2 --initialize(dp)--------> plan(dp) -> ServiceRuntime.start() -> main segment
-                --initialize_iteration--> seed the main segment; RESET every child
-                --_pause / _resume------> pause()/resume() the main segment's DataPipes;
-                                          PAUSE / RESUME every child
-                --_limit----------------> limit_fn to the children and the main segment
-                --finalize--------------> ServiceRuntime.stop()
+    DataLoader2 --initialize(dp)--------> plan(dp) -> open_runtime: ServiceRuntime (child
+                                          processes) or InProcessRuntime; runtime.start()
+                --initialize_iteration--> runtime.begin_epoch: seed the main segment; RESET
+                                          every child
+                --_pause / _resume------> runtime.pause() / resume(): the main segment's
+                                          DataPipes, then PAUSE / RESUME every child
+                --_limit----------------> runtime.limit(): limit_fn to the children and the main segment
+                --finalize--------------> runtime.stop()
                 --checkpoint------------> bytes: the epoch as the user has seen it (runtime/main/restore.py)
                 --restore(dp, bytes)----> initialize(dp); the next initialize_iteration resumes
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torchdata.dataloader2.graph import list_dps, set_graph_random_seed, traverse_dps
 from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
-from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 
 from .options import Options
 from .plan import Plan, plan
+from .runtime.main.family import Family
+from .runtime.main.inprocess import InProcessRuntime
 from .runtime.main.restore import Checkpoints
-from .runtime.main.service import ServiceRuntime, WorkerReader
+from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
 
 if TYPE_CHECKING:
     from .stats import Stats
@@ -104,9 +103,8 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             stats_interval=stats_interval,
         )
         self._plan: Plan | None = None
-        self._runtime: ServiceRuntime | None = None
-        self._main: Any = None
-        self._family = _Family.new()
+        self._runtime: ServiceRuntime | InProcessRuntime | None = None
+        self._family = Family.new()
         self._checkpoints = Checkpoints(num_workers, in_order)
 
     # torchdata's public attributes, with its names and values; read-only, because the
@@ -150,9 +148,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         reports that copy's statistics (the last one started, in this process), and after
         ``shutdown()`` the figures as they stood when it stopped.
         """
-        if self._runtime is not None and not self._family.stopped_by(self._runtime):
-            return self._runtime.stats()
-        return self._family.stats()
+        return self._runtime.stats() if self._runtime is not None else self._family.stats()
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader2 copies the service before use; a running one is never copied. The copy
@@ -164,43 +160,26 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self.options = state["options"]
         self._plan = None
         self._runtime = None
-        self._main = None
-        self._family = _Family.joined(state["family"])
+        self._family = Family.joined(state["family"])
         self._checkpoints = Checkpoints(self.options.num_workers, self.options.in_order)
 
     def initialize(self, datapipe: Any) -> Any:
         self._plan = plan(datapipe, self.options.num_workers)
-        for message in self._plan.warnings:
+        for message in warnings_for(self._plan, self.options):
             warnings.warn(message, UserWarning, stacklevel=3)
-        if not self.options.in_order and len(self._plan.worker_outputs) > 1 and self._plan.uses_processes:
-            warnings.warn(
-                f"in_order=False with {len(self._plan.worker_outputs)} worker outputs: each output is read as "
-                "its items arrive, so a main-process DataPipe that joins outputs by position (zip) pairs items "
-                "by arrival, not by index. Keep in_order=True for such joins.",
-                UserWarning,
-                stacklevel=3,
-            )
-        if not self._plan.uses_processes:
-            # In-process, as torchdata does: worker 0 of 1 runs the whole graph.
-            self._main = process_init_fn(datapipe, WorkerInfo(1, 0), self.options.worker_init_fn)
-            return self._checkpoints.adapt(self._main, counted_by_reader=False)
-        self._runtime = ServiceRuntime(self._plan, self.options)
-        self._main = self._runtime.start()
-        self._family.started(self._runtime)
-        return self._checkpoints.adapt(self._main, counted_by_reader=isinstance(self._main, WorkerReader))
+        self._runtime = open_runtime(datapipe, self._plan, self.options)
+        main = self._runtime.start()
+        self._family.started(self._runtime.figures)
+        return self._checkpoints.adapt(main, self._runtime.counts_handed_out)
 
-    def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> None:
-        if self._main is None:
-            raise RuntimeError("initialize_iteration() called before initialize(): use the service through DataLoader2")
+    def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> Any:
+        runtime = self._started("initialize_iteration")
         skips, next_worker = self._checkpoints.begin_epoch(seed_generator)  # a restored epoch: where to go on
-        set_graph_random_seed(self._main, seed_generator)
-        if self._runtime is not None:
-            self._runtime.begin_epoch(seed_generator, iter_reset_fn, skips, next_worker)
-        elif self.options.worker_reset_fn is not None:
-            self._main = self.options.worker_reset_fn(self._main, WorkerInfo(1, 0), seed_generator)
-            adapted = self._checkpoints.adapt(self._main, counted_by_reader=False)
-            return lambda _: adapted
-        return None
+        main = runtime.begin_epoch(seed_generator, iter_reset_fn, skips, next_worker)
+        if main is None:
+            return None  # the main segment DataLoader2 holds stays as it is
+        adapted = self._checkpoints.adapt(main, runtime.counts_handed_out)
+        return lambda _: adapted
 
     # -- checkpoint and restore: called by DataLoader2.state_dict() / from_state() ---------------
 
@@ -232,7 +211,6 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
 
     def finalize(self) -> None:
         if self._runtime is not None:
-            self._family.stopping(self._runtime)
             self._runtime.stop()
 
     # -- pause, resume, limit: called by DataLoader2 (its iterator's limit() and resume()) --
@@ -244,86 +222,20 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         Nothing is lost: items already produced wait in the channels and in the main
         process's readers, in order, until ``_resume``.
         """
-        self._require_main("_pause")
-        for datapipe in list_dps(traverse_dps(self._main)):
-            if callable(getattr(datapipe, "pause", None)):
-                datapipe.pause()
-        if self._runtime is not None:
-            self._runtime.pause(pause_fn)
-        return None
+        self._started("_pause").pause(pause_fn)
 
     def _resume(self, resume_fn: Callable[[Any], Any] | None = None) -> None:
-        self._require_main("_resume")
-        if self._runtime is not None:
-            self._runtime.resume(resume_fn)
-        for datapipe in reversed(list_dps(traverse_dps(self._main))):
-            if callable(getattr(datapipe, "resume", None)):
-                datapipe.resume()
-        return None
+        self._started("_resume").resume(resume_fn)
 
     def _limit(self, num_batches: int | None, limit_fn: Callable[[Any, int | None], Any] | None = None) -> None:
         """With a ``limit_fn`` (from a reading service chained before this one), apply it in
         the children and to the main segment, as torchdata does; the count of items itself
         is kept by DataLoader2's iterator."""
-        self._require_main("_limit")
+        runtime = self._started("_limit")
         if limit_fn is not None:
-            if self._runtime is not None:
-                num_batches = self._runtime.limit(num_batches, limit_fn)
-            limit_fn(self._main, num_batches)
-        return None
+            runtime.limit(num_batches, limit_fn)
 
-    def _require_main(self, what: str) -> None:
-        if self._main is None:
+    def _started(self, what: str) -> ServiceRuntime | InProcessRuntime:
+        if self._runtime is None:
             raise RuntimeError(f"{what}() called before initialize(): use the service through DataLoader2")
-
-
-class _Family:
-    """A service and the copies made of it in this process (DataLoader2 runs a copy), so
-    that the object a user created can report the statistics of the copy that runs.
-
-    Found again on unpickling through a token that names the process, so a copy made in
-    another process starts a family of its own. Holds the running service only weakly.
-    """
-
-    _registry: weakref.WeakValueDictionary[str, _Family] = weakref.WeakValueDictionary()
-    _counter = itertools.count()
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-        self._running: weakref.ref[ServiceRuntime] | None = None
-        self._final: Stats | None = None  # as they stood when the last one stopped
-        self._stopped: weakref.WeakSet[ServiceRuntime] = weakref.WeakSet()
-
-    @classmethod
-    def new(cls) -> _Family:
-        family = cls(f"{os.getpid()}:{next(cls._counter)}")
-        cls._registry[family.token] = family
-        return family
-
-    @classmethod
-    def joined(cls, token: str) -> _Family:
-        return cls._registry.get(token) or cls.new()
-
-    def started(self, runtime: ServiceRuntime) -> None:
-        self._running = weakref.ref(runtime)
-        self._final = None
-
-    def stopping(self, runtime: ServiceRuntime) -> None:
-        if runtime in self._stopped:
-            return
-        self._stopped.add(runtime)
-        if self._running is not None and self._running() is runtime:
-            self._final = runtime.stats()
-
-    def stopped_by(self, runtime: ServiceRuntime) -> bool:
-        return runtime in self._stopped
-
-    def stats(self) -> Stats:
-        running = self._running() if self._running is not None else None
-        if running is not None and running not in self._stopped:
-            return running.stats()
-        if self._final is not None:
-            return self._final
-        from .stats import aggregate  # the report types load when statistics are asked for
-
-        return aggregate([])
+        return self._runtime

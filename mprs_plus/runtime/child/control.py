@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 # again in every child on the path to its first item.
 import numpy.random  # noqa: F401
 from torch.utils.data import IterDataPipe
-from torchdata.dataloader2.graph import list_dps, traverse_dps
 
 from ..data_messages import RemoteError
 from ..control_messages import Limit, Pause, Received, Reset, Resume, Unreadable, unpack
+from ..pausing import pause_datapipes, resume_datapipes
 
 if TYPE_CHECKING:
     from .loop import ChildLoop
@@ -134,18 +134,14 @@ class SegmentControl:
                     self._begin_epoch(loop, epoch, value, skip)
                 case Pause():
                     loop.paused = True
-                    for datapipe in list_dps(traverse_dps(self.root)):
-                        if callable(getattr(datapipe, "pause", None)):
-                            datapipe.pause()
+                    pause_datapipes(self.root)
                     if value is not None:
                         self.root = value(self.root)
                 case Resume():
                     loop.paused = False
                     if value is not None:
                         self.root = value(self.root)
-                    for datapipe in reversed(list_dps(traverse_dps(self.root))):
-                        if callable(getattr(datapipe, "resume", None)):
-                            datapipe.resume()
+                    resume_datapipes(self.root)
                 case Limit():
                     num_batches, limit_fn = value
                     if limit_fn is not None:

@@ -14,7 +14,10 @@ the DataLoader2 suspends the reader between two items and loses none of them.
 
 Each reader keeps a ``ReadCursor``: how many items of each worker it has handed out, whose
 turn is next, and whether the epoch ended. It is updated just before an item is yielded,
-so it counts what the user received, never what waits in ``pending`` (checkpoints).
+so it counts what the user received, never what waits in ``pending``. It is the one count
+of handed-out items: checkpoints read it per worker, the statistics read its total
+(``MainReader.handed_out``), and a main segment with DataPipes of its own is counted by
+one too, at its end (``restore.MainCounter``).
 """
 
 from __future__ import annotations
@@ -35,13 +38,18 @@ class ReadCursor:
     the recorded counts and turn: an in-order reader begins at ``next_worker``.
     """
 
-    __slots__ = ("consumed", "next_worker", "ended")
+    __slots__ = ("consumed", "next_worker", "ended", "_restored")
 
     def __init__(self, workers: int, next_worker: int = 0, consumed: Sequence[int] = ()) -> None:
         # A restored epoch counts on from what the user had before the checkpoint.
         self.consumed = list(consumed) if consumed else [0] * workers
         self.next_worker = next_worker
         self.ended = False
+        self._restored = sum(self.consumed)  # handed out before the checkpoint, by another process
+
+    def handed(self) -> int:
+        """Items this cursor's reader handed out itself, in this process."""
+        return sum(self.consumed) - self._restored
 
 
 def read_in_order(

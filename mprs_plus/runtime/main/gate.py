@@ -6,7 +6,8 @@ threads of main-segment DataPipes through the mux) while another thread stops th
 two threads at once, nor after it is closed. So:
 
     reader  enter() -- raises ServiceClosedError once closed -- ... -- leave()
-    stop    close(): closed = True; wake every reader blocked in a wait (``wake_fd``
+    stop    moves the service's state to STOPPING (``state.py``): from then on the gate
+            is closed; then close(): wake every reader blocked in a wait (``wake_fd``
             becomes readable for good); wait, bounded, until no reader is inside
 
 Only after ``close()`` returns True does the stop touch the receivers (drain, close).
@@ -24,6 +25,7 @@ import threading
 
 from ...errors import ServiceClosedError
 from ..mux import WakePipe
+from .state import Lifecycle
 
 CLOSED_MESSAGE = (
     "this reading service has been shut down (DataLoader2.shutdown() or an earlier error); "
@@ -32,8 +34,13 @@ CLOSED_MESSAGE = (
 
 
 class ReadGate:
-    def __init__(self) -> None:
-        self.closed = False
+    """Closed exactly when the service's state says a stop has begun: the gate keeps no
+    flag of its own. A reader checks the state under the gate's lock and the stop takes
+    that lock after moving the state on, so a reader the stop does not see inside has
+    seen the state and left."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle = lifecycle
         self._lock = threading.Lock()  # ``with self._lock`` on the per-item path: cheaper than the Condition's
         self._cv = threading.Condition(self._lock)
         self._inside: dict[int, int] = {}  # thread id -> nesting depth of its reads
@@ -41,6 +48,10 @@ class ReadGate:
         self.wake_fd = self._closing.fd
         self._nudges = WakePipe()
         self.nudge_fd = self._nudges.fd
+
+    @property
+    def closed(self) -> bool:
+        return self.lifecycle.closed
 
     def enter(self) -> None:
         me = threading.get_ident()
@@ -63,15 +74,16 @@ class ReadGate:
             raise ServiceClosedError(CLOSED_MESSAGE)
 
     def close(self, timeout: float) -> bool:
-        """Refuse new reads, wake the blocked ones and wait up to ``timeout`` seconds for
-        every reader to leave. False when some is still inside (then the receivers must be
-        left alone): the calling thread itself (a stop from inside a read, e.g. a
-        finalizer run by the garbage collector there), or a reader stuck past the bound."""
+        """Wake the blocked readers and wait up to ``timeout`` seconds for every reader to
+        leave; called by the stop once the state refuses new reads. False when some is
+        still inside (then the receivers must be left alone): the calling thread itself (a
+        stop from inside a read, e.g. a finalizer run by the garbage collector there), or a
+        reader stuck past the bound."""
+        if not self.closed:
+            raise RuntimeError("internal error: the read gate was closed before the service's stop began")
         me = threading.get_ident()
         with self._cv:
-            if not self.closed:
-                self.closed = True
-                self._closing.wake()  # never cleared: every later wait returns at once
+            self._closing.wake()  # never cleared: every later wait returns at once
             if me in self._inside:
                 return False
             return self._cv.wait_for(lambda: not self._inside, timeout)

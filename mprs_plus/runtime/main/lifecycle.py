@@ -29,21 +29,23 @@ _TERMINATE_WAIT = 0.25  # SIGTERM kills at once unless the child is stopped (the
 _KILL_WAIT = 2.0
 DEATH_GRACE = 2.0  # seconds a process whose channel broke may take to be reaped
 
-_running: weakref.WeakSet[Any] = weakref.WeakSet()
+# Every service of this process not yet collected. Whether one still runs is its own
+# state's answer (``main/state.py``), which its ``stop()`` reads: this is no second answer.
+_at_exit: weakref.WeakSet[Any] = weakref.WeakSet()
 _hook_registered = False
 
 
 def stop_at_exit(resources: Any) -> None:
-    """Stop ``resources`` (anything with ``stop()``) at interpreter exit if still running."""
+    """Stop ``resources`` (anything with an idempotent ``stop()``) at interpreter exit."""
     global _hook_registered
     if not _hook_registered:
         atexit.register(_stop_all)
         _hook_registered = True
-    _running.add(resources)
+    _at_exit.add(resources)
 
 
 def _stop_all() -> None:
-    for resources in list(_running):
+    for resources in list(_at_exit):
         resources.stop()
 
 

@@ -232,7 +232,6 @@ class MainReader:
         self._gate = gate
         self._interrupted = interrupted  # Ctrl-C in a read: stop the children before unwinding
         self._read = read_in_order if in_order else read_as_ready
-        self._stats = stats
         # The mux's channel index of (worker w, output k), by output.
         position = {id(receiver): i for i, receiver in enumerate(channels.receivers)}
         self._channels = [
@@ -240,6 +239,7 @@ class MainReader:
         ]
         # What each output's reader handed out this epoch (checkpoints); None before the first.
         self.cursors: list[ReadCursor | None] = [None] * topology.outputs
+        self._handed_before = 0  # items handed out in earlier epochs
 
     def begin_epoch(self, next_worker: int = 0, consumed: Sequence[int] = ()) -> int:
         """Move on to the next epoch: readers of the previous one end, its leftovers are dropped.
@@ -248,6 +248,7 @@ class MainReader:
         self._gate.check()
         self.epoch += 1
         self._mux.advance(self.epoch)
+        self._handed_before = self.handed_out()
         self.cursors = [ReadCursor(len(channels), next_worker, consumed) for channels in self._channels]
         return self.epoch
 
@@ -255,19 +256,21 @@ class MainReader:
         """The current epoch's items of worker output ``branch``."""
         self._gate.check()
         items = self._read(self._take, self._channels[branch], self.epoch, self.cursors[branch])
-        return _guarded(items, self._gate, self._stats, self._interrupted)
+        return _guarded(items, self._gate, self._interrupted)
+
+    def handed_out(self) -> int:
+        """Items handed to the main segment since the service started, every output
+        together: the statistics' count, read off the cursors that checkpoints read."""
+        return self._handed_before + sum(cursor.handed() for cursor in self.cursors if cursor is not None)
 
 
-def _guarded(
-    items: Iterator[Any], gate: ReadGate, stats: StatsWriter | None, interrupted: Callable[[], None]
-) -> Iterator[Any]:
-    """Count the items, and let no internal error of a stopped service reach the user."""
+def _guarded(items: Iterator[Any], gate: ReadGate, interrupted: Callable[[], None]) -> Iterator[Any]:
+    """Let no internal error of a stopped service reach the user."""
+    lifecycle = gate.lifecycle
     try:
         for item in items:
-            if gate.closed:  # items already read when the service was shut down are not handed out
+            if lifecycle.closed:  # items already read when the service was shut down are not handed out
                 raise ServiceClosedError(CLOSED_MESSAGE)
-            if stats is not None:
-                stats.items_in += 1
             yield item
         gate.check()
     except GeneratorExit:

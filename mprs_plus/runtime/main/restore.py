@@ -41,27 +41,30 @@ from typing import Any
 from torch.utils.data import IterDataPipe
 
 from ...resume_state import Phase, ResumeState
-from .service import ServiceRuntime
+from .cursor import ReadCursor
 
 
 class MainCounter(IterDataPipe):
     """The outermost DataPipe of a main segment that holds state of its own: counts the items
     handed to the user this epoch, and drops the first ``skip`` of a restored epoch.
 
-    The count is taken before each item is yielded, that is when it leaves for the user."""
+    The count is a ``ReadCursor`` of one source, the main segment, as the workers' reader
+    keeps one per worker; it is taken before each item is yielded, that is when it leaves
+    for the user."""
 
     def __init__(self, source: Any) -> None:
         self.source = source
-        self.count = 0
-        self.ended = False
+        self.cursor = ReadCursor(1)
         self._skip = 0
 
     def begin(self, skip: int = 0) -> None:
         """A new epoch; a restored one first drops ``skip`` items."""
-        self.count, self.ended, self._skip = 0, False, skip
+        self.cursor, self._skip = ReadCursor(1), skip
 
 
 def _iterate_counted(self: MainCounter) -> Iterator[Any]:
+    cursor = self.cursor
+    consumed = cursor.consumed
     items = iter(self.source)
     skip, self._skip = self._skip, 0
     for _ in range(skip):
@@ -69,11 +72,11 @@ def _iterate_counted(self: MainCounter) -> Iterator[Any]:
             next(items)
         except StopIteration:
             break
-        self.count += 1
+        consumed[0] += 1
     for item in items:
-        self.count += 1
+        consumed[0] += 1
         yield item
-    self.ended = True
+    cursor.ended = True
 
 
 # Assigned after the class is made, as for the workers' reader: torch's DataPipe metaclass
@@ -84,7 +87,7 @@ MainCounter.__iter__ = _iterate_counted  # type: ignore[method-assign]
 def capture(
     num_workers: int,
     in_order: bool,
-    runtime: ServiceRuntime | None,
+    runtime: Any,
     counter: MainCounter | None,
     epoch_seed: bytes | None,
 ) -> ResumeState:
@@ -93,20 +96,17 @@ def capture(
     if epoch_seed is None:
         return ResumeState(num_workers, in_order, Phase.NOT_STARTED)
     if counter is not None:
-        if counter.ended:
+        if counter.cursor.ended:
             return ResumeState(num_workers, in_order, Phase.ENDED)
-        if not in_order and runtime is not None:
+        if not in_order and runtime is not None and runtime.in_processes:
             raise ValueError(
                 "a mid-epoch checkpoint of a pipeline with DataPipes in the main process needs in_order=True: "
                 "its main segment is replayed from the epoch start on restore, and with in_order=False the "
                 "replayed order differs. Use in_order=True, or checkpoint between epochs"
             )
-        return ResumeState(
-            num_workers, in_order, Phase.RUNNING, epoch_seed, (0,) * num_workers, 0, main_skip=counter.count
-        )
-    if runtime is None:
-        raise RuntimeError("internal error: a service without worker processes has no main counter")
-    cursor = runtime.read_cursor()
+        skip = counter.cursor.consumed[0]
+        return ResumeState(num_workers, in_order, Phase.RUNNING, epoch_seed, (0,) * num_workers, 0, main_skip=skip)
+    cursor = runtime.read_cursor() if runtime is not None else None
     if cursor is None:
         raise RuntimeError("internal error: an epoch began without a read cursor")
     if cursor.ended:
@@ -152,8 +152,9 @@ def set_seed_state(seed_generator: Any, state: bytes) -> None:
 class Checkpoints:
     """The reading service's checkpoint side, in one object so that the adapter only calls it.
 
-        adapt(main, runtime)       what DataLoader2 iterates: the main segment, wrapped in a
-                                   ``MainCounter`` unless it is one worker output as is
+        adapt(main, counted)       what DataLoader2 iterates: the main segment, wrapped in a
+                                   ``MainCounter`` unless the runtime's reader counts it
+                                   (one worker output as is)
         begin_epoch(generator)     a restored epoch: set the generator back; record the
                                    epoch's seeds; returns what each worker skips, whose
                                    turn is first (nothing and worker 0 for a normal epoch)
@@ -187,7 +188,7 @@ class Checkpoints:
             return (), 0
         return restored.consumed, restored.next_worker
 
-    def checkpoint(self, runtime: ServiceRuntime | None) -> bytes:
+    def checkpoint(self, runtime: Any) -> bytes:
         return capture(self._num_workers, self._in_order, runtime, self._counter, self._epoch_seed).to_bytes()
 
     def load(self, serialized_state: bytes) -> ResumeState:

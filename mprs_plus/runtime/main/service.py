@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterDataPipe
+from torchdata.dataloader2.graph import set_graph_random_seed
 
 from ...options import Options
 from ...plan import Plan
@@ -59,9 +60,13 @@ from .lifecycle import stop_at_exit
 from .reader import MainReader
 from ..control_messages import Limit, Pause, Reset, Resume, pack
 from .cursor import ReadCursor
+from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
 from ..stats import StatsTable
 from .stats import StatsView
+from .family import Figures
+from .inprocess import InProcessRuntime
+from .state import Lifecycle, State
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
 from .topology import ChildLink, Topology, plan_topology
 from ..child.worker import WorkerSetup, worker_main
@@ -71,6 +76,26 @@ if TYPE_CHECKING:
 
 _DATA_BYTES = 64 << 20
 _STATS_LOG = logging.getLogger("mprs_plus.stats")
+
+
+def open_runtime(datapipe: Any, plan: Plan, options: Options) -> ServiceRuntime | InProcessRuntime:
+    """The runtime for ``plan``: child processes, or none when nothing runs in workers."""
+    if not plan.uses_processes:
+        return InProcessRuntime(datapipe, options)
+    return ServiceRuntime(plan, options)
+
+
+def warnings_for(plan: Plan, options: Options) -> list[str]:
+    """What the user should hear about running ``plan`` with ``options``: the plan's own
+    footguns, and the options that do not fit it."""
+    found = list(plan.warnings)
+    if not options.in_order and len(plan.worker_outputs) > 1 and plan.uses_processes:
+        found.append(
+            f"in_order=False with {len(plan.worker_outputs)} worker outputs: each output is read as its items "
+            "arrive, so a main-process DataPipe that joins outputs by position (zip) pairs items by arrival, not "
+            "by index. Keep in_order=True for such joins."
+        )
+    return found
 
 
 class WorkerReader(IterDataPipe):
@@ -104,12 +129,16 @@ WorkerReader.__iter__ = _iterate_reader  # type: ignore[method-assign]
 
 
 class ServiceRuntime:
-    """The running service, as the reading service sees it.
+    """The running service, as the reading service sees it: the children and the main
+    segment they feed. ``InProcessRuntime`` (``inprocess.py``) has the same surface.
 
     It stops on ``stop()``, when it is garbage collected, and at interpreter exit,
     whichever comes first. Its parts never reference it back, so dropping the last
     reference stops the children at once, without waiting for a garbage collection.
+    Its state (``lifecycle``, ``state.py``) is the supervisor's.
     """
+
+    in_processes = True
 
     def __init__(self, plan: Plan, options: Options) -> None:
         self.plan = plan
@@ -117,10 +146,19 @@ class ServiceRuntime:
         self._topology: Topology = plan_topology(plan, options.num_workers)
         self._ctx = multiprocessing.get_context(options.multiprocessing_context)
         self._supervisor = Supervisor(self._topology, self._ctx)
+        self.lifecycle: Lifecycle = self._supervisor.lifecycle
         self._reader: MainReader | None = None
-        self._stats: StatsView | None = None
-        self._finalizer = weakref.finalize(self, self._supervisor.stop)
+        self._main: Any = None  # the main segment, once started
+        self.figures = Figures()
+        self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
+        weakref.finalize(self, self._supervisor.stop)
         stop_at_exit(self._supervisor)
+
+    @property
+    def counts_handed_out(self) -> bool:
+        """Whether the reader's cursor counts what the user receives (the main segment is
+        one worker output as is); else the main segment is counted at its end."""
+        return isinstance(self._main, WorkerReader)
 
     def start(self) -> Any:
         """Open every channel and prepare every child; return the main segment, ready to
@@ -132,10 +170,12 @@ class ServiceRuntime:
         start here, where a segment that cannot be pickled is reported, and boot while
         the first epoch is sent."""
         supervisor, topology = self._supervisor, self._topology
+        stats = None
         if self.options.collect_stats:
-            self._stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
+            stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
         try:
-            _prepare_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats)
+            _wire_children(self.plan, self.options, self._ctx, topology, supervisor, stats)
+            self.lifecycle.advance(State.PREPARED)
             if self._ctx.get_start_method() != "fork":
                 supervisor.launch_all()
             self._reader = MainReader(
@@ -145,30 +185,35 @@ class ServiceRuntime:
                 supervisor.stop,
                 self.options.in_order,
                 self.options.timeout,
-                self._stats.main if self._stats is not None else None,
-                self._stats.asleep_for if self._stats is not None else None,
+                stats.main if stats is not None else None,
+                stats.asleep_for if stats is not None else None,
             )
+            self.figures.watch(stats, self._reader)
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
-            main_pipeline = build_main_pipeline(self.plan, readers)
+            self._main = build_main_pipeline(self.plan, readers)
         except BaseException:
             supervisor.stop()
             raise
         if self.options.stats_interval is not None:
-            _start_stats_logger(self, self.options.stats_interval, supervisor.closing)
-        return main_pipeline
+            _start_stats_logger(self.figures, self.options.stats_interval, self.lifecycle)
+        return self._main
 
     # -- epochs, pause, resume, limit ----------------------------------------------------
 
     def begin_epoch(
         self, seed_generator: Any, iter_reset_fn: Any = None, skips: Sequence[int] = (), next_worker: int = 0
-    ) -> None:
-        """Open a new epoch everywhere; items of earlier epochs still in flight are dropped.
+    ) -> Any:
+        """Seed the main segment and open a new epoch everywhere; items of earlier epochs
+        still in flight are dropped. Returns None: the main segment stays the same object
+        (``InProcessRuntime`` may return a new one).
 
         A restored epoch passes ``skips[w]``, the items worker w drops before sending (the
         user had them), and ``next_worker``, whose turn comes first (``restore.py``).
         Children not started yet start here, one after another, each with its Reset
         already queued (see ``start``)."""
-        epoch = self._started().begin_epoch(next_worker, skips)
+        reader = self._started()
+        set_graph_random_seed(self._main, seed_generator)
+        epoch = reader.begin_epoch(next_worker, skips)
         topology, supervisor = self._topology, self._supervisor
         resets: list[tuple[ChildLink, Reset]] = []  # all pickled before any child starts
         if topology.dispatch is not None:
@@ -187,6 +232,7 @@ class ServiceRuntime:
             if launching:
                 supervisor.stop()  # a child failed to start: stop those that did, release every channel
             raise
+        return None
 
     def _launch_with(self, resets: list[tuple[ChildLink, Reset]], first_worker: int) -> None:
         """Start the children for their first epoch. The ones the first item needs (the
@@ -208,25 +254,26 @@ class ServiceRuntime:
         None before it was read."""
         return self._started().cursors[0]
 
-    def iterate(self, branch: int = 0) -> Iterator[Any]:
-        return self._started().iterate(branch)
-
     def pause(self, pause_fn: Any = None) -> None:
-        """Ask every child to stop producing at its next item boundary, pause() its DataPipes
-        and run ``pause_fn`` on its segment. Waits for nothing: what the children already
-        produced stays in their channels, in order."""
+        """pause() the main segment's DataPipes (e.g. fullsync, prefetch), then ask every
+        child to stop producing at its next item boundary, pause() its DataPipes and run
+        ``pause_fn`` on its segment. Waits for nothing: what the children already produced
+        stays in their channels and in the main process's readers, in order."""
+        pause_datapipes(self._main)
         self._broadcast(Pause, lambda link: pause_fn)
 
     def resume(self, resume_fn: Any = None) -> None:
         self._broadcast(Resume, lambda link: resume_fn)
+        resume_datapipes(self._main)
 
-    def limit(self, num_batches: int | None, limit_fn: Any) -> int | None:
-        """Send ``limit_fn`` to the children as torchdata does: with a dispatch process, it
-        gets ``num_batches`` and each worker its share; without one, ``None`` everywhere.
-        Returns what the main segment's ``limit_fn`` receives."""
+    def limit(self, num_batches: int | None, limit_fn: Any) -> None:
+        """Apply ``limit_fn`` as torchdata does: with a dispatch process, the dispatch
+        process and the main segment get ``num_batches`` and each worker its share; without
+        one, ``None`` everywhere."""
         if self._topology.dispatch is None:
             self._broadcast(Limit, lambda link: (None, limit_fn))
-            return None
+            limit_fn(self._main, None)
+            return
         n = len(self._topology.workers)
 
         def share(link: ChildLink) -> tuple[int | None, Any]:
@@ -235,7 +282,7 @@ class ServiceRuntime:
             return (num_batches // n + (link.index < num_batches % n), limit_fn)
 
         self._broadcast(Limit, share)
-        return num_batches
+        limit_fn(self._main, num_batches)
 
     def _broadcast(self, kind: type[Pause | Resume | Limit], payload_of: Callable[[ChildLink], Any]) -> None:
         epoch = self._started().epoch
@@ -251,24 +298,22 @@ class ServiceRuntime:
     # -- statistics, stop ----------------------------------------------------------------
 
     def stats(self) -> Stats:
-        """Every process's counters as of now, added up per segment, with a verdict."""
-        if self._stats is not None:
-            return self._stats.snapshot()
-        from ...stats import aggregate  # the report types load when statistics are asked for
-
-        return aggregate([])
+        """Every process's counters as of now, added up per segment, with a verdict; once
+        the stop began, as they stood then."""
+        return self.figures.snapshot()
 
     def stop(self) -> None:
-        self._finalizer()
+        self._supervisor.stop()
 
 
-def _prepare_children(
+def _wire_children(
     plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
 ) -> None:
-    """Open every channel of ``topology`` and have the supervisor ready to start each child
-    (dispatch process first). Every end is handed over as soon as it is open (to its link,
-    or to the supervisor to hold for a child), so a failure half-way leaves the supervisor
-    able to release everything opened so far.
+    """Open every channel of ``topology``, fill in every link's endpoints (the one place
+    that writes them) and freeze the topology; have the supervisor ready to start each
+    child (dispatch process first). Every end is handed over as soon as it is open (to its
+    link, or to the supervisor to hold for a child), so a failure half-way leaves the
+    supervisor able to release everything opened so far.
 
     Opening a channel commits no ring memory (pages are committed as messages first touch
     them, ``transport/_memory.py``), so this costs a few system calls per channel."""
@@ -325,19 +370,20 @@ def _prepare_children(
             stats=stats.writers(link) if stats is not None else (),
         )
         supervisor.prepare(link, worker_main, setup)
+    topology.freeze()
 
 
-def _start_stats_logger(runtime: ServiceRuntime, interval: float, stopping: threading.Event) -> None:
+def _start_stats_logger(figures: Figures, interval: float, lifecycle: Lifecycle) -> None:
     """Log ``stats().summary()`` every ``interval`` seconds until the service stops; holds the
-    service only weakly, so it never keeps a dropped service alive."""
-    service = weakref.ref(runtime)
+    statistics only weakly, so it never keeps a dropped service alive."""
+    service = weakref.ref(figures)
 
     def run() -> None:
-        while not stopping.wait(interval):
+        while not lifecycle.wait_closed(interval):
             live = service()
             if live is None:
                 return
-            _STATS_LOG.info("%s", live.stats().summary())
+            _STATS_LOG.info("%s", live.snapshot().summary())
             del live
 
     threading.Thread(target=run, name="mprs_plus stats", daemon=True).start()

@@ -11,17 +11,22 @@
             that watches the child's sentinel and the stop; a child that takes no message
             for ``CONTROL_WAIT`` seconds is stuck (SIGSTOP, a C call holding its GIL):
             the service stops and the caller gets a TimeoutError saying so
-    stop    1. close every control sender: that *is* the children's STOP (their listener
+    stop    0. the state moves to STOPPING (``state.py``): no read, send or start begins;
+               what asked to see the service one last time (``at_stop``: the statistics
+               as they stand) does, while the children still run
+            1. close every control sender: that *is* the children's STOP (their listener
                sees the end of the stream), and closing never waits
             2. close the read gate: readers in other threads wake up and leave
             3. wait ``STOP_GRACE`` for the children, meanwhile skipping (never unpickling)
                whatever they still write, so that none stays blocked on a full channel;
                then SIGTERM, then SIGKILL
-            4. close the main process's ends of the data channels
+            4. let go of the ends held for children that never started
+            5. close the main process's ends of the data channels
+            6. the state moves to STOPPED
 
-Every step runs whatever the previous ones raised (``ExitStack``), so escalation and
-release always happen. ``stop()`` is idempotent and thread-safe: a second caller waits for
-the first one's stop (bounded) and returns.
+Every step runs whatever the previous ones raised (``_Steps``), so escalation and release
+always happen. ``stop()`` is idempotent and thread-safe: a second caller waits for the
+first one's stop (bounded) and returns.
 
 The supervisor is what the finalizer and the exit hook hold; it references no facade, so
 dropping the last reference to the facade runs the finalizer at once.
@@ -38,13 +43,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ...errors import ServiceClosedError
 from ...transport import ChannelError, Endpoint, wait_readable
 from .diagnose import unpicklable_error
 from .gate import CLOSED_MESSAGE, ReadGate
 from .lifecycle import DEATH_GRACE, death_error, stop_processes
+from .state import Lifecycle, State
 from .topology import ChildLink, Topology
 
 CONTROL_ITEMS = 4  # control messages are small and rare; a few in flight is plenty
@@ -60,24 +66,19 @@ _GATE_WAIT = 2.0  # seconds a stop waits for readers of other threads to leave
 class Supervisor:
     def __init__(self, topology: Topology, ctx: Any) -> None:
         self.topology = topology
-        self.gate = ReadGate()
-        self.closing = threading.Event()  # set when the stop begins; ends the statistics logger
+        self.lifecycle = Lifecycle()  # the service's one state: every "is it stopped?" reads it
+        self.gate = ReadGate(self.lifecycle)
         self._ctx = ctx
         self._owner_pid = os.getpid()
-        self._stopped = False
         self._stop_lock = threading.RLock()
         self._control_lock = threading.RLock()
-        self._exclusive = False  # the stop owns the data receivers (no reader is inside)
         self._drained: set[int] = set()  # ids of data receivers found ended while stopping
         # Children not started yet, in start order: the process body and its argument.
         self._pending: dict[ChildLink, tuple[Callable[[Any], None], Any]] = {}
         # Channel ends that belong to the children: held until every child is started
         # (a fork inherits them), then released here.
         self._held: list[Endpoint] = []
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
+        self._last_looks: list[Callable[[], None]] = []  # run first in the stop (``at_stop``)
 
     # -- start ---------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class Supervisor:
         with self._stop_lock:
             if link not in self._pending:
                 return
-            if self._stopped:
+            if self.lifecycle.closed:
                 raise ServiceClosedError(CLOSED_MESSAGE)
             target, setup = self._pending.pop(link)
             process = self._ctx.Process(target=target, args=(setup,), name=link.name, daemon=True)
@@ -110,11 +111,12 @@ class Supervisor:
                 if self._ctx.get_start_method() == "fork":
                     raise
                 raise unpicklable_error(setup, self._ctx.get_start_method(), link.name) from exc
-            link.process = process
+            link.attach(process)
             link.control.watch(process.sentinel)
             if not self._pending:
                 self._release_held()
                 self._watch_children()
+                self.lifecycle.advance(State.RUNNING)
 
     def launch_all(self) -> None:
         for link in list(self._pending):
@@ -147,7 +149,7 @@ class Supervisor:
         bytes): a larger one could wait for a reader that does not exist yet."""
         with self._stop_lock:
             if link in self._pending and len(message.payload) <= QUEUE_FIRST_BYTES:
-                if self._stopped:
+                if self.lifecycle.closed:
                     raise ServiceClosedError(CLOSED_MESSAGE)
                 try:
                     link.control.send(message, timeout=0)
@@ -167,7 +169,7 @@ class Supervisor:
         timeout = 0.0  # first a non-blocking try: the usual case
         while True:
             with self._control_lock:
-                if self._stopped:
+                if self.lifecycle.closed:
                     raise ServiceClosedError(CLOSED_MESSAGE)
                 try:
                     link.control.send(message, timeout=timeout)
@@ -189,11 +191,16 @@ class Supervisor:
             timeout = _SLICE
 
     def death_error(self) -> Exception:
-        if self._stopped:
+        if self.lifecycle.closed:
             return ServiceClosedError(CLOSED_MESSAGE)
         return death_error([link.process for link in self.topology.started()])
 
     # -- stop ----------------------------------------------------------------------------
+
+    def at_stop(self, last_look: Callable[[], None]) -> None:
+        """Run ``last_look()`` first in the stop, while the children still run. It must not
+        reference the facade (the finalizer holds this supervisor)."""
+        self._last_looks.append(last_look)
 
     def stop(self) -> None:
         """Stop every child and close every endpoint. Idempotent, thread-safe, bounded in
@@ -201,16 +208,18 @@ class Supervisor:
         if os.getpid() != self._owner_pid:
             return
         with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self.closing.set()
-            with contextlib.ExitStack() as steps:  # callbacks run last-in first-out, each whatever the others raise
-                steps.callback(self._release_main_ends)
-                steps.callback(self._drop_unstarted)
-                steps.callback(self._end_children)
-                steps.callback(self._close_gate)
-                steps.callback(self._close_controls)
+            if not self.lifecycle.advance(State.STOPPING):
+                return  # stopped, or stopping in this thread (a finalizer run inside the stop)
+            steps = _Steps()
+            for last_look in self._last_looks:
+                steps.run(last_look)
+            steps.run(self._close_controls)
+            exclusive = steps.run(self._close_gate, default=False)
+            steps.run(self._end_children, exclusive)
+            steps.run(self._drop_unstarted)
+            steps.run(self._release_main_ends, exclusive)
+            steps.run(self.lifecycle.advance, State.STOPPED)
+            steps.raise_first()
 
     def _close_controls(self) -> None:
         with self._control_lock:
@@ -222,15 +231,16 @@ class Supervisor:
                     with contextlib.suppress(Exception):
                         link.control.close()
 
-    def _close_gate(self) -> None:
-        self._exclusive = self.gate.close(_GATE_WAIT)
+    def _close_gate(self) -> bool:
+        """Whether the stop now owns the data receivers: no reader is inside."""
+        return self.gate.close(_GATE_WAIT)
 
-    def _end_children(self) -> None:
+    def _end_children(self, exclusive: bool) -> None:
         processes = [link.process for link in self.topology.started()]
-        stop_processes(processes, drain=self._drain if self._exclusive else None)
+        stop_processes(processes, drain=self._drain if exclusive else None)
 
-    def _release_main_ends(self) -> None:
-        if not self._exclusive:
+    def _release_main_ends(self, exclusive: bool) -> None:
+        if not exclusive:
             return  # a reader is still inside: closing under it would break it; the process exit frees them
         for _, receiver in self.topology.data_receivers():
             with contextlib.suppress(Exception):
@@ -256,3 +266,27 @@ class Supervisor:
                     pass
             except ChannelError:
                 self._drained.add(id(ready))
+
+
+_T = TypeVar("_T")
+
+
+class _Steps:
+    """Steps run in reading order, each whatever the earlier ones raised; the first error
+    is raised once all have run."""
+
+    def __init__(self) -> None:
+        self._error: BaseException | None = None
+
+    def run(self, step: Callable[..., _T], *args: Any, default: _T | None = None) -> _T | None:
+        try:
+            return step(*args)
+        except BaseException as exc:
+            if self._error is None:
+                self._error = exc
+            return default
+
+    def raise_first(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

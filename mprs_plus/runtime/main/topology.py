@@ -7,7 +7,9 @@
 
 ``plan_topology`` computes the shape purely from the Plan: which children exist, their
 names, how many lanes each runs and which statistics rows those lanes write. The
-supervisor then fills in the endpoints and the process of each link as it starts them.
+service's wiring (``service._wire_children``) then fills in every link's endpoints, in one
+place, and freezes the topology: a later write of an endpoint is an internal error. The
+supervisor attaches each link's process, once, when it starts it.
 Nothing else in the main process counts positions: a worker's data receivers are
 ``link.data``, the dispatch process is ``topology.dispatch``, a lane's statistics row is
 ``link.stats_rows[k]``.
@@ -24,12 +26,16 @@ from ...segment import Segment
 from ...transport import Receiver, Sender
 
 
+_ENDPOINTS = frozenset({"control", "data", "_wired"})
+
+
 @dataclass(eq=False)
 class ChildLink:
     """One child process as the main process sees it.
 
     ``role``, ``index``, ``name``, ``lanes`` and ``stats_rows`` come from the plan; the
-    endpoints and ``process`` are filled in by the supervisor when it starts the child.
+    endpoints are filled in by the wiring and frozen with the topology; ``process`` is
+    attached by the supervisor when it starts the child, once.
     """
 
     role: Segment  # the segment this child runs: DISPATCH or WORKER
@@ -40,6 +46,20 @@ class ChildLink:
     control: Sender | None = None  # main -> this child
     data: tuple[Receiver, ...] = ()  # this child's output k -> main (workers only)
     process: Any = None
+    _wired: bool = field(default=False, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _ENDPOINTS and self._wired:
+            raise RuntimeError(f"internal error: {self.name}'s {name} written after the topology was wired")
+        if name == "process" and name in self.__dict__:
+            raise RuntimeError(f"internal error: {self.name}'s process is attached by the supervisor, once")
+        object.__setattr__(self, name, value)
+
+    def attach(self, process: Any) -> None:
+        """The started process of this link; a link is started once."""
+        if self.process is not None:
+            raise RuntimeError(f"internal error: {self.name} started twice")
+        object.__setattr__(self, "process", process)
 
     @property
     def alive(self) -> bool:
@@ -56,6 +76,11 @@ class Topology:
 
     def __post_init__(self) -> None:
         self.outputs = self.workers[0].lanes if self.workers else 0
+
+    def freeze(self) -> None:
+        """Every endpoint is in place: from now on the links' endpoints are read-only."""
+        for link in self.children():
+            object.__setattr__(link, "_wired", True)
 
     def children(self) -> Iterator[ChildLink]:
         if self.dispatch is not None:

@@ -1,0 +1,83 @@
+"""A reading service and the copies made of it in this process, so that the object a user
+created reports the statistics of the copy that runs.
+
+``DataLoader2`` runs a copy of the service it is given (pickled and unpickled). A copy
+finds the original's family again through a token that names the process, so a copy made
+in another process starts a family of its own. The family holds the statistics of the
+copy started last (``Figures``, which keep neither the runtime nor its children alive),
+never a runtime.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from ...stats import Stats
+    from .stats import StatsView
+    from .reader import MainReader
+
+
+class Family:
+    _registry: ClassVar[weakref.WeakValueDictionary[str, Family]] = weakref.WeakValueDictionary()
+    _counter: ClassVar[itertools.count[int]] = itertools.count()
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._figures: Figures | None = None  # of the copy started last: live, or as they stood at its stop
+
+    @classmethod
+    def new(cls) -> Family:
+        family = cls(f"{os.getpid()}:{next(cls._counter)}")
+        cls._registry[family.token] = family
+        return family
+
+    @classmethod
+    def joined(cls, token: str) -> Family:
+        return cls._registry.get(token) or cls.new()
+
+    def started(self, figures: Figures) -> None:
+        self._figures = figures
+
+    def stats(self) -> Stats:
+        return self._figures.snapshot() if self._figures is not None else _empty()
+
+
+class Figures:
+    """One runtime's statistics: live while it runs, as they stood once its stop began.
+
+    Holds the statistics view and the reader (whose cursors count the items handed out),
+    never the runtime, and lets go of both when it freezes: a ``Family`` may keep it after
+    the runtime is gone."""
+
+    def __init__(self) -> None:
+        self._view: StatsView | None = None
+        self._reader: MainReader | None = None
+        self._final: Stats | None = None
+
+    def watch(self, view: StatsView | None, reader: MainReader) -> None:
+        self._view, self._reader = view, reader
+
+    def snapshot(self) -> Stats:
+        view, reader, final = self._view, self._reader, self._final  # a stop may freeze meanwhile
+        if final is not None:
+            return final
+        if view is None or reader is None:
+            return _empty()
+        view.main.items_in = reader.handed_out()
+        return view.snapshot()
+
+    def freeze(self) -> None:
+        """The first step of the stop, while the children still run."""
+        if self._final is None:
+            self._final = self.snapshot()
+            self._view = self._reader = None
+
+
+def _empty() -> Stats:
+    from ...stats import aggregate  # the report types load when statistics are asked for
+
+    return aggregate([])
