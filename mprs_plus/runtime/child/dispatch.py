@@ -52,7 +52,7 @@ def dispatch_main(setup: DispatchSetup) -> None:
         try:
             root = setup.init_fn(root, info)
             outputs_of(root, count)
-        except Exception as exc:
+        except BaseException as exc:  # user code: any exception is reported (loop.produce)
             failure = RemoteError.capture(exc, where)
 
     def reset(root: Any, epoch: int, seed_generator: Any, iter_reset_fn: Any) -> Any:
