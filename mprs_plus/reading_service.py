@@ -168,6 +168,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
 
     def initialize(self, datapipe: Any) -> Any:
         self._plan = plan(datapipe, self.options.num_workers)
+        self._checkpoints.planned(self._plan)  # a checkpoint names the graph it is about
         for message in self._plan.warnings:
             warnings.warn(message, UserWarning, stacklevel=3)
         if not self.options.in_order and len(self._plan.worker_outputs) > 1 and self._plan.uses_processes:
