@@ -34,8 +34,8 @@ flat-map after a dispatcher that keeps far more items on some workers than on ot
 With one worker output, ``in_order=False`` reads whichever worker is ready, so w' is
 always read and the cycle cannot close. When it does close, the read raises
 ``PipelineStuckError`` instead of waiting forever (``main_reader.MainChannels._wait_watching``:
-every child's lane asleep in a channel wait, per the statistics table, while the main
-process waits); without statistics it logs a warning.
+every child's lane asleep in a channel wait, per the always-kept ``liveness.py`` slots, while
+the main process waits), whether statistics are collected or not.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from .reader import MainReader
 from ..control_messages import Limit, Pause, Reset, Resume, pack
 from .cursor import ReadCursor
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
+from ..liveness import Liveness
 from ..stats import Stats, StatsTable, StatsView, aggregate
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
 from .topology import ChildLink, Role, Topology, plan_topology
@@ -129,8 +130,10 @@ class ServiceRuntime:
         supervisor, topology = self._supervisor, self._topology
         if self.options.collect_stats:
             self._stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
+        liveness = Liveness(self._ctx, topology.stats_rows)  # kept whatever the options: a stuck read's evidence
+        lanes = [row for link in topology.children() for row in link.stats_rows]
         try:
-            _prepare_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats)
+            _prepare_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats, liveness)
             if self._ctx.get_start_method() != "fork":
                 supervisor.launch_all()
             self._reader = MainReader(
@@ -141,7 +144,7 @@ class ServiceRuntime:
                 self.options.in_order,
                 self.options.timeout,
                 self._stats.main if self._stats is not None else None,
-                self._stats.asleep_for if self._stats is not None else None,
+                lambda seconds: liveness.asleep_for(lanes, seconds),
             )
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
             main_pipeline = build_main_pipeline(self.plan, readers)
@@ -254,7 +257,13 @@ class ServiceRuntime:
 
 
 def _prepare_children(
-    plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
+    plan: Plan,
+    options: Options,
+    ctx: Any,
+    topology: Topology,
+    supervisor: Supervisor,
+    stats: StatsView | None,
+    liveness: Liveness | None = None,
 ) -> None:
     """Open every channel of ``topology`` and have the supervisor ready to start each child
     (dispatch process first). Every end is handed over as soon as it is open (to its link,
@@ -293,6 +302,7 @@ def _prepare_children(
             groups,
             min(64, buffer),
             stats.writers(link) if stats is not None else (),
+            tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
         )
         supervisor.prepare(link, dispatch_main, setup)
     for link in topology.workers:
@@ -314,6 +324,7 @@ def _prepare_children(
             init_fn=options.worker_init_fn,
             reset_fn=options.worker_reset_fn,
             stats=stats.writers(link) if stats is not None else (),
+            liveness=tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
         )
         supervisor.prepare(link, worker_main, setup)
 
