@@ -36,8 +36,9 @@ _LOG = logging.getLogger("mprs_plus")
 
 # An in-order read that waits two of these spans for one worker, the second one while
 # every other worker sits on unread output and writes nothing more, is looked at: a
-# warning, or PipelineStuckError when every process sleeps (``_wait_watching``).
-STUCK_SECONDS = 5.0
+# warning, or PipelineStuckError when every process sleeps (``_wait_watching``). A read
+# that starves raises at most two spans after the cycle closed: well within 15 s.
+STUCK_SECONDS = 4.0
 
 
 class MainChannels:
