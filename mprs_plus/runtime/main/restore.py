@@ -91,12 +91,14 @@ def fingerprint(plan: Plan) -> str:
     """What a checkpoint's counts are about: every node's type, segment and parents, and
     which nodes cross between processes. Pure, and only the plan's *what runs where*: the
     start method, the backend or the hosts the segments run on do not enter it, so that a
-    checkpoint restores wherever the same pipeline runs."""
+    checkpoint restores wherever the same pipeline runs. Types go by qualified name without
+    their module, so that a class defined in a script (``__main__``) and later imported from
+    a module is still the same."""
     lines = [f"workers {plan.num_workers > 0}", f"dispatchers {plan.dispatchers}", f"outputs {plan.worker_outputs}"]
     for node in plan.graph.nodes:
         kind = type(plan.graph.datapipes[node.index])
         segment = plan.segments[node.index].value
-        lines.append(f"{node.index} {kind.__module__}.{kind.__qualname__} {segment} {node.parents}")
+        lines.append(f"{node.index} {kind.__qualname__} {segment} {node.parents}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
@@ -106,22 +108,9 @@ def capture(
     runtime: ServiceRuntime | None,
     counter: MainCounter | None,
     epoch_seed: bytes | None,
-    graph: str | None = None,
 ) -> ResumeState:
     """The state of the epoch as the user has seen it; ``epoch_seed``: the pickled seed
-    generator as the current epoch received it, None before the first epoch; ``graph``:
-    the planned graph's ``fingerprint``."""
-    state = _capture(num_workers, in_order, runtime, counter, epoch_seed)
-    return dataclasses.replace(state, graph=graph)
-
-
-def _capture(
-    num_workers: int,
-    in_order: bool,
-    runtime: ServiceRuntime | None,
-    counter: MainCounter | None,
-    epoch_seed: bytes | None,
-) -> ResumeState:
+    generator as the current epoch received it, None before the first epoch."""
     if epoch_seed is None:
         return ResumeState(num_workers, in_order, Phase.NOT_STARTED)
     if counter is not None:
@@ -225,8 +214,8 @@ class Checkpoints:
         return restored.consumed, restored.next_worker
 
     def checkpoint(self, runtime: ServiceRuntime | None) -> bytes:
-        state = capture(self._num_workers, self._in_order, runtime, self._counter, self._epoch_seed, self._graph)
-        return state.to_bytes()
+        state = capture(self._num_workers, self._in_order, runtime, self._counter, self._epoch_seed)
+        return dataclasses.replace(state, graph=self._graph).to_bytes()
 
     def load(self, serialized_state: bytes) -> ResumeState:
         state = ResumeState.from_bytes(serialized_state)
