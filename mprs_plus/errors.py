@@ -19,7 +19,10 @@ class AmbiguousGraphError(PlanError):
 class WorkerError(RuntimeError):
     """A process of the reading service failed; the message carries the remote traceback.
 
-    Used when the original exception type cannot be rebuilt in the main process.
+    Used when the original exception type cannot be rebuilt in the main process, and for
+    a ``BaseException`` that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
+    ``GeneratorExit`` raised by a worker's code): raised as itself in the main process, it
+    would end the training process, read as a Ctrl-C, or close a generator.
     """
 
 

@@ -165,6 +165,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
 
     def initialize(self, datapipe: Any) -> Any:
         self._plan = plan(datapipe, self.options.num_workers)
+        self._checkpoints.planned(self._plan)  # a checkpoint names the graph it is about
         for message in warnings_for(self._plan, self.options):
             warnings.warn(message, UserWarning, stacklevel=3)
         self._runtime = open_runtime(datapipe, self._plan, self.options)

@@ -139,14 +139,16 @@ def test_exception_that_cannot_be_pickled_keeps_its_type_and_text():
     assert any("MapperIterDataPipe" in note for note in info.value.__notes__)
 
 
-def test_exception_that_cannot_be_rebuilt_arrives_as_worker_error():
-    # Its constructor wants two arguments, as torch's fallback it becomes a RuntimeError.
+def test_exception_whose_constructor_wants_two_arguments_keeps_its_type():
+    # Neither built from one message nor unpickled (its constructor wants two arguments):
+    # made without its constructor, its args set back; the torch text is its first note.
     loader = loader_for(sharded(10, pipelines.raise_needs_two))
-    with pytest.raises(WorkerError, match="Caught NeedsTwoArgsError in worker process 0") as info:
+    with pytest.raises(pipelines.NeedsTwoArgsError) as info:
         list(loader)
     loader.shutdown()
-    assert isinstance(info.value, RuntimeError)
-    assert "NeedsTwoArgsError: odd failure at 2" in str(info.value)
+    assert str(info.value).startswith("odd failure at 2")  # and torch's DataPipe note, as with num_workers=0
+    assert info.value.__notes__[0].startswith("Caught NeedsTwoArgsError in worker process 0")
+    assert "NeedsTwoArgsError: odd failure at 2" in info.value.__notes__[0]
 
 
 def test_error_in_worker_init_fn_surfaces():

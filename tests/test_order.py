@@ -12,7 +12,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService, PipelineStuckError
-from mprs_plus.runtime.main import stats
+from mprs_plus.runtime import liveness
 from mprs_plus.runtime.main import reader as main_reader
 
 
@@ -63,12 +63,13 @@ def test_as_ready_in_process_is_plain_iteration():
 
 
 @pytest.mark.timeout(60)
-def test_without_statistics_a_starved_in_order_read_is_reported_and_its_timeout_says_why(monkeypatch, caplog):
+def test_a_starved_read_the_service_cannot_prove_stuck_is_reported_and_its_timeout_says_why(monkeypatch, caplog):
     """The cycle ``service.py`` describes, closed on purpose: worker 1 keeps no item, so the
     main process waits for it while worker 0 fills its channel, and the dispatcher waits
-    for room at worker 0. Without a report it would be a silent hang."""
+    for room at worker 0. Forced here: every look at the processes finds one awake (as if
+    it computed), so the service only warns, and the timeout names the cause."""
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
-    # Without statistics the service cannot tell that every process sleeps: it warns.
+    monkeypatch.setattr(liveness.Liveness, "asleep_for", lambda self, slots, seconds: False)
     service = MultiProcessingReadingService(2, multiprocessing_context="fork", timeout=4, collect_stats=False)
     loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
     try:
@@ -144,13 +145,13 @@ def test_a_stuck_read_first_seen_while_a_process_still_ran_raises_at_a_later_loo
     raise, never leave the read waiting forever with only a warning."""
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
     looks = []
-    real = stats.StatsView.asleep_for
+    real = liveness.Liveness.asleep_for
 
-    def first_look_says_no(self, seconds):
+    def first_look_says_no(self, slots, seconds):
         looks.append(seconds)
-        return len(looks) > 1 and real(self, seconds)
+        return len(looks) > 1 and real(self, slots, seconds)
 
-    monkeypatch.setattr(stats.StatsView, "asleep_for", first_look_says_no)
+    monkeypatch.setattr(liveness.Liveness, "asleep_for", first_look_says_no)
     service = MultiProcessingReadingService(2, multiprocessing_context="fork")
     loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
     try:

@@ -177,18 +177,18 @@ class Batcher:
             self._sender.send((Kind.ITEMS, self._epoch, items))
         except ChannelError:
             raise
-        except Exception as exc:
+        except BaseException as exc:  # an item's own pickling code may raise anything (SystemExit...)
             self._cannot_send(items, exc)
         else:
             self._handed += len(items)
             self._sent_at = _clock()
 
-    def _cannot_send(self, items: list[Any], exc: Exception) -> None:
+    def _cannot_send(self, items: list[Any], exc: BaseException) -> None:
         """Send the items before the one that does not pickle, then an ERROR about it."""
         self._failed_epoch = self._epoch
         culprit = _first_unpicklable(items)
         if culprit is None:
-            reason: Exception = exc
+            reason: BaseException = exc
         else:
             if culprit:
                 self._sender.send((Kind.ITEMS, self._epoch, items[:culprit]))
@@ -234,18 +234,19 @@ def _first_unpicklable(items: list[Any]) -> int | None:
     for index, item in enumerate(items):
         try:
             pickle.dumps(item, protocol=5)
-        except Exception:
+        except BaseException:
             return index
     return None
 
 
-def _same_kind(exc: Exception, text: str) -> Exception:
+def _same_kind(exc: BaseException, text: str) -> BaseException:
     """An exception of ``exc``'s type saying ``text``, caused by ``exc``."""
+    new: BaseException
     try:
         new = type(exc)(text)
         if str(new) != text:
             raise TypeError("unexpected constructor")
-    except Exception:
+    except BaseException:
         new = RuntimeError(text)
     new.__cause__ = exc
     return new

@@ -113,14 +113,14 @@ class SegmentControl:
             setup, self._setup = self._setup, None
             try:
                 self.root = setup(self.root)
-            except Exception as exc:
+            except BaseException as exc:  # user code: any exception is reported (loop.produce)
                 self._failure = RemoteError.capture(exc, self._where)
         if isinstance(message, Unreadable):  # a control message that could not be read at all
             self._report(loop, message.error)
             return
         try:
             value = unpack(message.payload)
-        except Exception as exc:
+        except BaseException as exc:
             error = RemoteError.capture(exc, self._where)
             if isinstance(message, Reset):
                 loop.begin_epoch(message.epoch)
@@ -146,7 +146,7 @@ class SegmentControl:
                     num_batches, limit_fn = value
                     if limit_fn is not None:
                         self.root = limit_fn(self.root, num_batches)
-        except Exception as exc:
+        except BaseException as exc:
             self._report(loop, RemoteError.capture(exc, self._where))
 
     def _report(self, loop: ChildLoop, error: RemoteError) -> None:
@@ -165,7 +165,7 @@ class SegmentControl:
         try:
             self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
             outputs = outputs_of(self.root, self.count)
-        except Exception as exc:
+        except BaseException as exc:
             loop.fail_all(RemoteError.capture(exc, self._where), every=True)
             return
         for k, output in enumerate(outputs):

@@ -41,6 +41,7 @@ class DispatchSetup:
     groups: tuple[int, ...] = (0,)  # dispatchers with the same group share DataPipes (and a lock)
     max_items: int = 64  # at most this many items per message (no more than a channel's capacity)
     stats: tuple[Any, ...] = ()  # a StatsWriter per dispatcher lane, when statistics are collected
+    liveness: tuple[Any, ...] = ()  # a LaneLiveness per dispatcher lane (liveness.py)
 
 
 def dispatch_main(setup: DispatchSetup) -> None:
@@ -54,7 +55,7 @@ def dispatch_main(setup: DispatchSetup) -> None:
         try:
             root = setup.init_fn(root, info)
             outputs_of(root, count)
-        except Exception as exc:
+        except BaseException as exc:  # user code: any exception is reported (loop.produce)
             failure = RemoteError.capture(exc, where)
 
     def reset(root: Any, epoch: int, seed_generator: Any, iter_reset_fn: Any) -> Any:
@@ -63,6 +64,9 @@ def dispatch_main(setup: DispatchSetup) -> None:
 
     locks = make_locks(setup.groups)
     stats = setup.stats or (None,) * count
-    lanes = [DealLane(setup.outputs[d], locks[d], where, setup.max_items, stats[d]) for d in range(count)]
+    liveness = setup.liveness or (None,) * count
+    lanes = [
+        DealLane(setup.outputs[d], locks[d], where, setup.max_items, stats[d], liveness[d]) for d in range(count)
+    ]
     control = SegmentControl(root, count, reset, where, failure)
     ChildLoop(setup.control, lanes, control, where).run()

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from ...transport import Sender, note_blocking
 from .batching import Batcher
 from ..data_messages import Kind, RemoteError
+from ..liveness import LaneLiveness
 from ..stats import StatsWriter
 
 # The lane running in the current thread, so that an input about to block can flush it.
@@ -45,7 +46,8 @@ def enter_lane(lane: Lane) -> None:
     _current.stats = lane.stats
     if lane.stats is not None:
         lane.stats.start()
-        note_blocking(lane.stats.note_asleep)  # its sleeps in channel waits, for a stuck read
+    if lane.liveness is not None:
+        note_blocking(lane.liveness.note)  # its sleeps in channel waits, for a stuck read (liveness.py)
 
 
 def current_lane_stats() -> StatsWriter | None:
@@ -67,6 +69,7 @@ def _exhausted() -> Any:
 class Lane(Protocol):
     lock: threading.Lock | None  # shared by lanes that share DataPipes; None when alone
     stats: StatsWriter | None  # this lane's row of live statistics; None when not collected
+    liveness: LaneLiveness | None  # where it says it sleeps in a channel wait; always kept by a service
 
     next_item: Callable[[], Any]
     emit: Callable[[Any], None]
@@ -83,10 +86,17 @@ class OutputLane:
     """A worker's lane: items of one output go to one channel, in batches."""
 
     def __init__(
-        self, sender: Sender, lock: threading.Lock | None, where: str, max_items: int = 64, stats: StatsWriter | None = None
+        self,
+        sender: Sender,
+        lock: threading.Lock | None,
+        where: str,
+        max_items: int = 64,
+        stats: StatsWriter | None = None,
+        liveness: LaneLiveness | None = None,
     ) -> None:
         self.lock = lock
         self.stats = stats
+        self.liveness = liveness
         if stats is not None:
             stats.channels = (sender,)
         self._batcher = Batcher(sender, 0, max_items=max_items, where=where, to="the main process")
@@ -123,9 +133,11 @@ class DealLane:
         where: str,
         max_items: int = 64,
         stats: StatsWriter | None = None,
+        liveness: LaneLiveness | None = None,
     ) -> None:
         self.lock = lock
         self.stats = stats
+        self.liveness = liveness
         if stats is not None:
             stats.channels = tuple(senders)
         self._batchers = [

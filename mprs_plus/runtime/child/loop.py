@@ -186,7 +186,7 @@ class ChildLoop:
         self.skips[k] = 0 if callable(fast) else skip
         try:
             lane.begin(fast(skip) if callable(fast) else datapipe)
-        except Exception as exc:
+        except BaseException as exc:  # whatever user code raises is reported: see produce()
             self.states[k] = LaneState.IDLE
             lane.fail(RemoteError.capture(exc, self.where))
             return
@@ -275,7 +275,7 @@ def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -
         except StopIteration:
             lane.finish()
             return True
-        except Exception as exc:
+        except BaseException as exc:  # see produce()
             lane.fail(RemoteError.capture(exc, where))
             return True
         finally:
@@ -299,7 +299,10 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             started = clock()
             try:
                 item = next_item()
-            except Exception as exc:  # StopIteration included: the stream's end
+            except BaseException as exc:  # StopIteration included: the stream's end
+                # SystemExit, KeyboardInterrupt or GeneratorExit raised by user code too: it
+                # is reported like any error, never taken for this process's own end (a
+                # child ignores SIGINT and is stopped through its control channel).
                 failure = exc
             if lock is not None:
                 lock.release()

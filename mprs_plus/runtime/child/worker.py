@@ -111,6 +111,7 @@ class WorkerSetup:
     init_fn: Callable[..., Any] | None
     reset_fn: Callable[..., Any] | None
     stats: tuple[Any, ...] = ()  # a StatsWriter per output lane, when statistics are collected
+    liveness: tuple[Any, ...] = ()  # a LaneLiveness per output lane (liveness.py)
 
 
 def worker_main(setup: WorkerSetup) -> None:
@@ -143,7 +144,10 @@ def worker_main(setup: WorkerSetup) -> None:
 
     locks = make_locks(program.groups)
     stats = setup.stats or (None,) * len(setup.data)
-    lanes = [OutputLane(sender, locks[k], where, stats=stats[k]) for k, sender in enumerate(setup.data)]
+    liveness = setup.liveness or (None,) * len(setup.data)
+    lanes = [
+        OutputLane(sender, locks[k], where, stats=stats[k], liveness=liveness[k]) for k, sender in enumerate(setup.data)
+    ]
     control = SegmentControl(segment_root(program.outputs), count, reset, where, setup=prepare)
     loop = ChildLoop(setup.control, lanes, control, where, announce=_announcer(mux))
     for placeholder in program.inputs:

@@ -37,8 +37,9 @@ _LOG = logging.getLogger("mprs_plus")
 
 # An in-order read that waits two of these spans for one worker, the second one while
 # every other worker sits on unread output and writes nothing more, is looked at: a
-# warning, or PipelineStuckError when every process sleeps (``_wait_watching``).
-STUCK_SECONDS = 5.0
+# warning, or PipelineStuckError when every process sleeps (``_wait_watching``). A read
+# that starves raises at most two spans after the cycle closed: well within 15 s.
+STUCK_SECONDS = 4.0
 
 
 class MainChannels:
@@ -68,8 +69,8 @@ class MainChannels:
         self._watch_stuck = topology.dispatch is not None and len(topology.workers) > 1
         self._stuck_worker: int | None = None  # the worker of the last wait found stuck
         # Whether every child's lane has slept in one channel wait for so many seconds
-        # (``StatsView.asleep_for``); None without statistics. With one worker output the
-        # main process has one reader, so that and its own wait prove the cycle closed.
+        # (``Liveness.asleep_for``, kept whatever the statistics options). With one worker
+        # output the main process has one reader, so that and its own wait prove the cycle closed.
         self._asleep_for = asleep_for if topology.outputs == 1 else None
 
     def recv(self, index: int) -> Message:
@@ -88,7 +89,7 @@ class MainChannels:
 
         * if every child's lane has slept in a channel wait for the whole slice, nothing
           can wake anyone but this read: ``PipelineStuckError``;
-        * otherwise (a lane computes, or nothing records sleeps) a warning, once per wait,
+        * otherwise (a lane computes) a warning, once per wait,
           and the wait goes on: a worker that is only slow delivers, and ``timeout``
           still ends it (with the same advice). Later slices look again."""
         worker = self._worker_of[index]

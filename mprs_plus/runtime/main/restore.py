@@ -2,7 +2,9 @@
 
     checkpoint  capture(...)      the main reader's cursor (items handed out per worker,
                                   whose turn is next) + the epoch's seed generator state
-    restore     check_workers,    the same worker count, the same split between processes
+                                  + the planned graph's fingerprint (``fingerprint``)
+    restore     check_workers,    the same worker count, the same graph split the same way
+                check_graph,      between processes, a seed generator of DataLoader2's type
                 check_shape
                 begin the epoch   the seed generator set back, in place, to the recorded
                                   state; every worker re-seeded as at the epoch start, told
@@ -34,12 +36,16 @@ checkpoint is refused mid-epoch with a ``ValueError``.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import pickle
 from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import IterDataPipe
+from torchdata.dataloader2.random import SeedGenerator
 
+from ...plan import Plan
 from ...resume_state import Phase, ResumeState
 from .cursor import ReadCursor
 
@@ -82,6 +88,21 @@ def _iterate_counted(self: MainCounter) -> Iterator[Any]:
 # Assigned after the class is made, as for the workers' reader: torch's DataPipe metaclass
 # would wrap an ``__iter__`` of the class body with per-item bookkeeping.
 MainCounter.__iter__ = _iterate_counted  # type: ignore[method-assign]
+
+
+def fingerprint(plan: Plan) -> str:
+    """What a checkpoint's counts are about: every node's type, segment and parents, and
+    which nodes cross between processes. Pure, and only the plan's *what runs where*: the
+    start method, the backend or the hosts the segments run on do not enter it, so that a
+    checkpoint restores wherever the same pipeline runs. Types go by qualified name without
+    their module, so that a class defined in a script (``__main__``) and later imported from
+    a module is still the same."""
+    lines = [f"workers {plan.num_workers > 0}", f"dispatchers {plan.dispatchers}", f"outputs {plan.worker_outputs}"]
+    for node in plan.graph.nodes:
+        kind = type(plan.graph.datapipes[node.index])
+        segment = plan.segments[node.index].value
+        lines.append(f"{node.index} {kind.__qualname__} {segment} {node.parents}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
 def capture(
@@ -159,6 +180,7 @@ class Checkpoints:
                                    epoch's seeds; returns what each worker skips, whose
                                    turn is first (nothing and worker 0 for a normal epoch)
         checkpoint(runtime)        the bytes for ``DataLoader2.state_dict()``
+        planned(plan)              the plan of the pipeline (after planning, before restoring)
         load(bytes) / arm(state)   read and check a checkpoint; the next epoch resumes it
     """
 
@@ -168,6 +190,10 @@ class Checkpoints:
         self._epoch_seed: bytes | None = None  # the seed generator as the current epoch received it
         self._restored: ResumeState | None = None  # resumed by the next begin_epoch
         self._counter: MainCounter | None = None
+        self._graph: str | None = None  # the planned graph's fingerprint
+
+    def planned(self, plan: Plan) -> None:
+        self._graph = fingerprint(plan)
 
     def adapt(self, main: Any, counted_by_reader: bool) -> Any:
         if counted_by_reader:
@@ -189,16 +215,24 @@ class Checkpoints:
         return restored.consumed, restored.next_worker
 
     def checkpoint(self, runtime: Any) -> bytes:
-        return capture(self._num_workers, self._in_order, runtime, self._counter, self._epoch_seed).to_bytes()
+        state = capture(self._num_workers, self._in_order, runtime, self._counter, self._epoch_seed)
+        return dataclasses.replace(state, graph=self._graph).to_bytes()
 
     def load(self, serialized_state: bytes) -> ResumeState:
         state = ResumeState.from_bytes(serialized_state)
         state.check_workers(self._num_workers)
+        if state.seed_state is not None and not isinstance(pickle.loads(state.seed_state), SeedGenerator):
+            raise ValueError(
+                "a damaged checkpoint: its field 'seed_state' is wrong (it is not the seed generator DataLoader2 "
+                "hands out). Restore an intact one, or start without it."
+            )
         return state
 
     def arm(self, state: ResumeState) -> None:
-        """Resume ``state`` in the next epoch (after ``adapt``); ValueError if the pipeline
-        was split differently when it was taken."""
+        """Resume ``state`` in the next epoch (after ``planned`` and ``adapt``); ValueError if
+        it was taken of another pipeline, or of one split differently between processes."""
+        if self._graph is not None:
+            state.check_graph(self._graph)
         if state.phase is Phase.RUNNING:
             check_shape(state, self._counter)
             self._restored = state

@@ -34,8 +34,8 @@ flat-map after a dispatcher that keeps far more items on some workers than on ot
 With one worker output, ``in_order=False`` reads whichever worker is ready, so w' is
 always read and the cycle cannot close. When it does close, the read raises
 ``PipelineStuckError`` instead of waiting forever (``reader.MainChannels._wait_watching``:
-every child's lane asleep in a channel wait, per the statistics table, while the main
-process waits); without statistics it logs a warning.
+every child's lane asleep in a channel wait, per the always-kept ``liveness.py`` slots, while
+the main process waits), whether statistics are collected or not.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from .stats import StatsView
 from .family import Figures
 from .inprocess import InProcessRuntime
 from .state import Lifecycle, State
+from ..liveness import Liveness
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
 from .topology import ChildLink, Topology, plan_topology
 from ..child.worker import WorkerSetup, worker_main
@@ -173,8 +174,10 @@ class ServiceRuntime:
         stats = None
         if self.options.collect_stats:
             stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
+        liveness = Liveness(self._ctx, topology.stats_rows)  # kept whatever the options: a stuck read's evidence
+        lanes = [row for link in topology.children() for row in link.stats_rows]
         try:
-            _wire_children(self.plan, self.options, self._ctx, topology, supervisor, stats)
+            _wire_children(self.plan, self.options, self._ctx, topology, supervisor, stats, liveness)
             self.lifecycle.advance(State.PREPARED)
             if self._ctx.get_start_method() != "fork":
                 supervisor.launch_all()
@@ -186,7 +189,7 @@ class ServiceRuntime:
                 self.options.in_order,
                 self.options.timeout,
                 stats.main if stats is not None else None,
-                stats.asleep_for if stats is not None else None,
+                lambda seconds: liveness.asleep_for(lanes, seconds),
             )
             self.figures.watch(stats, self._reader)
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
@@ -307,7 +310,13 @@ class ServiceRuntime:
 
 
 def _wire_children(
-    plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
+    plan: Plan,
+    options: Options,
+    ctx: Any,
+    topology: Topology,
+    supervisor: Supervisor,
+    stats: StatsView | None,
+    liveness: Liveness | None = None,
 ) -> None:
     """Open every channel of ``topology``, fill in every link's endpoints (the one place
     that writes them) and freeze the topology; have the supervisor ready to start each
@@ -347,6 +356,7 @@ def _wire_children(
             groups,
             min(64, buffer),
             stats.writers(link) if stats is not None else (),
+            tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
         )
         supervisor.prepare(link, dispatch_main, setup)
     for link in topology.workers:
@@ -368,6 +378,7 @@ def _wire_children(
             init_fn=options.worker_init_fn,
             reset_fn=options.worker_reset_fn,
             stats=stats.writers(link) if stats is not None else (),
+            liveness=tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
         )
         supervisor.prepare(link, worker_main, setup)
     topology.freeze()
