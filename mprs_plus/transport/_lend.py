@@ -64,7 +64,7 @@ import threading
 import weakref
 from typing import Any
 
-from ._memory import PAGE
+from ._memory import PAGE, SharedRegion
 from .traffic import Lending
 
 # Bytes; smaller buffers are copied through the ring. Measured on a 2-core machine (a
@@ -269,11 +269,14 @@ class LendArea:
 class LentViews:
     """The receiver's side: a lent buffer as a view of the area, or a copy past the limit."""
 
-    def __init__(self, ctl: memoryview, mapping: Any, area_start: int, hold_limit: int) -> None:
-        self.ctl = ctl
+    def __init__(self, region: SharedRegion, hold_limit: int) -> None:
+        self.ctl = region.ctl
         self.held = 0  # bytes of this channel's extents that users hold now
-        self._mapping = mapping  # the region's mmap: the root arrays are views of it
-        self._start = area_start
+        # The root arrays are views of the region's mmap. Reached through the region,
+        # which lets go of it when released: from then on only the roots hold the
+        # mapping, and the last of them to die unmaps it.
+        self._region = region
+        self._start = region.lend_start
         self._hold_limit = hold_limit
         self._frombuffer: Any = None
         self._uint8: Any = None
@@ -297,13 +300,14 @@ class LentViews:
             else:
                 holding.copied += 1
         start = self._start + offset
+        mapping = self._region.mapping
         if not lend:
             try:
-                with memoryview(self._mapping) as whole:
+                with memoryview(mapping) as whole:
                     return bytearray(whole[start : start + length])
             finally:
                 self.ctl[SLOT_BASE + slot] = FREE
-        root = self._frombuffer(self._mapping, uint8, length, start)  # keywords cost it 0.3 us more
+        root = self._frombuffer(mapping, uint8, length, start)  # keywords cost it 0.3 us more
         ref = weakref.ref(root, _give_back)
         holding.roots[id(ref)] = (ref, self, slot, length)
         return root

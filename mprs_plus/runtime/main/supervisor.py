@@ -17,7 +17,9 @@
             3. wait ``STOP_GRACE`` for the children, meanwhile skipping (never unpickling)
                whatever they still write, so that none stays blocked on a full channel;
                then SIGTERM, then SIGKILL
-            4. close the main process's ends of the data channels
+            4. close the main process's ends of the data channels, and the reaped
+               processes' handles (each ``Process`` keeps two pipe descriptors): a
+               shut-down service that is still referenced holds no descriptor
 
 Every step runs whatever the previous ones raised (``ExitStack``), so escalation and
 release always happen. ``stop()`` is idempotent and thread-safe: a second caller waits for
@@ -38,6 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ServiceClosedError
@@ -55,6 +58,16 @@ QUEUE_FIRST_BYTES = 2048
 CONTROL_WAIT = 30.0  # seconds a live child may leave its control channel full
 _SLICE = 0.1  # seconds of one blocking send, between two looks at the stop and the sentinel
 _GATE_WAIT = 2.0  # seconds a stop waits for readers of other threads to leave
+
+
+@dataclass(frozen=True)
+class ExitedProcess:
+    """What the link of a reaped child keeps once its ``Process`` is closed: what errors
+    and statistics still read of it."""
+
+    name: str
+    pid: int
+    exitcode: int
 
 
 class Supervisor:
@@ -236,6 +249,13 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 receiver.close()
         self.gate.release()
+        for link in self.topology.started():
+            process = link.process
+            if isinstance(process, ExitedProcess) or process.exitcode is None:
+                continue  # not reaped (the stop could not kill it): keep its handle
+            link.process = ExitedProcess(process.name, process.pid, process.exitcode)
+            with contextlib.suppress(ValueError):
+                process.close()
 
     def _drain(self, timeout: float) -> None:
         """Skip what the workers still write while they stop, so that none stays blocked on
