@@ -66,8 +66,8 @@ def test_every_stop_step_runs_whatever_the_first_one_raised():
     main = runtime.start()
     runtime.begin_epoch(SeedGenerator(0))
     assert sorted(main) == list(range(12))
-    processes = [link.process for link in runtime._topology.started()]
-    assert len(processes) == 2
+    pids = [link.process.pid for link in runtime._topology.started()]
+    assert len(pids) == 2
 
     def fails() -> None:
         raise OSError("a last look that fails (test)")
@@ -75,7 +75,9 @@ def test_every_stop_step_runs_whatever_the_first_one_raised():
     runtime._supervisor.at_stop(fails)
     with pytest.raises(OSError, match=r"a last look that fails \(test\)"):
         runtime.stop()
-    assert all(process.exitcode is not None for process in processes)
+    # Reaped: each link keeps the exit record in place of the closed process handle.
+    assert [link.process.pid for link in runtime._topology.started()] == pids
+    assert all(link.process.exitcode is not None for link in runtime._topology.started())
     assert runtime.lifecycle.state is State.STOPPED
     runtime.stop()  # stopped once is stopped: nothing raises again
 

@@ -53,18 +53,40 @@ Bounds: memory stays bounded, and no consumer can stall a producer
     * Buffers under ``LEND_MIN`` bytes are copied: for them a copy costs less than the
       bookkeeping.
 
+Fork: a child keeps the bytes it inherited, and its writes stay its own
+    A forked child inherits the lent views as views of the same ``MAP_SHARED`` pages, not
+    as copy-on-write memory: without more, the parent's sender would refill an extent the
+    parent gave back under the child, and the child's writes would reach the parent. So,
+    in any process that lends (the main process, a worker fed by a dispatcher):
+
+    before fork       the buffers lent now are *pinned*, and so is any lent until the
+                      fork returns: when the parent drops one, its extent is not given
+                      back yet. A pipe is made for the child to close.
+    child, at once    each lent buffer it inherited gets private pages at the same
+                      address holding the same bytes (a copy into a fresh anonymous
+                      mapping, ``mremap``-ed over the extent); then it closes the pipe
+    parent, later     once every such pipe reads end of file (checked when a buffer is
+                      lent or dropped, and by ``lending()``), the pinned extents dropped
+                      meanwhile go back to the sender
+
+    The child pays one copy of the lent bytes held at the fork, and keeps them as private
+    memory; the parent pays only extents held back until the child has copied. A child
+    that could not remap (the kernel refused a mapping) writes a byte before it closes the
+    pipe, and the parent then never gives those extents back.
+
 ``lending()`` reports what this process's receivers did; ``stats()`` of the service shows
 it for the main process.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import weakref
 from typing import Any
 
-from ._memory import PAGE
+from ._memory import PAGE, SharedRegion
 from .traffic import Lending
 
 # Bytes; smaller buffers are copied through the ring. Below this size lending saved the
@@ -82,8 +104,13 @@ DESCRIPTOR = 16  # bytes of [offset, slot] in a frame
 
 
 class _Holding:
-    """Process-wide counters. The lock is held for a few integer operations only, never
-    across anything that can run a finalizer, so a release from any thread is safe."""
+    """Process-wide counters and fork state. The lock is held for a few integer
+    operations only, never across anything that can run a finalizer, so a release from
+    any thread is safe.
+
+    The fork state is changed by single operations on an int, a set or a list, each
+    atomic under the GIL, in an order where a race at worst holds an extent back until
+    the next ``_settle``."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -92,47 +119,177 @@ class _Holding:
         # slot, length). Keyed by id: a weak reference hashes as its referent, and arrays
         # do not hash.
         self.roots: dict[int, tuple[weakref.ref[Any], LentViews, int, int]] = {}
+        self.receivers: weakref.WeakSet[LentViews] = weakref.WeakSet()  # that may lend
+        self.forking = 0  # forks between their before and after hooks
+        self.fork_pipes: dict[int, tuple[int, int]] = {}  # thread -> pipe of its fork under way
+        self.copying: list[int] = []  # read ends of pipes some child has not closed yet
+        self.pinned: set[int] = set()  # keys of live roots a child may still be copying
+        self.deferred: list[tuple[LentViews, int]] = []  # pinned, dropped: (views, slot)
+        self.kept: set[int] = set()  # keys of roots whose extents never go back
 
 
 _holding = _Holding()
 
 
-def _forget_inherited() -> None:
-    """In a forked child: the parent's lent buffers are the parent's to give back.
+def _before_fork() -> None:
+    """Pin what is lent now, and (``LentViews.take``) what is lent until the fork returns."""
+    h = _holding
+    if not h.roots and not h.receivers:
+        return  # nothing is lent, and nothing can be before the fork
+    _libc()  # loaded here, so that the child only copies
+    h.fork_pipes[threading.get_ident()] = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    h.forking += 1
+    h.pinned.update(h.roots)
 
-    The child has copies of the roots, and if it dropped or collected one, its
-    ``_give_back`` would free an extent the parent still reads (and, once the sender
-    reused it, free the next buffer lent there too). Dropping the weak references here
-    means their callbacks never run in the child. A new lock, too: a fork may have copied
-    the old one while another thread held it."""
+
+def _after_fork_in_parent() -> None:
+    h = _holding
+    pipe = h.fork_pipes.pop(threading.get_ident(), None)
+    if pipe is None:
+        return
+    read_end, write_end = pipe
+    os.close(write_end)
+    h.forking -= 1
+    if h.pinned or h.deferred:
+        h.copying.append(read_end)
+        _settle()
+    else:
+        os.close(read_end)  # nothing was lent at the fork: nothing to wait for
+
+
+def _after_fork_in_child() -> None:
+    """Give every inherited lent buffer private pages, tell the parent, start afresh.
+
+    The parent's lent buffers are the parent's to give back: if the child dropped or
+    collected one, its ``_give_back`` would free an extent the parent still reads (and,
+    once the sender reused it, free the next buffer lent there too). With a new
+    ``_Holding`` the old weak references' callbacks never run here; and it has a new lock,
+    as a fork may have copied the old one while another thread held it."""
     global _holding
+    inherited = _holding
     _holding = _Holding()
+    if not inherited.fork_pipes:
+        return
+    failed = False
+    for ref, _views, _slot, _length in list(inherited.roots.values()):
+        root = ref()
+        if root is not None and not _privatize(root.__array_interface__["data"][0], root.nbytes):
+            failed = True
+    for read_end in inherited.copying:
+        os.close(read_end)
+    for read_end, write_end in inherited.fork_pipes.values():
+        os.close(read_end)
+        if failed:
+            try:
+                os.write(write_end, b"!")
+            except OSError:
+                pass  # the parent then sees a plain end of file: nothing better to do
+        os.close(write_end)
 
 
-os.register_at_fork(after_in_child=_forget_inherited)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
+def _settle() -> None:
+    """Once every child forked while buffers were pinned has its own copies, give back
+    the pinned extents dropped meanwhile, and pin nothing more."""
+    h = _holding
+    if h.forking:
+        return  # a fork is under way: what is pinned stays so until it returns
+    waiting, failed = [], False
+    for read_end in h.copying:
+        try:
+            failed = bool(os.read(read_end, 1)) or failed
+        except BlockingIOError:
+            waiting.append(read_end)
+            continue
+        os.close(read_end)
+    h.copying = waiting
+    if failed:
+        h.kept.update(h.pinned)  # a child may read these extents as long as it lives
+        h.pinned.clear()
+        h.deferred = []
+    if waiting:
+        return
+    h.pinned.clear()
+    deferred, h.deferred = h.deferred, []
+    for views, slot in deferred:
+        _free(views, slot)
+
+
+_LIBC: Any = None
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MAP_FAILED = (1 << 64) - 1
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mremap.restype = ctypes.c_void_p
+        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = (libc, ctypes.memmove)
+    return _LIBC
+
+
+def _privatize(address: int, nbytes: int) -> bool:
+    """Replace the shared pages under ``[address, address + nbytes)`` by private ones
+    holding the same bytes; False if the kernel refused. An extent is whole pages of its
+    own, so no other buffer's bytes share the pages remapped."""
+    libc, memmove = _libc()
+    size = -(-nbytes // PAGE) * PAGE
+    fresh = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if fresh is None or fresh == _MAP_FAILED:
+        return False
+    memmove(fresh, address, nbytes)
+    if libc.mremap(fresh, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) != address:
+        libc.munmap(fresh, size)
+        return False
+    return True
 
 
 def lending() -> Lending:
     """What this process's receivers lent and copied so far, and what is held now."""
     h = _holding
+    if h.copying:
+        _settle()
     with h.lock:
         return Lending(h.lent, h.copied, h.held_buffers, h.held_bytes)
 
 
 def _give_back(ref: weakref.ref[Any]) -> None:
-    """The root of a lent buffer died: its extent is the sender's again."""
-    entry = _holding.roots.pop(id(ref), None)
+    """The root of a lent buffer died: its extent is the sender's again, unless a child
+    forked while it lived may still be copying it."""
+    h = _holding
+    key = id(ref)
+    entry = h.roots.pop(key, None)
     if entry is None:
         return
     _, views, slot, length = entry
+    with h.lock:
+        h.held_buffers -= 1
+        h.held_bytes -= length
+        views.held -= length
+    if key in h.pinned:
+        h.pinned.discard(key)
+        h.deferred.append((views, slot))
+        _settle()
+    elif key in h.kept:
+        h.kept.discard(key)
+    else:
+        _free(views, slot)
+
+
+def _free(views: LentViews, slot: int) -> None:
     try:
         views.ctl[SLOT_BASE + slot] = FREE
     except ValueError:
         pass  # the channel was released here: nobody is left to give it back to
-    with _holding.lock:
-        _holding.held_buffers -= 1
-        _holding.held_bytes -= length
-        views.held -= length
 
 
 class LendArea:
@@ -268,14 +425,18 @@ class LendArea:
 class LentViews:
     """The receiver's side: a lent buffer as a view of the area, or a copy past the limit."""
 
-    def __init__(self, ctl: memoryview, mapping: Any, area_start: int, hold_limit: int) -> None:
-        self.ctl = ctl
+    def __init__(self, region: SharedRegion, hold_limit: int) -> None:
+        self.ctl = region.ctl
         self.held = 0  # bytes of this channel's extents that users hold now
-        self._mapping = mapping  # the region's mmap: the root arrays are views of it
-        self._start = area_start
+        # The root arrays are views of the region's mmap. Reached through the region,
+        # which lets go of it when released: from then on only the roots hold the
+        # mapping, and the last of them to die unmaps it.
+        self._region = region
+        self._start = region.lend_start
         self._hold_limit = hold_limit
         self._frombuffer: Any = None
         self._uint8: Any = None
+        _holding.receivers.add(self)
 
     def take(self, offset: int, slot: int, length: int) -> Any:
         """The buffer at ``offset``: an ndarray over shared memory, or a bytearray copy."""
@@ -296,15 +457,21 @@ class LentViews:
             else:
                 holding.copied += 1
         start = self._start + offset
+        mapping = self._region.mapping
         if not lend:
             try:
-                with memoryview(self._mapping) as whole:
+                with memoryview(mapping) as whole:
                     return bytearray(whole[start : start + length])
             finally:
                 self.ctl[SLOT_BASE + slot] = FREE
-        root = self._frombuffer(self._mapping, uint8, length, start)  # keywords cost it more
+        root = self._frombuffer(mapping, uint8, length, start)  # keywords cost it more
         ref = weakref.ref(root, _give_back)
-        holding.roots[id(ref)] = (ref, self, slot, length)
+        key = id(ref)
+        holding.roots[key] = (ref, self, slot, length)
+        if holding.forking:
+            holding.pinned.add(key)  # another thread forks now: the child may inherit it
+        elif holding.copying:
+            _settle()
         return root
 
     def count_copied(self) -> None:

@@ -44,17 +44,18 @@ class SharedRegion:
     ring) as bytes and ``words`` the same area as unsigned 64-bit words; ``lend`` is the
     lend area (``_lend.py``), whose pages are committed only when a buffer is first
     written there, and ``mapping`` the whole mapping, for views that must outlive an
-    endpoint (``mmap.close`` leaves it to them). Both endpoints of a
-    channel in the creating process share one region; it is unmapped when the last of
-    them lets go (``acquire`` / ``release`` count them).
+    endpoint: ``release`` drops it (None from then on), so that views still alive are all
+    that holds the mapping, and the last of them unmaps it and closes the mmap's own
+    descriptor. Both endpoints of a channel in the creating process share one region; it
+    is unmapped when the last of them lets go (``acquire`` / ``release`` count them).
     """
 
     def __init__(self, fd: int, data_size: int, lend_size: int = 0) -> None:
         self.fd: int | None = fd
         self.data_size = data_size
         self.lend_size = lend_size
-        self.mapping = self._map = mmap.mmap(fd, PAGE + data_size + lend_size)
-        whole = memoryview(self._map)
+        self.mapping: mmap.mmap | None = mmap.mmap(fd, PAGE + data_size + lend_size)
+        whole = memoryview(self.mapping)
         self.ctl = whole[:PAGE].cast("Q")
         self.data = whole[PAGE : PAGE + data_size]
         self.words = self.data.cast("Q")
@@ -89,10 +90,13 @@ class SharedRegion:
             return
         for view in (self.words, self.data, self.lend, self.ctl):
             view.release()
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # lent buffers are still alive: the mapping goes with the last of them
+        mapping, self.mapping = self.mapping, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # lent buffers are still alive: they alone hold the mapping now, the last to go unmaps it
+            del mapping
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)

@@ -44,7 +44,7 @@ class ShmReceiver(Endpoint):
         self._ended = False
         # What a receiver may lend its user at a time (see _lend.py).
         hold_limit = HOLD_FACTOR * region.data_size
-        self._lent = LentViews(region.ctl, region.mapping, region.lend_start, hold_limit) if region.lend_size else None
+        self._lent = LentViews(region, hold_limit) if region.lend_size else None
 
     def fileno(self) -> int:
         """The wake-up pipe. It becomes readable only while this receiver is armed, which

@@ -21,7 +21,9 @@
                whatever they still write, so that none stays blocked on a full channel;
                then SIGTERM, then SIGKILL
             4. let go of the ends held for children that never started
-            5. close the main process's ends of the data channels
+            5. close the main process's ends of the data channels, and the reaped
+               processes' handles (each ``Process`` keeps two pipe descriptors): a
+               shut-down service that is still referenced holds no descriptor
             6. the state moves to STOPPED
 
 Every step runs whatever the previous ones raised (``_Steps``), so escalation and release
@@ -43,6 +45,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ...errors import ServiceClosedError
@@ -61,6 +64,16 @@ QUEUE_FIRST_BYTES = 2048
 CONTROL_WAIT = 30.0  # seconds a live child may leave its control channel full
 _SLICE = 0.1  # seconds of one blocking send, between two looks at the stop and the sentinel
 _GATE_WAIT = 2.0  # seconds a stop waits for readers of other threads to leave
+
+
+@dataclass(frozen=True)
+class ExitedProcess:
+    """What the link of a reaped child keeps once its ``Process`` is closed: what errors
+    and statistics still read of it."""
+
+    name: str
+    pid: int
+    exitcode: int
 
 
 class Supervisor:
@@ -246,6 +259,13 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 receiver.close()
         self.gate.release()
+        for link in self.topology.started():
+            process = link.process
+            if isinstance(process, ExitedProcess) or process.exitcode is None:
+                continue  # not reaped (the stop could not kill it): keep its handle
+            link.retire(ExitedProcess(process.name, process.pid, process.exitcode))
+            with contextlib.suppress(ValueError):
+                process.close()
 
     def _drain(self, timeout: float) -> None:
         """Skip what the workers still write while they stop, so that none stays blocked on

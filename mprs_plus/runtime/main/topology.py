@@ -35,7 +35,8 @@ class ChildLink:
 
     ``role``, ``index``, ``name``, ``lanes`` and ``stats_rows`` come from the plan; the
     endpoints are filled in by the wiring and frozen with the topology; ``process`` is
-    attached by the supervisor when it starts the child, once.
+    attached by the supervisor when it starts the child, once, and retired
+    (replaced by its record) once the child is reaped.
     """
 
     role: Segment  # the segment this child runs: DISPATCH or WORKER
@@ -60,6 +61,12 @@ class ChildLink:
         if self.process is not None:
             raise RuntimeError(f"internal error: {self.name} started twice")
         object.__setattr__(self, "process", process)
+
+    def retire(self, exited: Any) -> None:
+        """The reaped process's record (name, pid, exit code) in place of its closed handle."""
+        if self.process is None or self.process.exitcode is None:
+            raise RuntimeError(f"internal error: {self.name} retired before it was reaped")
+        object.__setattr__(self, "process", exited)
 
     @property
     def alive(self) -> bool:
