@@ -2,7 +2,9 @@ from setuptools import find_packages, setup
 
 # spdl: the suite's "spdl" contender (iterate_in_subprocess with its zero-copy shared-memory
 # pool); pure Python over numpy, and optional at run time (n/a without it).
-BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8"]
+# ray[data]: the Ray comparison (benchmarks/ray_compare.py) runs a simulated two-node cluster
+# and Ray Data as a contender; optional at run time as well (n/a without it).
+BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8", "ray[data]>=2.60"]
 # MkDocs: the docs are Markdown, the format of the README and of the pages' examples that
 # the tests run; mkdocstrings renders the API reference from the docstrings.
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0"]
