@@ -159,7 +159,8 @@ class RayPlacement:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"address": backend.address, "log_to_driver": backend.log_to_driver}
             if backend.address is None:
-                kwargs["num_cpus"] = backend.num_cpus
+                # "local": a new Ray of this machine, even where `ray start` runs one already.
+                kwargs.update(address="local", num_cpus=backend.num_cpus, include_dashboard=False)
             ray.init(**kwargs)
             self._started_ray = True  # ours to stop at close(); a cluster we attached to is never stopped
         self.processes: list[ActorProcess] = []
