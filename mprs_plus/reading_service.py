@@ -86,6 +86,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         timeout: float | None = None,
         collect_stats: bool = True,
         stats_interval: float | None = None,
+        backend: Any = None,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -100,6 +101,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             timeout=timeout,
             collect_stats=collect_stats,
             stats_interval=stats_interval,
+            backend=backend,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | None = None

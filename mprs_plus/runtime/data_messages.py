@@ -163,6 +163,10 @@ def _load(data: bytes | None) -> Any:
         return None
 
 
+# The node of this process, for a child on a cluster (the Ray backend sets it); "" locally.
+NODE = ""
+
+
 def describe_process(role: str, worker_id: int | None = None) -> str:
     """Where an error was raised, in torch's words: ``worker process 0``, ``dispatching process``."""
     if role.startswith("dispatch"):
@@ -171,7 +175,7 @@ def describe_process(role: str, worker_id: int | None = None) -> str:
         name = role
     else:
         name = f"{role} process {worker_id}" if role == "worker" else f"{role} {worker_id}"
-    return f"{name} (pid {os.getpid()})"
+    return f"{name} (pid {os.getpid()}{', node ' + NODE if NODE else ''})"
 
 
 def _innermost_datapipe(tb: TracebackType | None) -> str | None:

@@ -46,11 +46,25 @@ TRANSPORT = "shm" if _CHOICE == "shm" or (_CHOICE == "auto" and _SHM_WORKS) else
 if TRANSPORT == "shm":
     from ._lend import lending
     from .shm import open_shm_channel as open_channel
-    from .shm import release_all_except, wait_readable
+    from .shm import release_all_except
+    from .shm import wait_readable as _wait_readable
 else:
     from .pipe import lending
     from .pipe import open_pipe_channel as open_channel
-    from .pipe import release_all_except, wait_readable
+    from .pipe import release_all_except
+    from .pipe import wait_readable as _wait_readable
+
+
+def wait_readable(receivers, timeout=None, also=()):  # type: ignore[no-untyped-def]
+    """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout.
+    Receivers of another kind of channel (a backend's, ``backends/``) name their own wait
+    in ``waits_with``; all the receivers of one wait are of one kind."""
+    receivers = list(receivers)
+    waits_with = getattr(receivers[0], "waits_with", None) if receivers else None
+    if waits_with is not None:
+        return waits_with(receivers, timeout, also)
+    return _wait_readable(receivers, timeout, also)
+
 
 __all__ = [
     "TRANSPORT",

@@ -52,7 +52,6 @@ from torch.utils.data import IterDataPipe
 
 from ...options import Options
 from ...plan import Plan
-from ...transport import open_channel
 from ..child.dispatch import DispatchSetup, dispatch_main
 from ..lifecycle import stop_at_exit
 from .reader import MainReader
@@ -111,7 +110,8 @@ class ServiceRuntime:
         self.options = options
         self._topology: Topology = plan_topology(plan, options.num_workers)
         self._ctx = multiprocessing.get_context(options.multiprocessing_context)
-        self._supervisor = Supervisor(self._topology, self._ctx)
+        placement = options.backend.open(self._ctx) if options.backend is not None else None
+        self._supervisor = Supervisor(self._topology, self._ctx, placement)
         self._reader: MainReader | None = None
         self._stats: StatsView | None = None
         self._finalizer = weakref.finalize(self, self._supervisor.stop)
@@ -130,8 +130,8 @@ class ServiceRuntime:
         if self.options.collect_stats:
             self._stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
         try:
-            _prepare_children(self.plan, self.options, self._ctx, topology, supervisor, self._stats)
-            if self._ctx.get_start_method() != "fork":
+            _prepare_children(self.plan, self.options, topology, supervisor, self._stats)
+            if self._ctx.get_start_method() != "fork" or supervisor.placement.start_at_once:
                 supervisor.launch_all()
             self._reader = MainReader(
                 topology,
@@ -254,7 +254,7 @@ class ServiceRuntime:
 
 
 def _prepare_children(
-    plan: Plan, options: Options, ctx: Any, topology: Topology, supervisor: Supervisor, stats: StatsView | None
+    plan: Plan, options: Options, topology: Topology, supervisor: Supervisor, stats: StatsView | None
 ) -> None:
     """Open every channel of ``topology`` and have the supervisor ready to start each child
     (dispatch process first). Every end is handed over as soon as it is open (to its link,
@@ -266,14 +266,14 @@ def _prepare_children(
     program = build_worker_program(plan)
     dispatch_sources = build_dispatch_sources(plan)
 
-    def channel(items: int, size: int) -> tuple[Any, Any]:
-        return open_channel(ctx, capacity_items=items, capacity_bytes=size)
+    def channel(items: int, size: int, control: bool = False) -> tuple[Any, Any]:
+        return supervisor.placement.open_channel(capacity_items=items, capacity_bytes=size, control=control)
 
     worker_inputs: dict[int, list[Any]] = {link.index: [] for link in topology.workers}
     if topology.dispatch is not None and dispatch_sources is not None:
         link, (sources, groups) = topology.dispatch, dispatch_sources
         buffer = options.dispatch_channel_items
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
         supervisor.hold(control_rx)
         rows = []
         for _ in sources:
@@ -296,7 +296,7 @@ def _prepare_children(
         )
         supervisor.prepare(link, dispatch_main, setup)
     for link in topology.workers:
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
         supervisor.hold(control_rx)
         senders = []
         for _ in range(link.lanes):

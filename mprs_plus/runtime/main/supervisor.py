@@ -42,9 +42,9 @@ from typing import Any
 
 from ...errors import ServiceClosedError
 from ...transport import ChannelError, wait_readable
-from .diagnose import unpicklable_error
+from ...backends import LocalBackend
 from .gate import CLOSED_MESSAGE, ReadGate
-from ..lifecycle import DEATH_GRACE, death_error, stop_processes
+from ..lifecycle import DEATH_GRACE, stop_processes
 from .topology import ChildLink, Topology
 
 CONTROL_ITEMS = 4  # control messages are small and rare; a few in flight is plenty
@@ -58,8 +58,10 @@ _GATE_WAIT = 2.0  # seconds a stop waits for readers of other threads to leave
 
 
 class Supervisor:
-    def __init__(self, topology: Topology, ctx: Any) -> None:
+    def __init__(self, topology: Topology, ctx: Any, placement: Any = None) -> None:
         self.topology = topology
+        # Where children run (``backends``): processes of this host unless told otherwise.
+        self.placement = placement if placement is not None else LocalBackend().open(ctx)
         self.gate = ReadGate()
         self.closing = threading.Event()  # set when the stop begins; ends the statistics logger
         self._ctx = ctx
@@ -103,13 +105,7 @@ class Supervisor:
             if self._stopped:
                 raise ServiceClosedError(CLOSED_MESSAGE)
             target, setup = self._pending.pop(link)
-            process = self._ctx.Process(target=target, args=(setup,), name=link.name, daemon=True)
-            try:
-                process.start()
-            except Exception as exc:
-                if self._ctx.get_start_method() == "fork":
-                    raise
-                raise unpicklable_error(setup, self._ctx.get_start_method(), link.name) from exc
+            process = self.placement.start(link.name, target, setup)
             link.process = process
             link.control.watch(process.sentinel)
             if not self._pending:
@@ -191,7 +187,7 @@ class Supervisor:
     def death_error(self) -> Exception:
         if self._stopped:
             return ServiceClosedError(CLOSED_MESSAGE)
-        return death_error([link.process for link in self.topology.started()])
+        return self.placement.death_error([link.process for link in self.topology.started()])
 
     # -- stop ----------------------------------------------------------------------------
 
@@ -206,6 +202,7 @@ class Supervisor:
             self._stopped = True
             self.closing.set()
             with contextlib.ExitStack() as steps:  # callbacks run last-in first-out, each whatever the others raise
+                steps.callback(self.placement.close)
                 steps.callback(self._release_main_ends)
                 steps.callback(self._drop_unstarted)
                 steps.callback(self._end_children)

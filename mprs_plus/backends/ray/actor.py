@@ -1,0 +1,56 @@
+"""The Ray actor that hosts one child: it runs the same child body as a local process
+(``worker_main`` / ``dispatch_main``) in one of its threads, and serves the calls of the
+channels whose fixed end it hosts (``channel.py``): pulls of its data senders, deliveries
+to its control receiver.
+
+Defined when first needed, so that importing this module never starts Ray."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from . import channel
+
+
+class SegmentHost:
+    """One child of a service, on some node of the cluster."""
+
+    def where(self) -> dict[str, Any]:
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    def run(self, target: Callable[[Any], None], setup: Any) -> None:
+        """The child's whole life: returns when its loop ends (the service stopped it)."""
+        from ...runtime import data_messages
+
+        where = self.where()
+        data_messages.NODE = f"{where['ip']}, node id {where['node_id'][:12]}"  # errors raised here name the node ("worker process 1 (pid 7, node ...)")
+        target(setup)
+
+    def pull(self, cid: str, limit: int) -> tuple[list[Any], bool]:
+        return channel.serve_pull(cid, limit)
+
+    def deliver(self, cid: str, seq: int, message: Any, last: bool) -> None:
+        channel.serve_deliver(cid, seq, message, last)
+
+
+_remote_class: Any = None
+
+
+def remote_class() -> Any:
+    global _remote_class
+    if _remote_class is None:
+        # Not restarted, its calls not retried: a child's state (epoch, position) cannot be
+        # rebuilt by Ray, so a lost actor is an error of the service (``placement.py``).
+        _remote_class = ray.remote(max_restarts=0, max_task_retries=0)(SegmentHost)
+    return _remote_class
