@@ -12,9 +12,11 @@ are Ray actors), ``mprs_plus`` (two local worker processes) and ``ray-data``
 simulated two-node cluster started once for the run (``ray.cluster_utils.Cluster``, one CPU
 per node); its start-up is reported on its own, not in any contender's figures.
 
-Reported per workload and contender: items/s, GB/s (arrays), the main process's CPU time
-per item (every thread of it: Ray's driver threads count) and the time from creating the
-loader to its first item. Interleaved as the suite is (``harness.schedule``): every
+Every measurement streams one whole epoch from a new loader (``ray_cluster.stream_epoch``
+says why never a part of one). Reported per workload and contender: items/s in steady
+state and over the whole epoch (start-up included), GB/s (arrays), the main process's CPU
+time per item (every thread of it: Ray's driver threads count) and the time from creating
+the loader to its first item. Interleaved as the suite is (``harness.schedule``): every
 repetition runs every contender once per workload, a different one first each time.
 
 Without Ray the Ray contenders are n/a, saying why; so is ``mprs_plus-ray`` while
@@ -53,7 +55,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.report import format_value  # noqa: E402
 from benchmarks.workloads import ray_cluster  # noqa: E402
 from benchmarks.workloads._shared import calibrate_loops  # noqa: E402
-from benchmarks.workloads.ray_cluster import CONTENDERS, LOCAL, RAY_BACKEND, RAY_CONTENDERS, RAY_DATA  # noqa: E402
+from benchmarks.workloads.ray_cluster import CONTENDERS, RAY_BACKEND, RAY_CONTENDERS, RAY_DATA  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="few items, 1 repetition")
     parser.add_argument("--repetitions", type=int, default=None, help="interleaved repetitions (default 5; 1 with --quick)")
     parser.add_argument("--workers", type=int, default=2, help="workers of both mprs_plus contenders (default 2)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timed streaming (default 3; 0.3 with --quick)")
     parser.add_argument("--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)}")
     parser.add_argument(
         "--contenders", default=",".join(CONTENDERS), metavar="NAMES", help=f"comma-separated, from: {', '.join(CONTENDERS)}"
@@ -96,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.workers,
         context="fork",
         repetitions=args.repetitions or (1 if args.quick else 5),
-        budget_s=args.budget or (0.3 if args.quick else 3.0),
         # Ray Data's first execution starts its workers: tens of seconds on a loaded machine.
         deadline_s=90.0 if args.quick else 180.0,
         shutdown_limit_s=15.0,
@@ -252,6 +252,7 @@ def rows(results: harness.Results) -> list[dict[str, Any]]:
                 "status": cell.status,
                 "note": cell.note,
                 "items_per_s": rate,
+                "epoch_items_per_s": median["epoch_throughput"],
                 "gbps": rate * nbytes / harness.GB if rate is not None and nbytes else None,
                 "main_cpu_us_per_item": _scaled(median["main_cpu_per_item"], 1e6),
                 "first_item_ms": _scaled(median["first_item"], 1e3),
@@ -260,6 +261,7 @@ def rows(results: harness.Results) -> list[dict[str, Any]]:
             if contender == RAY_BACKEND:
                 theirs = medians[RAY_DATA]
                 row["throughput_vs_ray_data"] = _ratio(rate, theirs["throughput"])
+                row["epoch_throughput_vs_ray_data"] = _ratio(median["epoch_throughput"], theirs["epoch_throughput"])
                 row["main_cpu_vs_ray_data"] = _ratio(median["main_cpu_per_item"], theirs["main_cpu_per_item"])
             out.append(row)
     return out
@@ -284,19 +286,30 @@ def _text(value: float | None, unit: str, status: str) -> str:
 
 
 def table(results: harness.Results) -> str:
-    header = ["workload", "contender", "items/s", "GB/s", "main CPU µs/item", "first item ms", "vs ray-data: items/s, main CPU"]
+    header = [
+        "workload",
+        "contender",
+        "items/s",
+        "GB/s",
+        "epoch items/s",
+        "main CPU µs/item",
+        "first item ms",
+        "÷ ray-data: items/s, epoch, main CPU",
+    ]
     body = []
     for row in rows(results):
         vs = ""
         if row["contender"] == RAY_BACKEND and row["status"] == harness.OK:
-            parts = [f"{row[k]:.3g}×" if row[k] is not None else "—" for k in ("throughput_vs_ray_data", "main_cpu_vs_ray_data")]
+            keys = ("throughput_vs_ray_data", "epoch_throughput_vs_ray_data", "main_cpu_vs_ray_data")
+            parts = [f"{row[k]:.3g}×" if row[k] is not None else "—" for k in keys]
             vs = ", ".join(parts)
         body.append(
             [
                 row["title"],
                 row["contender"],
                 _text(row["items_per_s"], "items/s", row["status"]),
-                _text(row["gbps"], "GB/s", row["status"]) if row["gbps"] is not None or row["status"] != harness.OK else "—",
+                _text(row["gbps"], "GB/s", row["status"]),
+                _text(row["epoch_items_per_s"], "items/s", row["status"]),
                 _text(row["main_cpu_us_per_item"], "", row["status"]),
                 _text(row["first_item_ms"], "", row["status"]),
                 vs,
@@ -304,18 +317,11 @@ def table(results: harness.Results) -> str:
         )
     lines = [_headline(results), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
-    notes = sorted({f"{c}: {cell.note}" for w in results.workloads for c, cell in results.cells[w.name].items() if cell.note})
-    errors = [
-        f"{w.name} / {c}: {error.splitlines()[0]}"
-        for w in results.workloads
-        for c, cell in results.cells[w.name].items()
-        for error in dict.fromkeys(cell.errors)
-    ]
+    cells = [(w.name, c, cell) for w in results.workloads for c, cell in results.cells[w.name].items()]
+    notes = sorted({f"{c}: {cell.note}" for _, c, cell in cells if cell.note})
+    errors = [f"{w} / {c}: {error.splitlines()[0]}" for w, c, cell in cells for error in dict.fromkeys(cell.errors)]
     errors += [
-        f"{w.name} / {c}: left {len(cell.killed_pids)} process(es) running; killed"
-        for w in results.workloads
-        for c, cell in results.cells[w.name].items()
-        if cell.killed_pids
+        f"{w} / {c}: left {len(cell.killed_pids)} process(es) running; killed" for w, c, cell in cells if cell.killed_pids
     ]
     left = results.environment.get("cluster_left_running")
     if left:
