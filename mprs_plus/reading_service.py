@@ -60,6 +60,9 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         collect_stats: keep live statistics for ``stats()`` (a few clock reads per item).
         stats_interval: seconds between two statistics summaries logged at INFO level
             on the ``mprs_plus.stats`` logger; None logs none.
+        backend: where the worker and dispatch segments run: None for processes of this
+            host; ``mprs_plus.RayBackend(...)`` for Ray actors on a cluster's nodes (the main
+            segment stays in this process; items, order, seeds and checkpoints are the same).
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.

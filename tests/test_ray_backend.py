@@ -96,9 +96,14 @@ def test_the_seed_pipeline_runs_its_workers_on_both_nodes(cluster):
     try:
         got = list(loader)
         nodes = {process.where()["node_id"] for process in _processes(loader)}
+        stats = loader.reading_service.stats()
     finally:
         loader.shutdown()
     assert [item for item, _ in got] == list(range(8))
+    # stats() counts what the actors did (their rows live on their nodes) and names the nodes.
+    workers = [p for p in stats.processes if p.role == "worker"]
+    assert sum(p.items_out for p in workers) == 8 and stats.segment("dispatch").items_out == 8
+    assert all("node id" in p.node for p in workers) and "on nodes: dispatch 0: " in stats.summary()
     stages = [stamps for _, stamps in got]
     assert all(s["post"] == os.getpid() for s in stages)
     assert len({s["worker"] for s in stages}) == 2 and os.getpid() not in {s["worker"] for s in stages}

@@ -51,7 +51,11 @@ class RayBackend:
     log_to_driver: bool = True
 
     def __post_init__(self) -> None:
-        if importlib.util.find_spec("ray") is None:
+        try:
+            found = importlib.util.find_spec("ray") is not None
+        except ValueError:  # a module "ray" without a spec (set to None in sys.modules, say)
+            found = False
+        if not found:
             raise ImportError(_INSTALL)
         if self.address is not None and not isinstance(self.address, str):
             raise TypeError(f"address must be a string such as 'auto', or None; got {type(self.address).__name__}")

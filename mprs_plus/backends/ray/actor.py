@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +30,33 @@ class SegmentHost:
             "pid": os.getpid(),
         }
 
-    def run(self, target: Callable[[Any], None], setup: Any) -> None:
-        """The child's whole life: returns when its loop ends (the service stopped it)."""
+    def run(self, target: Callable[[Any], None], setup: Any, stats_rows: tuple[int, ...] = ()) -> None:
+        """The child's whole life: returns when its loop ends (the service stopped it).
+        Errors raised here name the node: "worker process 1 (pid 7, node ...)".
+
+        ``stats_rows``: the rows of the service's statistics table this child's lanes
+        write. The table is shared memory of the training process's host, which Ray cannot
+        carry: the lanes write a table of this process instead, which ``stats`` reads."""
+        import dataclasses
+        import multiprocessing
+
         from ...runtime import data_messages
+        from ...runtime.stats import StatsTable
 
         where = self.where()
-        data_messages.NODE = f"{where['ip']}, node id {where['node_id'][:12]}"  # errors raised here name the node ("worker process 1 (pid 7, node ...)")
+        data_messages.NODE = f"{where['ip']}, node id {where['node_id'][:12]}"
+        if stats_rows:
+            self._table = StatsTable(multiprocessing.get_context(), max(stats_rows) + 1)
+            setup = dataclasses.replace(setup, stats=tuple(self._table.writer(row) for row in stats_rows))
         target(setup)
+
+    def stats(self, rows: tuple[int, ...]) -> tuple[float, list[tuple[dict[str, float], float]]]:
+        """This child's statistics rows, with its clock's time now (the training process's
+        clock may differ: another host)."""
+        table = getattr(self, "_table", None)
+        if table is None:
+            return time.monotonic(), []
+        return time.monotonic(), [(table.read(row), table.asleep_since(row)) for row in rows]
 
     def pull(self, cid: str, limit: int) -> tuple[list[Any], bool]:
         return channel.serve_pull(cid, limit)

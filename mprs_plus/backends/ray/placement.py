@@ -39,6 +39,7 @@ from .channel import RayReceiver, RaySender, open_ray_channel
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
 _LOOK = 0.5  # seconds between two looks of a watcher at its actor
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
+_STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
 
 
 class ActorProcess:
@@ -191,12 +192,14 @@ class RayPlacement:
             if receiver._spec.control:
                 receiver._spec.host = actor  # its sender delivers to this actor
         where = actor.where.remote()
-        # Ray cannot carry the statistics table's shared memory to another node: the actor's
-        # lanes count nothing for now, the training process's own row is kept.
-        if dataclasses.is_dataclass(setup) and getattr(setup, "stats", ()):
+        # The statistics table is shared memory of this host: the actor's lanes write one of
+        # their own (``SegmentHost.run``), which ``refresh_stats`` copies here.
+        rows: tuple[int, ...] = ()
+        if getattr(setup, "stats", ()):
+            rows = tuple(writer._row for writer in setup.stats)
             setup = dataclasses.replace(setup, stats=())
         try:
-            run = actor.run.remote(target, setup)
+            run = actor.run.remote(target, setup, rows)
         except Exception as exc:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
@@ -211,6 +214,35 @@ class RayPlacement:
 
     def node_of(self, process: Any) -> str | None:
         return process.node if isinstance(process, ActorProcess) else None
+
+    def refresh_stats(self, table: Any, links: Sequence[Any]) -> None:
+        """Copy the statistics rows of the actors of ``links`` into ``table`` (this host's),
+        their times moved to this process's clock. An actor that does not answer within
+        ``_STATS_WAIT`` keeps its last figures."""
+        from ...runtime.stats import FIELDS
+
+        asked = {}
+        for link in links:
+            process = link.process
+            if isinstance(process, ActorProcess) and process.exitcode is None and link.stats_rows:
+                asked[process.actor.stats.remote(link.stats_rows)] = link
+        if not asked:
+            return
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=_STATS_WAIT)
+        width = len(FIELDS)
+        started = FIELDS.index("started")
+        for ref in ready:
+            link = asked[ref]
+            try:
+                then, rows = ray.get(ref, timeout=0)
+            except Exception:
+                continue  # gone meanwhile: its death is reported by the reads
+            shift = time.monotonic() - then
+            for row, (values, asleep) in zip(link.stats_rows, rows):
+                for i, name in enumerate(FIELDS):
+                    value = values[name]
+                    table._table[row * width + i] = value + shift if i == started and value else value
+                table._asleep[row] = asleep + shift if asleep else 0.0
 
     def death_error(self, processes: Sequence[Any]) -> Exception:
         deadline = time.monotonic() + 2.0  # the pull can fail a moment before the watcher sees why
@@ -235,6 +267,13 @@ class RayPlacement:
         for process in processes:
             process.terminate()
         deadline = time.monotonic() + _CLOSE_WAIT
+        # A call to a killed actor fails once Ray has it dead: then it is gone for good.
+        probes = []
+        for process in processes:
+            with contextlib.suppress(Exception):
+                probes.append(process.actor.where.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(probes, num_returns=len(probes), timeout=_CLOSE_WAIT)
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
             process.close()

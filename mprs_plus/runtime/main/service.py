@@ -45,6 +45,7 @@ import multiprocessing
 import os
 import threading
 import weakref
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,7 +59,7 @@ from .reader import MainReader
 from ..control_messages import Limit, Pause, Reset, Resume, pack
 from .cursor import ReadCursor
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
-from ..stats import Stats, StatsTable, StatsView, aggregate
+from ..stats import Stats, StatsTable, StatsView, aggregate, network_verdict
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
 from .topology import ChildLink, Role, Topology, plan_topology
 from ..child.worker import WorkerSetup, worker_main
@@ -247,7 +248,17 @@ class ServiceRuntime:
 
     def stats(self) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict."""
-        return aggregate([]) if self._stats is None else self._stats.snapshot()
+        if self._stats is None:
+            return aggregate([])
+        placement = self._supervisor.placement
+        if hasattr(placement, "refresh_stats"):  # children on other hosts: fetch their rows first
+            placement.refresh_stats(self._stats.table, list(self._topology.children()))
+        found = self._stats.snapshot()
+        nodes = {(link.role.value, link.index): placement.node_of(link.process) for link in self._topology.started()}
+        if not any(nodes.values()):
+            return found
+        processes = tuple(replace(p, node=nodes.get((p.role, p.index)) or "") for p in found.processes)
+        return replace(found, processes=processes, bottleneck=network_verdict(found) or found.bottleneck)
 
     def stop(self) -> None:
         self._finalizer()
