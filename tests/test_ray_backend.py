@@ -257,14 +257,61 @@ def test_a_driver_killed_by_sigkill_leaves_no_actor(cluster):
     assert _alive_actors() == []
 
 
-def test_a_node_that_cannot_import_the_pipeline_says_how_to_ship_it(cluster):
-    backend = RayBackend(num_cpus_per_worker=0, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    loader = _loader(IterableWrapper(range(4)).sharding_filter().map(pipelines.double), backend)
+@pytest.fixture
+def own_module(tmp_path, monkeypatch):
+    """A module of the pipeline's own that this process imports and the nodes do not have."""
+    package = tmp_path / "shipped_code"
+    package.mkdir()
+    (package / "__init__.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import shipped_code
+
+    yield package, shipped_code
+    sys.modules.pop("shipped_code", None)
+
+
+def test_a_node_without_the_pipelines_code_says_how_to_ship_it(cluster, own_module):
+    _, shipped_code = own_module
+    loader = _loader(IterableWrapper(range(6)).sharding_filter().map(shipped_code.triple), RayBackend(num_cpus_per_worker=0))
     try:
         with pytest.raises(ProcessDiedError, match=r"could not load the pipeline's code.*working_dir.*py_modules"):
             list(loader)
     finally:
         loader.shutdown()
+
+
+SHIPPING_DRIVER = textwrap.dedent(
+    """
+    import sys
+    import ray, mprs_plus
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    import shipped_code
+
+    address, package = sys.argv[1], sys.argv[2]
+    backend = mprs_plus.RayBackend(address=address, num_cpus_per_worker=0, runtime_env={"py_modules": [package]})
+    service = mprs_plus.MultiProcessingReadingService(2, backend=backend)
+    loader = DataLoader2(IterableWrapper(range(6)).sharding_filter().map(shipped_code.triple), reading_service=service)
+    assert list(loader) == [3 * i for i in range(6)]
+    loader.shutdown()
+    assert not ray.is_initialized()  # disconnected: the service connected
+    print("ok")
+    """
+)
+
+
+def test_attached_by_address_the_code_ships_with_runtime_env_and_the_cluster_stays(cluster, own_module):
+    package, _ = own_module
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package.parent), ROOT]))
+    result = subprocess.run(
+        [sys.executable, "-c", SHIPPING_DRIVER, cluster.address, str(package)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=env,
+    )
+    assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    assert ray.cluster_resources().get("CPU", 0) >= 4  # the cluster we attached to still runs
 
 
 def test_ray_started_for_the_service_is_stopped_at_shutdown():

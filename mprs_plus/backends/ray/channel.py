@@ -52,6 +52,9 @@ from ...transport.serialize import Encoder
 
 PULL_WAIT = 0.25  # seconds a pull waits in the sender's actor for a first message
 SLICE = 0.02  # seconds between two looks at watched waitables while waiting on Ray
+# A pull answers within PULL_WAIT unless Ray lost it (or its actor cannot get a thread for
+# that long): then the channel is broken, never waited on forever.
+LOST_PULL = 60.0
 
 
 @dataclass(eq=False)
@@ -270,6 +273,7 @@ class RayReceiver:
         self._box: _Box | None = None  # a control receiver in its actor
         self._buffer: deque[Any] = deque()
         self._pull: Any = None  # the pull in flight
+        self._pulled_at = 0.0  # when it was asked for
         self._ended = False  # the sender closed and every message is here
         self._broken: str | None = None
         self._closed = False
@@ -371,6 +375,7 @@ class RayReceiver:
             room = self._spec.capacity - len(self._buffer)
             if room > 0:
                 self._pull = self._spec.host.pull.remote(self._spec.cid, room)
+                self._pulled_at = time.monotonic()
 
     def _absorb(self, timeout: float) -> None:
         """Take the answer of the pull in flight if it comes within ``timeout``."""
@@ -381,6 +386,9 @@ class RayReceiver:
         ready, _ = ray.wait([self._pull], timeout=timeout)
         if ready:
             self._settle()
+        elif time.monotonic() - self._pulled_at > LOST_PULL:
+            self._pull = None
+            self._broken = f"the actor at the other end has not answered a pull for {LOST_PULL:.0f} s"
 
     def _settle(self) -> None:
         ref, self._pull = self._pull, None
