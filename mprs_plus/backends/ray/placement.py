@@ -34,7 +34,7 @@ import ray
 
 from ...errors import ProcessDiedError
 from .actor import remote_class
-from .channel import RayReceiver, RaySender, open_ray_channel
+from .channel import PULLS_IN_FLIGHT, RayReceiver, RaySender, open_ray_channel
 
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
 _LOOK = 0.5  # seconds between two looks of a watcher at its actor
@@ -195,8 +195,8 @@ class RayPlacement:
         senders, receivers = _endpoints(setup)
         options: dict[str, Any] = {
             "num_cpus": backend.num_cpus_per_worker,
-            # Threads: the child's own, one per pull waiting on its data senders, deliveries.
-            "max_concurrency": 4 + len(senders),
+            # Threads: the child's own, the pulls in flight on its data senders, deliveries.
+            "max_concurrency": 4 + PULLS_IN_FLIGHT * len(senders),
             "name": None,
         }
         if backend.resources:
