@@ -118,7 +118,8 @@ def test_same_items_in_the_same_order_as_local_workers(cluster, dispatch):
         make = lambda: IterableWrapper(range(40)).shuffle().sharding_filter().map(pipelines.double)  # noqa: E731
     local = _run(make())
     assert _run(make(), RayBackend(num_cpus_per_worker=0)) == local
-    assert sorted(_run(make(), RayBackend(num_cpus_per_worker=0), in_order=False)) == sorted(local)
+    if dispatch:  # the same set as they come (one run is enough: the reads are the same code)
+        assert sorted(_run(make(), RayBackend(num_cpus_per_worker=0), in_order=False)) == sorted(local)
 
 
 def test_a_checkpoint_goes_from_local_workers_to_ray_and_back(cluster):
@@ -335,3 +336,21 @@ def test_ray_started_for_the_service_is_stopped_at_shutdown():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     assert mprs_plus.RayBackend(address=None).address is None
+
+
+def test_items_cross_a_ray_channel_writable_and_equal():
+    """What a pull carries: the transport's pickling, large buffers out of band; the
+    receiver gets writable copies, as from the shared-memory transport."""
+    import numpy
+    import torch
+
+    from mprs_plus.backends.ray.channel import ChannelSpec, RayReceiver, _pack
+
+    item = {"array": numpy.arange(100_000, dtype=numpy.int64), "tensor": torch.arange(50_000.0), "tiny": [1, "a"]}
+    receiver = RayReceiver(ChannelSpec("test", 4, False))
+    receiver._buffer.append(_pack(None, item))
+    receiver._ended = True  # no sender actor here: nothing more to pull
+    got = receiver._take()
+    assert numpy.array_equal(got["array"], item["array"]) and torch.equal(got["tensor"], item["tensor"])
+    assert got["tiny"] == [1, "a"] and got["array"].flags.writeable
+    got["tensor"] += 1  # writable: no warning, no error

@@ -178,7 +178,15 @@ class RayPlacement:
             if backend.address is None:
                 # "local": a new Ray of this machine, even where `ray start` runs one already.
                 kwargs.update(address="local", num_cpus=backend.num_cpus, include_dashboard=False)
-            ray.init(**kwargs)
+            try:
+                ray.init(**kwargs)
+            except Exception as exc:
+                where = "a new local Ray" if backend.address is None else f"Ray at address={backend.address!r}"
+                raise ConnectionError(
+                    f"the Ray backend could not start or reach {where}: {_first_line(exc)}. Start a cluster "
+                    "(`ray start --head` here, `ray start --address=HEAD:6379` on the other nodes), pass its "
+                    "address, or address=None for a Ray of this machine."
+                ) from None
             _ours.started = True
         self._started_ray = _ours.started
         if self._started_ray:
