@@ -354,3 +354,25 @@ def test_items_cross_a_ray_channel_writable_and_equal():
     assert numpy.array_equal(got["array"], item["array"]) and torch.equal(got["tensor"], item["tensor"])
     assert got["tiny"] == [1, "a"] and got["array"].flags.writeable
     got["tensor"] += 1  # writable: no warning, no error
+
+
+def test_pause_resume_limit_and_hooks_run_in_the_actors(cluster):
+    """The same control messages as local children: the pause, resume and limit functions
+    run in the dispatch actor and the worker actors, the items go on in order."""
+    from torchdata.dataloader2 import SequentialReadingService
+
+    from test_pause import HooksFromAnotherService, read_in_chunks
+
+    pipelines.COUNTS.clear()
+    ours = MultiProcessingReadingService(2, backend=RayBackend(num_cpus_per_worker=0))
+    loader = DataLoader2(pipelines.pause_aware_pipe(10, True), reading_service=SequentialReadingService(HooksFromAnotherService(), ours))
+    try:
+        first, pauses = read_in_chunks(loader, 5)
+        second = list(loader)
+    finally:
+        loader.shutdown()
+    assert pauses == 2 and [v for v, _ in first] == [v for v, _ in second] == list(range(10))
+    assert pipelines.COUNTS["limit_fn(5)"] == 1
+    for _, counts in second:
+        assert counts["worker"]["pause_fn"] == counts["worker"]["resume_fn"] == 2
+        assert counts["dispatch"]["pause_fn"] == 2 and counts["dispatch"]["limit_fn(5)"] == 1
