@@ -212,7 +212,7 @@ def test_shutdown_with_a_stopped_actor_is_bounded(cluster):
         start = time.monotonic()
     finally:
         loader.shutdown()
-    assert time.monotonic() - start < 15.0
+    assert time.monotonic() - start < 20.0  # the stop grace (5 s), escalation, and Ray reporting the kill
 
 
 DRIVER = textwrap.dedent(
@@ -273,7 +273,8 @@ def own_module(tmp_path, monkeypatch):
 
 def test_a_node_without_the_pipelines_code_says_how_to_ship_it(cluster, own_module):
     _, shipped_code = own_module
-    loader = _loader(IterableWrapper(range(6)).sharding_filter().map(shipped_code.triple), RayBackend(num_cpus_per_worker=0))
+    pipe = IterableWrapper(range(6)).sharding_filter().map(shipped_code.triple)
+    loader = _loader(pipe, RayBackend(num_cpus_per_worker=0))
     try:
         with pytest.raises(ProcessDiedError, match=r"could not load the pipeline's code.*working_dir.*py_modules"):
             list(loader)
@@ -365,7 +366,8 @@ def test_pause_resume_limit_and_hooks_run_in_the_actors(cluster):
 
     pipelines.COUNTS.clear()
     ours = MultiProcessingReadingService(2, backend=RayBackend(num_cpus_per_worker=0))
-    loader = DataLoader2(pipelines.pause_aware_pipe(10, True), reading_service=SequentialReadingService(HooksFromAnotherService(), ours))
+    service = SequentialReadingService(HooksFromAnotherService(), ours)
+    loader = DataLoader2(pipelines.pause_aware_pipe(10, True), reading_service=service)
     try:
         first, pauses = read_in_chunks(loader, 5)
         second = list(loader)

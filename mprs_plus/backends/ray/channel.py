@@ -72,7 +72,9 @@ class ChannelSpec:
     early: list[Any] = field(default_factory=list)  # control messages sent before the host existed
 
 
-def open_ray_channel(*, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[RaySender, RayReceiver]:
+def open_ray_channel(
+    *, capacity_items: int, capacity_bytes: int, control: bool = False
+) -> tuple[RaySender, RayReceiver]:
     """A one-way channel over Ray holding at most ``capacity_items`` messages in its
     sender's box (``capacity_bytes`` is not enforced: Ray's object store bounds bytes)."""
     del capacity_bytes
