@@ -33,7 +33,8 @@ class Options:
     def __post_init__(self) -> None:
         if self.backend is not None and not callable(getattr(self.backend, "open", None)):
             raise TypeError(
-                f"backend must be a backend such as mprs_plus.RayBackend(...), or None; got {type(self.backend).__name__}"
+                "backend must be a backend such as mprs_plus.RayBackend(...), or None; "
+                f"got {type(self.backend).__name__}"
             )
         if self.stats_interval is not None and (
             isinstance(self.stats_interval, bool)

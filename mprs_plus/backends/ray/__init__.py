@@ -37,7 +37,9 @@ class RayBackend:
             spread them over the nodes, or a ``NodeAffinitySchedulingStrategy``.
         runtime_env: Ray's runtime environment of the actors: how the pipeline's own code
             reaches the nodes (``{"working_dir": "."}`` or ``{"py_modules": [my_pkg]}``),
-            plus packages or environment variables.
+            plus packages or environment variables. Ray uploads local directories only
+            for a whole job: when Ray is already initialized in this process, pass such a
+            runtime_env to your ``ray.init`` instead.
         num_cpus: with ``address=None``, the CPUs of the Ray started here (None: all).
         log_to_driver: show the actors' stdout and stderr in this process.
     """

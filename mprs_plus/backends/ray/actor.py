@@ -58,8 +58,8 @@ class SegmentHost:
             return time.monotonic(), []
         return time.monotonic(), [(table.read(row), table.asleep_since(row)) for row in rows]
 
-    def pull(self, cid: str, limit: int) -> tuple[list[Any], bool]:
-        return channel.serve_pull(cid, limit)
+    def pull(self, cid: str, limit: int, seq: int) -> tuple[list[Any], bool]:
+        return channel.serve_pull(cid, limit, seq)
 
     def deliver(self, cid: str, seq: int, message: Any, last: bool) -> None:
         channel.serve_deliver(cid, seq, message, last)

@@ -10,16 +10,17 @@ A *box* is one channel's queue inside the actor that hosts one end (``_boxes``, 
 channel id; whichever comes first, the endpoint or a call, creates it). The training process
 cannot serve calls, so its data ends pull and its control ends push.
 
-Why pulls: the receiver keeps one pull in flight, and a pull takes every message waiting,
-so messages travel many to a Ray object exactly when the receiver is slower than one Ray
-call per message (a call costs milliseconds) and one at a time when it waits (a waiting
-pull is ``peer_waiting()``, and the batching flushes at once). A pull waits in the sender's
-actor at most ``PULL_WAIT`` seconds; an empty answer makes the receiver ask again.
+Why pulls: the receiver keeps ``PULLS_IN_FLIGHT`` pulls in flight (served in order), and a
+pull takes every message waiting, up to its share, so messages travel many to a Ray object
+exactly when the receiver is slower than one Ray call per message (a call costs
+milliseconds) and one at a time when it waits (a waiting pull is ``peer_waiting()``, and
+the batching flushes at once). A pull waits in the sender's actor at most ``PULL_WAIT``
+seconds; an empty answer makes the receiver ask again.
 
 Bounds: the sender's box holds at most ``capacity_items`` messages (``send`` blocks, with
-the same ``timeout`` rule as the shared-memory sender); a pull asks for at most
-``capacity_items`` minus what the receiver holds unread. So at most twice the capacity is in
-flight per channel.
+the same ``timeout`` rule as the shared-memory sender); the pulls in flight together ask for
+at most ``capacity_items`` minus what the receiver holds unread. So at most twice the
+capacity is in flight per channel.
 
 Messages are pickled when sent, with the transport's encoder (its reducers for tensors and
 arrays): an item that cannot be pickled fails its ``send`` in the sender, as locally, never
@@ -52,6 +53,10 @@ from ...transport.serialize import Encoder
 
 PULL_WAIT = 0.25  # seconds a pull waits in the sender's actor for a first message
 SLICE = 0.02  # seconds between two looks at watched waitables while waiting on Ray
+# A pull answers within PULL_WAIT unless Ray lost it (or its actor cannot get a thread for
+# that long): then the channel is broken, never waited on forever.
+LOST_PULL = 60.0
+PULLS_IN_FLIGHT = 2  # per receiver
 
 
 @dataclass(eq=False)
@@ -67,7 +72,9 @@ class ChannelSpec:
     early: list[Any] = field(default_factory=list)  # control messages sent before the host existed
 
 
-def open_ray_channel(*, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[RaySender, RayReceiver]:
+def open_ray_channel(
+    *, capacity_items: int, capacity_bytes: int, control: bool = False
+) -> tuple[RaySender, RayReceiver]:
     """A one-way channel over Ray holding at most ``capacity_items`` messages in its
     sender's box (``capacity_bytes`` is not enforced: Ray's object store bounds bytes)."""
     del capacity_bytes
@@ -86,6 +93,7 @@ class _Box:
         self.queue: deque[Any] = deque()
         self.closed = False
         self.pullers = 0  # pulls waiting for a first message now
+        self.pull_turn = 0  # data: the pull served next (they may arrive out of order)
         self.next_seq = 0  # control: the next message in order
         self.early: dict[int, tuple[Any, bool]] = {}  # control: arrived before their turn
         self.messages = 0
@@ -104,11 +112,15 @@ def _box(cid: str) -> _Box:
         return box
 
 
-def serve_pull(cid: str, limit: int) -> tuple[list[Any], bool]:
+def serve_pull(cid: str, limit: int, seq: int) -> tuple[list[Any], bool]:
     """In the sender's actor: up to ``limit`` messages waiting (waiting ``PULL_WAIT`` at
-    most for a first one), and whether the stream ended after them."""
+    most for a first one), and whether the stream ended after them. Pulls are served in
+    the order they were asked for (``seq``), whatever thread of the actor runs them first."""
     box = _box(cid)
     with box.cv:
+        turn = time.monotonic() + LOST_PULL
+        while box.pull_turn != seq and time.monotonic() < turn:
+            box.cv.wait(SLICE)  # the previous pull is served now, or about to be
         box.pullers += 1
         try:
             deadline = time.monotonic() + PULL_WAIT
@@ -121,8 +133,8 @@ def serve_pull(cid: str, limit: int) -> tuple[list[Any], bool]:
             box.pullers -= 1
         taken = [box.queue.popleft() for _ in range(min(limit, len(box.queue)))]
         ended = box.closed and not box.queue
-        if taken:
-            box.cv.notify_all()  # room for a blocked sender
+        box.pull_turn = seq + 1
+        box.cv.notify_all()  # room for a blocked sender, the turn of the next pull
         return taken, ended
 
 
@@ -269,7 +281,9 @@ class RayReceiver:
         self._spec = spec
         self._box: _Box | None = None  # a control receiver in its actor
         self._buffer: deque[Any] = deque()
-        self._pull: Any = None  # the pull in flight
+        # Pulls in flight, oldest first: (reference, messages asked for, when asked).
+        self._pulls: deque[tuple[Any, int, float]] = deque()
+        self._pull_seq = 0
         self._ended = False  # the sender closed and every message is here
         self._broken: str | None = None
         self._closed = False
@@ -337,7 +351,7 @@ class RayReceiver:
     def close(self) -> None:
         self._closed = True
         self._buffer.clear()
-        self._pull = None
+        self._pulls.clear()
 
     def release(self) -> None:
         """The training process's copy of an end an actor owns: nothing to let go of."""
@@ -365,25 +379,42 @@ class RayReceiver:
         self._kick()
         return pickle.loads(stream, buffers=[bytearray(buffer) for buffer in buffers])
 
+    @property
+    def _pull(self) -> Any:
+        """The oldest pull in flight (the one answered next), or None."""
+        return self._pulls[0][0] if self._pulls else None
+
     def _kick(self) -> None:
-        """Keep one pull in flight while there is room for its answer."""
-        if self._pull is None and not self._ended and self._broken is None and not self._closed:
-            room = self._spec.capacity - len(self._buffer)
-            if room > 0:
-                self._pull = self._spec.host.pull.remote(self._spec.cid, room)
+        """Keep ``PULLS_IN_FLIGHT`` pulls in flight while there is room for their answers:
+        each asks for a share of the room, so that what they bring and what is here stays
+        within the capacity. Two overlap one pull's round trip with the next one's."""
+        if self._ended or self._broken is not None or self._closed:
+            return
+        capacity = self._spec.capacity
+        while len(self._pulls) < PULLS_IN_FLIGHT:
+            room = capacity - len(self._buffer) - sum(asked for _, asked, _ in self._pulls)
+            if room <= 0:
+                return
+            asked = min(room, max(1, -(-capacity // PULLS_IN_FLIGHT)))
+            ref = self._spec.host.pull.remote(self._spec.cid, asked, self._pull_seq)
+            self._pull_seq += 1
+            self._pulls.append((ref, asked, time.monotonic()))
 
     def _absorb(self, timeout: float) -> None:
-        """Take the answer of the pull in flight if it comes within ``timeout``."""
-        if self._pull is None:
+        """Take the answer of the oldest pull in flight if it comes within ``timeout``."""
+        if not self._pulls:
             self._kick()
-            if self._pull is None:
+            if not self._pulls:
                 return
         ready, _ = ray.wait([self._pull], timeout=timeout)
         if ready:
             self._settle()
+        elif time.monotonic() - self._pulls[0][2] > LOST_PULL:
+            self._pulls.clear()
+            self._broken = f"the actor at the other end has not answered a pull for {LOST_PULL:.0f} s"
 
     def _settle(self) -> None:
-        ref, self._pull = self._pull, None
+        ref, _, _ = self._pulls.popleft()
         try:
             taken, ended = ray.get(ref, timeout=0)
         except Exception as exc:
@@ -394,6 +425,7 @@ class RayReceiver:
         self._bytes += sum(size for _, _, size in taken)
         if ended:
             self._ended = True
+            self._pulls.clear()  # asked after the end: nothing more can come
         else:
             self._kick()
 

@@ -34,12 +34,24 @@ import ray
 
 from ...errors import ProcessDiedError
 from .actor import remote_class
-from .channel import RayReceiver, RaySender, open_ray_channel
+from .channel import PULLS_IN_FLIGHT, RayReceiver, RaySender, open_ray_channel
 
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
 _LOOK = 0.5  # seconds between two looks of a watcher at its actor
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
 _STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
+
+
+class _Ours:
+    """Whether this process's Ray connection was made by a placement, and how many running
+    placements use it: the last one to close disconnects (ray.shutdown); a connection the
+    user made is never closed here."""
+
+    started = False
+    users = 0
+
+
+_ours = _Ours()
 
 
 class ActorProcess:
@@ -159,12 +171,29 @@ class RayPlacement:
         self._started_ray = False
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"address": backend.address, "log_to_driver": backend.log_to_driver}
+            if backend.runtime_env is not None:
+                # For the whole job: Ray uploads local directories (working_dir, py_modules)
+                # only from ray.init, never for one actor.
+                kwargs["runtime_env"] = dict(backend.runtime_env)
             if backend.address is None:
                 # "local": a new Ray of this machine, even where `ray start` runs one already.
                 kwargs.update(address="local", num_cpus=backend.num_cpus, include_dashboard=False)
-            ray.init(**kwargs)
-            self._started_ray = True  # ours to stop at close(); a cluster we attached to is never stopped
+            try:
+                ray.init(**kwargs)
+            except Exception as exc:
+                where = "a new local Ray" if backend.address is None else f"Ray at address={backend.address!r}"
+                raise ConnectionError(
+                    f"the Ray backend could not start or reach {where}: {_first_line(exc)}. Start a cluster "
+                    "(`ray start --head` here, `ray start --address=HEAD:6379` on the other nodes), pass its "
+                    "address, or address=None for a Ray of this machine."
+                ) from None
+            _ours.started = True
+        self._started_ray = _ours.started
+        if self._started_ray:
+            _ours.users += 1
         self.processes: list[ActorProcess] = []
+        # Attached to a Ray this process initialized: the runtime_env goes with each actor.
+        self._actor_env = backend.runtime_env if not self._started_ray else None
 
     def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Any, Any]:
         return open_ray_channel(capacity_items=capacity_items, capacity_bytes=capacity_bytes, control=control)
@@ -174,18 +203,26 @@ class RayPlacement:
         senders, receivers = _endpoints(setup)
         options: dict[str, Any] = {
             "num_cpus": backend.num_cpus_per_worker,
-            # Threads: the child's own, one per pull waiting on its data senders, deliveries.
-            "max_concurrency": 4 + len(senders),
+            # Threads: the child's own, the pulls in flight on its data senders, deliveries.
+            "max_concurrency": 4 + PULLS_IN_FLIGHT * len(senders),
             "name": None,
         }
         if backend.resources:
             options["resources"] = dict(backend.resources)
         if backend.scheduling_strategy is not None:
             options["scheduling_strategy"] = backend.scheduling_strategy
-        if backend.runtime_env is not None:
-            options["runtime_env"] = backend.runtime_env
+        if self._actor_env is not None:
+            options["runtime_env"] = dict(self._actor_env)
         options = {k: v for k, v in options.items() if v is not None}
-        actor = remote_class().options(**options).remote()
+        try:
+            actor = remote_class().options(**options).remote()
+        except ValueError as exc:
+            raise ValueError(
+                f"{name} cannot be started as a Ray actor with these options: {_first_line(exc)}. Ray was "
+                "initialized before the service started, and Ray uploads local directories (runtime_env "
+                "working_dir, py_modules) only from ray.init: pass that runtime_env to ray.init(...) yourself, "
+                "or let RayBackend connect (do not call ray.init first)."
+            ) from None
         for sender in senders:
             sender._spec.host = actor  # its receiver pulls from this actor
         for receiver in receivers:
@@ -278,8 +315,13 @@ class RayPlacement:
             process.join(max(0.0, deadline - time.monotonic()))
             process.close()
         if self._started_ray:
-            with contextlib.suppress(Exception):
-                ray.shutdown()
+            self._started_ray = False
+            _ours.users -= 1
+            if _ours.users == 0:
+                # Disconnect: a Ray started here stops with it; a cluster attached to goes on.
+                _ours.started = False
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
 
 
 def _endpoints(setup: Any) -> tuple[list[RaySender], list[RayReceiver]]:
