@@ -2,12 +2,18 @@ from setuptools import find_packages, setup
 
 # spdl: the suite's "spdl" contender (iterate_in_subprocess with its zero-copy shared-memory
 # pool); pure Python over numpy, and optional at run time (n/a without it).
-BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8"]
+# ray[data]: the Ray comparison (benchmarks/ray_compare.py) runs a simulated two-node cluster
+# and Ray Data as a contender; optional at run time as well (n/a without it).
+BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8", "ray[data]>=2.60"]
 # MkDocs: the docs are Markdown, the format of the README and of the pages' examples that
 # the tests run; mkdocstrings renders the API reference from the docstrings.
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0"]
 # Plan.render() and `explain --format svg|png` draw with Graphviz's dot through this package.
 RENDER = ["graphviz>=0.20"]
+# The Ray backend (RayBackend): worker segments as Ray actors on a cluster's nodes. 2.9 is
+# the oldest release whose APIs it uses behave as described (owner death, ray.wait with a
+# timeout, the runtime context's node id); 2.60 is the one measured.
+RAY = ["ray>=2.9"]
 
 setup(
     name="mprs_plus",
@@ -43,9 +49,11 @@ setup(
             *BENCH,
             *DOCS,
             *RENDER,
+            *RAY,
         ],
         "docs": DOCS,
         "render": RENDER,
+        "ray": RAY,
         "bench": BENCH,
     },
     entry_points={"console_scripts": ["mprs-plus=mprs_plus.__main__:main"]},

@@ -104,13 +104,14 @@ class PhaseClock:
 def phase_clock() -> PhaseClock:
     """Hooks the main process's start-up steps of mprs_plus (this process only)."""
     from mprs_plus import reading_service
+    from mprs_plus.backends import local
     from mprs_plus.runtime.main import service, supervisor
 
     phases = PhaseClock()
     phases.wrap(reading_service, "plan", "plan")
     phases.wrap(service, "build_worker_program", "copies")
     phases.wrap(service, "build_dispatch_sources", "copies")
-    phases.wrap(service, "open_channel", "channels")
+    phases.wrap(local, "open_channel", "channels")  # the local backend opens the channels
     phases.wrap(supervisor.Supervisor, "launch", "processes")
     phases.wrap(service.ServiceRuntime, "begin_epoch", "messages")
     return phases

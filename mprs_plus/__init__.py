@@ -21,6 +21,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "ProcessDiedError",
+    "RayBackend",
     "Segment",
     "ServiceClosedError",
     "WorkerError",
@@ -39,6 +40,7 @@ _HOMES = {
     "Segment": ".segment",
     "plan": ".plan",
     "MultiProcessingReadingService": ".reading_service",
+    "RayBackend": ".backends.ray",
 }
 
 
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
         ServiceClosedError,
         WorkerError,
     )
+    from .backends.ray import RayBackend
     from .graph import NoGraph
     from .plan import Plan, plan
     from .segment import Segment

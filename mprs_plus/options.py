@@ -27,8 +27,15 @@ class Options:
     timeout: float | None = None
     collect_stats: bool = True
     stats_interval: float | None = None
+    # Where the children run (``backends``): None for processes of this host.
+    backend: Any = None
 
     def __post_init__(self) -> None:
+        if self.backend is not None and not callable(getattr(self.backend, "open", None)):
+            raise TypeError(
+                "backend must be a backend such as mprs_plus.RayBackend(...), or None; "
+                f"got {type(self.backend).__name__}"
+            )
         if self.stats_interval is not None and (
             isinstance(self.stats_interval, bool)
             or not isinstance(self.stats_interval, (int, float))

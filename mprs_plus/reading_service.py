@@ -61,6 +61,9 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         collect_stats: keep live statistics for ``stats()`` (a few clock reads per item).
         stats_interval: seconds between two statistics summaries logged at INFO level
             on the ``mprs_plus.stats`` logger; None logs none.
+        backend: where the worker and dispatch segments run: None for processes of this
+            host; ``mprs_plus.RayBackend(...)`` for Ray actors on a cluster's nodes (the main
+            segment stays in this process; items, order, seeds and checkpoints are the same).
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
@@ -87,6 +90,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         timeout: float | None = None,
         collect_stats: bool = True,
         stats_interval: float | None = None,
+        backend: Any = None,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -101,6 +105,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             timeout=timeout,
             collect_stats=collect_stats,
             stats_interval=stats_interval,
+            backend=backend,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | InProcessRuntime | None = None

@@ -31,6 +31,7 @@ class ProcessStats:
     elapsed_s: float
     queued: int  # items waiting in this process's output channel(s), where known
     rescues: int = 0  # lost wake-ups the transport's watchdog made up for (0 unless there is a bug)
+    node: str = ""  # the cluster node it runs on, with a backend that places children on nodes
 
     @property
     def busy_fraction(self) -> float:
@@ -102,6 +103,9 @@ class Stats:
 
     def summary(self) -> str:
         lines = [self.bottleneck]
+        placed = [p for p in self.processes if p.node]
+        if placed:
+            lines.append("  on nodes: " + ", ".join(f"{p.role} {p.index}: {p.node}" for p in placed))
         for s in self.segments:
             lines.append(
                 f"  {s.segment:<8} x{s.processes}: in {s.items_in:>9,} out {s.items_out:>9,}  "
@@ -138,6 +142,22 @@ def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = Non
         )
     large = large_buffers if large_buffers is not None else Lending(0, 0, 0, 0)
     return Stats(tuple(processes), tuple(segments), bottleneck(segments), large)
+
+
+def network_verdict(stats: Stats) -> str | None:
+    """With children on other hosts: the channels (the network) are the bottleneck when the
+    workers wait to hand items on and the main process waits for them at the same time,
+    neither of them busy. None otherwise."""
+    workers, main = stats.segment("worker"), stats.segment("main")
+    if workers is None or main is None or not main.items_in:
+        return None
+    if workers.output_wait_fraction > 0.5 and main.input_wait_fraction > 0.5:
+        return (
+            f"the network is the bottleneck: workers wait {workers.output_wait_fraction:.0%} of the time to hand "
+            f"items on while the main segment waits {main.input_wait_fraction:.0%} of the time for them; send "
+            "fewer bytes per item (decode or crop on the workers, compress) or run the workers nearer"
+        )
+    return None
 
 
 def bottleneck(segments: list[SegmentStats]) -> str:

@@ -8,6 +8,7 @@ that are already exiting; it never sleeps to synchronise.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import psutil
@@ -25,6 +26,12 @@ def _shm_segments() -> set[str]:
         return set()
 
 
+def _is_ray(command: str) -> bool:
+    """A process of a Ray cluster a test module started (its own daemons, its pool of idle
+    workers): Ray owns them; the Ray tests check by Ray's state that no actor is left."""
+    return command.startswith("ray::") or "/ray/" in command or "raylet" in command or "gcs_server" in command
+
+
 def _service_children() -> list[psutil.Process]:
     # The forkserver itself (and multiprocessing's resource tracker) live for the whole
     # session by design; the service's own processes are named "mprs_plus ...".
@@ -32,6 +39,8 @@ def _service_children() -> list[psutil.Process]:
     for child in psutil.Process().children(recursive=True):
         try:
             if "forkserver" in " ".join(child.cmdline()) or "resource_tracker" in " ".join(child.cmdline()):
+                continue
+            if "ray" in sys.modules and _is_ray(" ".join(child.cmdline())):
                 continue
             found.append(child)
         except psutil.NoSuchProcess:

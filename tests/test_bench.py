@@ -282,3 +282,74 @@ def test_cold_start_runs_each_sample_in_a_fresh_process(tmp_path: Path) -> None:
         [sample] = detail["samples"]
         assert 0 <= sample["imports"] < sample["cold_first_item"], contender
         assert cell["samples"]["warm_first_item"][0] > 0, contender
+
+
+# -- the Ray comparison ----------------------------------------------------------------------
+
+RAY_CONTENDERS = {"mprs_plus-ray", "mprs_plus", "ray-data"}
+
+
+def test_ray_comparison_quick_run_reports_every_contender(tmp_path: Path) -> None:
+    """``python -m benchmarks.ray_compare --quick`` runs end to end (no figure is checked).
+
+    With Ray installed it starts and stops a two-node local cluster; without it, or while
+    ``mprs_plus.RayBackend`` is not importable, those contenders are n/a, saying why. One
+    workload (the arrays, which have every column) keeps it short: each Ray contender
+    starts its processes anew per measurement, seconds each on a loaded machine."""
+    from benchmarks.workloads import ray_cluster
+
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ray_compare", "--quick", "--only", "numpy_arrays", "--no-progress"]
+        + ["--out", str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [result_file] = tmp_path.glob("ray-*.json")
+    result = json.loads(result_file.read_text())
+    assert set(result["workloads"]) == {"numpy_arrays"}
+    expected = {
+        "mprs_plus": None,
+        "ray-data": ray_cluster.ray_missing(),
+        "mprs_plus-ray": ray_cluster.ray_backend_missing(),
+    }
+    for name, workload in result["workloads"].items():
+        assert set(workload["contenders"]) == RAY_CONTENDERS, name
+        for contender, cell in workload["contenders"].items():
+            if expected[contender] is None:
+                assert cell["status"] == "ok", (name, contender, cell["errors"])
+                keys = ("throughput", "epoch_throughput", "first_item")
+                assert all(cell["samples"][key][0] > 0 for key in keys), (name, contender)
+                assert cell["samples"]["main_cpu_per_item"][0] >= 0, (name, contender)
+            else:
+                assert cell["status"] == "n/a" and cell["note"] == expected[contender], (name, contender)
+    arrays = [row for row in result["rows"] if row["workload"] == "numpy_arrays" and row["status"] == "ok"]
+    assert arrays and all(row["gbps"] > 0 for row in arrays)
+    assert not result["environment"].get("cluster_left_running"), "the cluster's processes outlived its shutdown"
+    if expected["ray-data"] is None:
+        assert "simulated nodes" in result["environment"]["cluster"]
+    assert "| 1 MiB numpy arrays | mprs_plus |" in done.stdout  # the table
+
+
+def test_ray_comparison_records_ray_as_not_applicable_when_it_is_not_installed(monkeypatch) -> None:
+    from benchmarks import harness, ray_compare
+    from benchmarks.workloads import ray_cluster
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # "import ray" now raises ImportError
+    for name in [m for m in sys.modules if m.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    missing = {"mprs_plus-ray": ray_cluster.ray_backend_missing(), "ray-data": ray_cluster.ray_missing()}
+    assert all("not installed" in why and "bench" in why for why in missing.values())
+    settings = harness.Settings(quick=True, repetitions=1)
+    tiny = ray_cluster.Case("few_ints", "few ints", "ints", items=lambda s: 2000, make_fn=lambda s: ray_cluster.identity)
+    workloads = ray_cluster.workloads(None, (tiny,))
+    results = ray_compare.run(workloads, settings, ray_cluster.CONTENDERS, missing, None, progress=False)
+    cells = results.cells["few_ints"]
+    assert cells["mprs_plus"].status == harness.OK
+    assert cells["mprs_plus"].samples["first_item"][0] > 0
+    for contender in ("mprs_plus-ray", "ray-data"):
+        assert cells[contender].status == harness.NOT_APPLICABLE and not cells[contender].errors
+        assert cells[contender].note == missing[contender]

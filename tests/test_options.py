@@ -14,7 +14,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.runtime.main import service as service_module
+from mprs_plus.backends import local as local_backend
 
 
 def test_torchdata_arguments_come_first_in_torchdatas_order():
@@ -24,7 +24,7 @@ def test_torchdata_arguments_come_first_in_torchdatas_order():
     for name, parameter in theirs.items():
         assert ours[name].default == parameter.default, name
     extra = list(ours)[len(theirs) :]
-    assert extra == ["dispatch_init_fn", "dispatch_buffer_size", "in_order", "timeout", "collect_stats", "stats_interval"]
+    assert extra == ["dispatch_init_fn", "dispatch_buffer_size", "in_order", "timeout", "collect_stats", "stats_interval", "backend"]
     assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extra)
 
 
@@ -36,6 +36,7 @@ def test_torchdata_arguments_come_first_in_torchdatas_order():
         ({"dispatch_buffer_size": 2.5}, TypeError, "dispatch_buffer_size must be an int"),
         ({"in_order": "yes"}, TypeError, "in_order must be True or False"),
         ({"dispatch_init_fn": 3}, TypeError, "dispatch_init_fn must be callable"),
+        ({"backend": "ray"}, TypeError, "backend must be a backend such as mprs_plus.RayBackend"),
     ],
 )
 def test_new_options_are_validated_at_construction(kwargs, error, text):
@@ -76,8 +77,8 @@ def test_dispatch_buffer_size_sets_the_dispatch_channels(monkeypatch, buffer, ex
         opened.append(capacity_items)
         return real_open_channel(ctx, capacity_items=capacity_items, capacity_bytes=capacity_bytes)
 
-    real_open_channel = service_module.open_channel
-    monkeypatch.setattr(service_module, "open_channel", recording_open_channel)
+    real_open_channel = local_backend.open_channel
+    monkeypatch.setattr(local_backend, "open_channel", recording_open_channel)
     service = MultiProcessingReadingService(2, dispatch_buffer_size=buffer)
     loader = DataLoader2(pipelines.plain_pipe(range(7), dispatch=True), reading_service=service)
     try:

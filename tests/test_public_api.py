@@ -13,6 +13,7 @@ def test_public_names_are_pinned_and_sorted():
         "Plan",
         "PlanError",
         "ProcessDiedError",
+        "RayBackend",
         "Segment",
         "ServiceClosedError",
         "WorkerError",
@@ -52,6 +53,7 @@ def test_public_names_load_on_first_use_and_plan_stays_the_function():
         "import sys, mprs_plus\n"
         "assert 'torchdata' not in sys.modules  # so the command line can quiet its banner first\n"
         "import mprs_plus.reading_service, mprs_plus.plan\n"
+        "assert 'ray' not in sys.modules  # the Ray backend loads Ray only when a service uses it\n"
         "assert callable(mprs_plus.plan) and not isinstance(mprs_plus.plan, type(sys))\n"
         "from mprs_plus import MultiProcessingReadingService, plan\n"
         "assert plan.__module__ == 'mprs_plus.plan'\n"

@@ -133,7 +133,7 @@ def test_a_first_epoch_too_large_to_queue_still_starts(method):
 def test_a_channel_that_fails_to_open_releases_every_channel_opened_before(monkeypatch, failing):
     """Channels: the dispatch control channel, 2 from the dispatch process to the workers,
     then per worker a control channel and a data channel (7 in all)."""
-    from mprs_plus.runtime.main import service
+    from mprs_plus.backends import local as service  # where the local backend opens its channels
 
     gc.collect()
     held = channel_descriptors()

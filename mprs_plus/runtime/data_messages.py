@@ -256,6 +256,10 @@ def _load(data: bytes | None, missing: Any = None) -> Any:
         return missing
 
 
+# The node of this process, for a child on a cluster (the Ray backend sets it); "" locally.
+NODE = ""
+
+
 def describe_process(role: Segment, worker_id: int = 0) -> str:
     """Where an error was raised, in torch's words: ``worker process 0``, ``dispatching process``."""
     if role is Segment.DISPATCH:
@@ -264,7 +268,7 @@ def describe_process(role: Segment, worker_id: int = 0) -> str:
         name = f"worker process {worker_id}"
     else:
         name = "main process"
-    return f"{name} (pid {os.getpid()})"
+    return f"{name} (pid {os.getpid()}{', node ' + NODE if NODE else ''})"
 
 
 def _innermost_datapipe(tb: TracebackType | None) -> str | None:

@@ -46,16 +46,9 @@ class StatsTable:
     def __init__(self, ctx: Any, rows: int) -> None:
         self.rows = rows
         self._table = ctx.RawArray("d", rows * len(FIELDS))
-        # Per row: since when its lane sleeps in a channel wait (time.monotonic), 0 while
-        # it is not. Apart from the counters: a state, not a statistic (``asleep_since``).
-        self._asleep = ctx.RawArray("d", rows)
 
     def writer(self, row: int) -> StatsWriter:
-        return StatsWriter(self._table, row * len(FIELDS), self._asleep, row)
-
-    def asleep_since(self, row: int) -> float:
-        """Since when the lane of ``row`` sleeps in a channel wait; 0.0 when it does not."""
-        return self._asleep[row]
+        return StatsWriter(self._table, row * len(FIELDS), row)
 
     def read(self, row: int) -> dict[str, float]:
         base = row * len(FIELDS)
@@ -68,7 +61,6 @@ class StatsWriter:
     __slots__ = (
         "_table",
         "_base",
-        "_asleep",
         "_row",
         "items_in",
         "items_out",
@@ -78,10 +70,9 @@ class StatsWriter:
         "channels",
     )
 
-    def __init__(self, table: Any, base: int, asleep: Any, row: int) -> None:
+    def __init__(self, table: Any, base: int, row: int) -> None:
         self._table = table
         self._base = base
-        self._asleep = asleep
         self._row = row
         self.items_in = 0
         self.items_out = 0
@@ -90,15 +81,11 @@ class StatsWriter:
         self.wait_output = 0.0
         self.channels: tuple[Sender, ...] = ()  # output endpoints, for bytes and queue fill
 
-    def __getstate__(self) -> tuple[Any, int, Any, int]:
-        return (self._table, self._base, self._asleep, self._row)
+    def __getstate__(self) -> tuple[Any, int, int]:
+        return (self._table, self._base, self._row)
 
-    def __setstate__(self, state: tuple[Any, int, Any, int]) -> None:
+    def __setstate__(self, state: tuple[Any, int, int]) -> None:
         self.__init__(*state)  # type: ignore[misc]
-
-    def note_asleep(self, since: float) -> None:
-        """The transport's ``note_blocking`` callback for this row's lane."""
-        self._asleep[self._row] = since
 
     def start(self) -> None:
         self._table[self._base + _STARTED] = time.monotonic()

@@ -45,6 +45,7 @@ import multiprocessing
 import os
 import threading
 import weakref
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,7 @@ from torchdata.dataloader2.graph import set_graph_random_seed
 from ...options import Options
 from ...plan import Plan
 from ...segment import Segment
-from ...transport import Receiver, Sender, open_channel
+from ...transport import Receiver, Sender
 from ..child.dispatch import DispatchSetup, dispatch_main
 from .lifecycle import stop_at_exit
 from .reader import MainReader
@@ -146,7 +147,8 @@ class ServiceRuntime:
         self.options = options
         self._topology: Topology = plan_topology(plan, options.num_workers)
         self._ctx = multiprocessing.get_context(options.multiprocessing_context)
-        self._supervisor = Supervisor(self._topology, self._ctx)
+        placement = options.backend.open(self._ctx) if options.backend is not None else None
+        self._supervisor = Supervisor(self._topology, self._ctx, placement)
         self.lifecycle: Lifecycle = self._supervisor.lifecycle
         self._reader: MainReader | None = None
         self._main: Any = None  # the main segment, once started
@@ -173,13 +175,13 @@ class ServiceRuntime:
         supervisor, topology = self._supervisor, self._topology
         stats = None
         if self.options.collect_stats:
-            stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid())
+            stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid(), supervisor.placement)
         liveness = Liveness(self._ctx, topology.stats_rows)  # kept whatever the options: a stuck read's evidence
         lanes = [row for link in topology.children() for row in link.stats_rows]
         try:
-            _wire_children(self.plan, self.options, self._ctx, topology, supervisor, stats, liveness)
+            _wire_children(self.plan, self.options, topology, supervisor, stats, liveness)
             self.lifecycle.advance(State.PREPARED)
-            if self._ctx.get_start_method() != "fork":
+            if self._ctx.get_start_method() != "fork" or supervisor.placement.start_at_once:
                 supervisor.launch_all()
             self._reader = MainReader(
                 topology,
@@ -312,7 +314,6 @@ class ServiceRuntime:
 def _wire_children(
     plan: Plan,
     options: Options,
-    ctx: Any,
     topology: Topology,
     supervisor: Supervisor,
     stats: StatsView | None,
@@ -329,14 +330,14 @@ def _wire_children(
     program = build_worker_program(plan)
     dispatch_sources = build_dispatch_sources(plan)
 
-    def channel(items: int, size: int) -> tuple[Sender, Receiver]:
-        return open_channel(ctx, capacity_items=items, capacity_bytes=size)
+    def channel(items: int, size: int, control: bool = False) -> tuple[Sender, Receiver]:
+        return supervisor.placement.open_channel(capacity_items=items, capacity_bytes=size, control=control)
 
     worker_inputs: dict[int, list[Receiver]] = {link.index: [] for link in topology.workers}
     if topology.dispatch is not None and dispatch_sources is not None:
         link, (sources, groups) = topology.dispatch, dispatch_sources
         buffer = options.dispatch_channel_items
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
         supervisor.hold(control_rx)
         rows = []
         for _ in sources:
@@ -360,7 +361,7 @@ def _wire_children(
         )
         supervisor.prepare(link, dispatch_main, setup)
     for link in topology.workers:
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES)
+        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
         supervisor.hold(control_rx)
         senders = []
         for _ in range(link.lanes):

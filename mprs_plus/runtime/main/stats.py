@@ -3,7 +3,7 @@ child (from the topology, so no row is found by position), the main process's ow
 and a snapshot as ``mprs_plus.stats.Stats`` when statistics are asked for.
 
     worker w  --(writes its own rows)-->  [ StatsTable ]  <--(reads)-- StatsView.snapshot()
-    dispatch  --(writes its own rows)-->                  <--(reads)-- StatsView.asleep_for()
+    dispatch  --(writes its own rows)-->
 
 The report types load on the first snapshot, not when a service starts.
 """
@@ -27,22 +27,14 @@ class StatsView:
     main process's own row, and which rows and channels belong to which process (from the
     topology, so no row is found by position)."""
 
-    def __init__(self, table: StatsTable, topology: Any, pid: int) -> None:
+    def __init__(self, table: StatsTable, topology: Any, pid: int, placement: Any = None) -> None:
         self.table = table
+        self._placement = placement  # children elsewhere: their rows are fetched, their nodes named
         self.main = table.writer(topology.main_row)  # written by the main process's reads
         self.main.start()
         self._topology = topology
         self._pid = pid
         self._lending_before = lending()  # the process's counters run across services
-
-    def asleep_for(self, seconds: float) -> bool:
-        """Whether the lane of every child has slept in one channel wait for at least
-        ``seconds``, without waking: then none of them can write or read anything that
-        would wake another, and only the main process could."""
-        rows = [row for link in self._topology.children() for row in link.stats_rows]
-        since = [self.table.asleep_since(row) for row in rows]
-        latest = time.monotonic() - seconds
-        return bool(since) and all(0.0 < t <= latest for t in since)
 
     def writers(self, link: Any) -> tuple[StatsWriter, ...]:
         """The rows ``link``'s lanes write, in lane order."""
@@ -50,9 +42,11 @@ class StatsView:
 
     def snapshot(self) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict."""
-        from ...stats import aggregate, make_process_stats
+        from ...stats import aggregate, make_process_stats, network_verdict
 
-        table, main, topology = self.table, self.main, self._topology
+        table, main, topology, placement = self.table, self.main, self._topology, self._placement
+        if placement is not None:
+            placement.refresh_stats(table, list(topology.children()))
         main.busy = max(0.0, time.monotonic() - table.read(topology.main_row)["started"] - main.wait_input)
         main.items_out = main.items_in
         main.publish()
@@ -65,6 +59,9 @@ class StatsView:
                 link.process.pid if link.process is not None else 0,
                 [table.read(row) for row in link.stats_rows],
             )
+            node = placement.node_of(link.process) if placement is not None and link.process is not None else None
+            if node:
+                found = replace(found, node=node)
             if link.data:  # a worker: exact and current, from this end of its channels
                 traffic = [receiver.traffic() for receiver in link.data]
                 queued = sum(t.queued_messages for t in traffic)
@@ -75,4 +72,7 @@ class StatsView:
         mine = make_process_stats(Segment.MAIN, 0, self._pid, [table.read(topology.main_row)])
         processes.append(replace(mine, queued=queued_to_main))
         now, before = lending(), self._lending_before
-        return aggregate(processes, now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied))
+        found = aggregate(processes, now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied))
+        if not any(p.node for p in found.processes):
+            return found
+        return replace(found, bottleneck=network_verdict(found) or found.bottleneck)

@@ -24,7 +24,9 @@
             5. close the main process's ends of the data channels, and the reaped
                processes' handles (each ``Process`` keeps two pipe descriptors): a
                shut-down service that is still referenced holds no descriptor
-            6. the state moves to STOPPED
+            6. close the placement (``backends``): nothing locally; on Ray, every actor
+               killed and waited for (bounded)
+            7. the state moves to STOPPED
 
 Every step runs whatever the previous ones raised (``_Steps``), so escalation and release
 always happen. ``stop()`` is idempotent and thread-safe: a second caller waits for the
@@ -50,9 +52,9 @@ from typing import Any, TypeVar
 
 from ...errors import ServiceClosedError
 from ...transport import ChannelError, Endpoint, wait_readable
-from .diagnose import unpicklable_error
+from ...backends import LocalBackend, Placement
 from .gate import CLOSED_MESSAGE, ReadGate
-from .lifecycle import DEATH_GRACE, death_error, stop_processes
+from .lifecycle import DEATH_GRACE, stop_processes
 from .state import Lifecycle, State
 from .topology import ChildLink, Topology
 
@@ -77,10 +79,12 @@ class ExitedProcess:
 
 
 class Supervisor:
-    def __init__(self, topology: Topology, ctx: Any) -> None:
+    def __init__(self, topology: Topology, ctx: Any, placement: Placement | None = None) -> None:
         self.topology = topology
         self.lifecycle = Lifecycle()  # the service's one state: every "is it stopped?" reads it
         self.gate = ReadGate(self.lifecycle)
+        # Where children run (``backends``): processes of this host unless told otherwise.
+        self.placement = placement if placement is not None else LocalBackend().open(ctx)
         self._ctx = ctx
         self._owner_pid = os.getpid()
         self._stop_lock = threading.RLock()
@@ -117,13 +121,7 @@ class Supervisor:
             if self.lifecycle.closed:
                 raise ServiceClosedError(CLOSED_MESSAGE)
             target, setup = self._pending.pop(link)
-            process = self._ctx.Process(target=target, args=(setup,), name=link.name, daemon=True)
-            try:
-                process.start()
-            except Exception as exc:
-                if self._ctx.get_start_method() == "fork":
-                    raise
-                raise unpicklable_error(setup, self._ctx.get_start_method(), link.name) from exc
+            process = self.placement.start(link.name, target, setup)
             link.attach(process)
             link.control.watch(process.sentinel)
             if not self._pending:
@@ -206,7 +204,7 @@ class Supervisor:
     def death_error(self) -> Exception:
         if self.lifecycle.closed:
             return ServiceClosedError(CLOSED_MESSAGE)
-        return death_error([link.process for link in self.topology.started()])
+        return self.placement.death_error([link.process for link in self.topology.started()])
 
     # -- stop ----------------------------------------------------------------------------
 
@@ -231,6 +229,7 @@ class Supervisor:
             steps.run(self._end_children, exclusive)
             steps.run(self._drop_unstarted)
             steps.run(self._release_main_ends, exclusive)
+            steps.run(self.placement.close)
             steps.run(self.lifecycle.advance, State.STOPPED)
             steps.raise_first()
 

@@ -1,0 +1,58 @@
+"""The default backend: each child is a process of this host, each channel a shared-memory
+ring (or a pipe, see ``transport``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..transport import open_channel
+
+
+class LocalBackend:
+    """Children as processes of this host (``multiprocessing``, with the service's start method)."""
+
+    def open(self, ctx: Any) -> LocalPlacement:
+        return LocalPlacement(ctx)
+
+    def __repr__(self) -> str:
+        return "LocalBackend()"
+
+
+class LocalPlacement:
+    """A ``Placement`` (``backends/__init__.py``) on this host."""
+
+    start_at_once = False  # under fork the children start with the first epoch (service.py)
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+
+    def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Any, Any]:
+        del control  # one kind of channel serves both here
+        return open_channel(self._ctx, capacity_items=capacity_items, capacity_bytes=capacity_bytes)
+
+    def start(self, name: str, target: Callable[[Any], None], setup: Any) -> Any:
+        from ..runtime.main.diagnose import unpicklable_error
+
+        process = self._ctx.Process(target=target, args=(setup,), name=name, daemon=True)
+        try:
+            process.start()
+        except Exception as exc:
+            if self._ctx.get_start_method() == "fork":
+                raise
+            raise unpicklable_error(setup, self._ctx.get_start_method(), name) from exc
+        return process
+
+    def death_error(self, processes: Sequence[Any]) -> Exception:
+        from ..runtime.main.lifecycle import death_error
+
+        return death_error(processes)
+
+    def node_of(self, process: Any) -> str | None:
+        return None  # this host
+
+    def refresh_stats(self, table: Any, links: Sequence[Any]) -> None:
+        pass  # the children write the shared table themselves
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,76 @@
+"""The Ray backend: the worker and dispatch segments run as Ray actors on a cluster's
+nodes; the main segment stays in the training process.
+
+    MultiProcessingReadingService(num_workers=16, backend=RayBackend(address="auto"))
+
+The actors run the same child loop as local processes (``runtime/child``); only where a
+child runs (``placement.py``, ``actor.py``) and the channels between processes
+(``channel.py``) are Ray's. This module imports no Ray: ``RayBackend(...)`` checks that it
+is installed, and the rest loads when a service starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_INSTALL = "the Ray backend needs Ray: pip install mprs_plus[ray]"
+
+
+@dataclass(frozen=True)
+class RayBackend:
+    """Run the service's worker (and dispatch) segments as Ray actors.
+
+    Args:
+        address: the cluster to attach to: ``"auto"`` (the one ``ray start`` runs on this
+            machine, or ``RAY_ADDRESS``), an address such as ``"ray://head:10001"`` or
+            ``"10.0.0.1:6379"``, or None to start a Ray of this machine for the service and
+            stop it at shutdown. If Ray is already initialized in this process, that
+            connection is used whatever ``address`` says, and left as it was at shutdown.
+            A cluster attached to is never stopped.
+        num_cpus_per_worker: CPUs each actor reserves on its node (Ray's ``num_cpus``).
+        resources: Ray custom resources each actor reserves, e.g. ``{"preprocess": 1}`` to
+            pin workers on nodes started with ``--resources='{"preprocess": 8}'``.
+        scheduling_strategy: Ray's scheduling strategy for the actors, e.g. ``"SPREAD"`` to
+            spread them over the nodes, or a ``NodeAffinitySchedulingStrategy``.
+        runtime_env: Ray's runtime environment of the actors: how the pipeline's own code
+            reaches the nodes (``{"working_dir": "."}`` or ``{"py_modules": [my_pkg]}``),
+            plus packages or environment variables. Ray uploads local directories only
+            for a whole job: when Ray is already initialized in this process, pass such a
+            runtime_env to your ``ray.init`` instead.
+        num_cpus: with ``address=None``, the CPUs of the Ray started here (None: all).
+        log_to_driver: show the actors' stdout and stderr in this process.
+    """
+
+    address: str | None = "auto"
+    num_cpus_per_worker: float = 1
+    resources: Mapping[str, float] | None = None
+    scheduling_strategy: Any = None
+    runtime_env: Mapping[str, Any] | None = None
+    num_cpus: int | None = None
+    log_to_driver: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            found = importlib.util.find_spec("ray") is not None
+        except ValueError:  # a module "ray" without a spec (set to None in sys.modules, say)
+            found = False
+        if not found:
+            raise ImportError(_INSTALL)
+        if self.address is not None and not isinstance(self.address, str):
+            raise TypeError(f"address must be a string such as 'auto', or None; got {type(self.address).__name__}")
+        cpus = self.num_cpus_per_worker
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
+            raise ValueError(f"num_cpus_per_worker must be a number >= 0, got {cpus!r}")
+
+    def open(self, ctx: Any) -> Any:
+        """The placement of one running service (connects to Ray, or starts it)."""
+        del ctx
+        from .placement import RayPlacement
+
+        return RayPlacement(self)
+
+
+__all__ = ["RayBackend"]

@@ -1,0 +1,77 @@
+"""The Ray actor that hosts one child: it runs the same child body as a local process
+(``worker_main`` / ``dispatch_main``) in one of its threads, and serves the calls of the
+channels whose fixed end it hosts (``channel.py``): pulls of its data senders, deliveries
+to its control receiver.
+
+Defined when first needed, so that importing this module never starts Ray."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from . import channel
+
+
+class SegmentHost:
+    """One child of a service, on some node of the cluster."""
+
+    def where(self) -> dict[str, Any]:
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    def run(self, target: Callable[[Any], None], setup: Any, stats_rows: tuple[int, ...] = ()) -> None:
+        """The child's whole life: returns when its loop ends (the service stopped it).
+        Errors raised here name the node: "worker process 1 (pid 7, node ...)".
+
+        ``stats_rows``: the rows of the service's statistics table this child's lanes
+        write. The table is shared memory of the training process's host, which Ray cannot
+        carry: the lanes write a table of this process instead, which ``stats`` reads."""
+        import dataclasses
+        import multiprocessing
+
+        from ...runtime import data_messages
+        from ...runtime.stats import StatsTable
+
+        where = self.where()
+        data_messages.NODE = f"{where['ip']}, node id {where['node_id'][:12]}"
+        if stats_rows:
+            self._table = StatsTable(multiprocessing.get_context(), max(stats_rows) + 1)
+            setup = dataclasses.replace(setup, stats=tuple(self._table.writer(row) for row in stats_rows))
+        target(setup)
+
+    def stats(self, rows: tuple[int, ...]) -> tuple[float, list[dict[str, float]]]:
+        """This child's statistics rows, with its clock's time now (the training process's
+        clock may differ: another host)."""
+        table = getattr(self, "_table", None)
+        if table is None:
+            return time.monotonic(), []
+        return time.monotonic(), [table.read(row) for row in rows]
+
+    def pull(self, cid: str, limit: int, seq: int) -> tuple[list[Any], bool]:
+        return channel.serve_pull(cid, limit, seq)
+
+    def deliver(self, cid: str, seq: int, message: Any, last: bool) -> None:
+        channel.serve_deliver(cid, seq, message, last)
+
+
+_remote_class: Any = None
+
+
+def remote_class() -> Any:
+    global _remote_class
+    if _remote_class is None:
+        # Not restarted, its calls not retried: a child's state (epoch, position) cannot be
+        # rebuilt by Ray, so a lost actor is an error of the service (``placement.py``).
+        _remote_class = ray.remote(max_restarts=0, max_task_retries=0)(SegmentHost)
+    return _remote_class

@@ -1,0 +1,347 @@
+"""Children as Ray actors: start them where the backend's options say, watch them, stop them.
+
+    RayPlacement.start(name, target, setup)
+        actor = SegmentHost.options(num_cpus, resources, scheduling_strategy, runtime_env)
+        endpoints in ``setup`` learn their host: its data senders' receivers pull from it,
+        its control receiver is delivered to                       (``channel.py``)
+        actor.run(target, setup)   the child's life, as a local process's
+        -> ActorProcess: the ``multiprocessing.Process`` members the supervisor uses
+
+An ``ActorProcess``'s sentinel is a pipe that a watcher thread closes when the actor's
+``run`` call ends, however it ends: returned (the service stopped it), failed (an exception
+escaped, or its setup could not be unpickled on the node), or the actor died (killed, its
+node lost). Ray reports an actor on a lost node dead after its node-failure detection
+(health checks of the control store); the watcher looks every ``_LOOK`` seconds, so a dead
+actor is an error in the training process within that detection plus a second or two.
+An actor that is not running ``START_TIMEOUT`` seconds after it was asked for (no node has
+the resources it needs, its runtime_env fails) is an error too.
+
+Every actor is owned by the training process: if it dies, even by SIGKILL, Ray ends them
+(owner death); ``close()`` kills them and waits, bounded, until Ray reports them gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+from ...errors import ProcessDiedError
+from .actor import remote_class
+from .channel import PULLS_IN_FLIGHT, RayReceiver, RaySender, open_ray_channel
+
+START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
+_LOOK = 0.5  # seconds between two looks of a watcher at its actor
+_CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
+_STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
+
+
+class _Ours:
+    """Whether this process's Ray connection was made by a placement, and how many running
+    placements use it: the last one to close disconnects (ray.shutdown); a connection the
+    user made is never closed here."""
+
+    started = False
+    users = 0
+
+
+_ours = _Ours()
+
+
+class ActorProcess:
+    """A child running in a Ray actor, seen as a process."""
+
+    def __init__(self, name: str, actor: Any, run: Any, where: Any) -> None:
+        self.name = name
+        self.actor = actor
+        self.exitcode: int | None = None
+        self.reason = ""  # why it ended, in words, when not asked to
+        self._run = run
+        self._where_ref = where
+        self._where: dict[str, Any] | None = None
+        self._done = threading.Event()
+        self._closing = threading.Event()
+        self.sentinel, self._wake = os.pipe()
+        self._watcher = threading.Thread(target=self._watch, name=f"{name} watcher", daemon=True)
+        self._watcher.start()
+
+    @property
+    def pid(self) -> int | None:
+        where = self.where()
+        return None if where is None else where["pid"]
+
+    @property
+    def node(self) -> str:
+        where = self.where()
+        if where is None:
+            return "an unknown node"
+        return f"{where['ip']} (node id {where['node_id'][:12]})"
+
+    def where(self, timeout: float = 0.0) -> dict[str, Any] | None:
+        """Where the actor runs; None while that is not known yet."""
+        if self._where is None:
+            with contextlib.suppress(Exception):
+                self._where = ray.get(self._where_ref, timeout=timeout)
+        return self._where
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def terminate(self) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+
+    kill = terminate
+
+    def _watch(self) -> None:
+        started = time.monotonic()
+        try:
+            while not self._closing.is_set():
+                ready, _ = ray.wait([self._run], timeout=_LOOK)
+                if ready:
+                    self._ended()
+                    return
+                if self.where() is None and time.monotonic() - started > START_TIMEOUT:
+                    self.reason = (
+                        f"did not start within {START_TIMEOUT:.0f} s: no node of the cluster offers the resources "
+                        "it asks for (num_cpus_per_worker, resources, scheduling_strategy), or its runtime_env "
+                        "failed to set up (see `ray status` and the cluster's logs)"
+                    )
+                    self.exitcode = 1
+                    self.terminate()
+                    return
+        except Exception as exc:  # Ray itself failed (its driver connection is gone)
+            self.reason = f"could not be watched any more ({type(exc).__name__}: {exc})"
+            self.exitcode = 1
+        finally:
+            self._done.set()
+            with contextlib.suppress(OSError):
+                os.close(self._wake)  # the sentinel becomes readable (end of file)
+
+    def _ended(self) -> None:
+        self.where(timeout=1.0)
+        try:
+            ray.get(self._run, timeout=0)
+        except ray.exceptions.RayActorError as exc:
+            self.exitcode = -9
+            self.reason = f"its Ray actor died: {_first_line(exc)}"
+        except ray.exceptions.RayTaskError as exc:
+            self.exitcode = 1
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else None
+            if isinstance(cause, (ImportError, AttributeError)) or "ModuleNotFoundError" in str(exc):
+                self.reason = (
+                    "could not load the pipeline's code on its node "
+                    f"({_first_line(cause or exc)}): ship it with RayBackend(runtime_env={{'working_dir': ...}}) "
+                    "or runtime_env={'py_modules': [...]}, or install it on every node"
+                )
+            else:
+                self.reason = f"failed: {_first_line(cause or exc)}"
+        except Exception as exc:
+            self.exitcode = 1
+            self.reason = f"ended with {type(exc).__name__}: {_first_line(exc)}"
+        else:
+            self.exitcode = 0
+
+    def close(self) -> None:
+        self._closing.set()
+        self._watcher.join(2 * _LOOK)
+        with contextlib.suppress(OSError):
+            os.close(self.sentinel)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return next((line.strip() for line in text if line.strip()), type(exc).__name__)
+
+
+class RayPlacement:
+    start_at_once = True  # no fork to save: every actor starts while the first epoch is sent
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._started_ray = False
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"address": backend.address, "log_to_driver": backend.log_to_driver}
+            if backend.runtime_env is not None:
+                # For the whole job: Ray uploads local directories (working_dir, py_modules)
+                # only from ray.init, never for one actor.
+                kwargs["runtime_env"] = dict(backend.runtime_env)
+            if backend.address is None:
+                # "local": a new Ray of this machine, even where `ray start` runs one already.
+                kwargs.update(address="local", num_cpus=backend.num_cpus, include_dashboard=False)
+            try:
+                ray.init(**kwargs)
+            except Exception as exc:
+                where = "a new local Ray" if backend.address is None else f"Ray at address={backend.address!r}"
+                raise ConnectionError(
+                    f"the Ray backend could not start or reach {where}: {_first_line(exc)}. Start a cluster "
+                    "(`ray start --head` here, `ray start --address=HEAD:6379` on the other nodes), pass its "
+                    "address, or address=None for a Ray of this machine."
+                ) from None
+            _ours.started = True
+        self._started_ray = _ours.started
+        if self._started_ray:
+            _ours.users += 1
+        self.processes: list[ActorProcess] = []
+        # Attached to a Ray this process initialized: the runtime_env goes with each actor.
+        self._actor_env = backend.runtime_env if not self._started_ray else None
+
+    def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Any, Any]:
+        return open_ray_channel(capacity_items=capacity_items, capacity_bytes=capacity_bytes, control=control)
+
+    def start(self, name: str, target: Callable[[Any], None], setup: Any) -> ActorProcess:
+        backend = self._backend
+        senders, receivers = _endpoints(setup)
+        options: dict[str, Any] = {
+            "num_cpus": backend.num_cpus_per_worker,
+            # Threads: the child's own, the pulls in flight on its data senders, deliveries.
+            "max_concurrency": 4 + PULLS_IN_FLIGHT * len(senders),
+            "name": None,
+        }
+        if backend.resources:
+            options["resources"] = dict(backend.resources)
+        if backend.scheduling_strategy is not None:
+            options["scheduling_strategy"] = backend.scheduling_strategy
+        if self._actor_env is not None:
+            options["runtime_env"] = dict(self._actor_env)
+        options = {k: v for k, v in options.items() if v is not None}
+        try:
+            actor = remote_class().options(**options).remote()
+        except ValueError as exc:
+            raise ValueError(
+                f"{name} cannot be started as a Ray actor with these options: {_first_line(exc)}. Ray was "
+                "initialized before the service started, and Ray uploads local directories (runtime_env "
+                "working_dir, py_modules) only from ray.init: pass that runtime_env to ray.init(...) yourself, "
+                "or let RayBackend connect (do not call ray.init first)."
+            ) from None
+        for sender in senders:
+            sender._spec.host = actor  # its receiver pulls from this actor
+        for receiver in receivers:
+            if receiver._spec.control:
+                receiver._spec.host = actor  # its sender delivers to this actor
+        where = actor.where.remote()
+        # The statistics table is shared memory of this host: the actor's lanes write one of
+        # their own (``SegmentHost.run``), which ``refresh_stats`` copies here.
+        rows: tuple[int, ...] = ()
+        if getattr(setup, "stats", ()):
+            rows = tuple(writer._row for writer in setup.stats)
+            setup = dataclasses.replace(setup, stats=())
+        # The liveness slots are shared memory of this host too, read on every slice of a
+        # starved read: an actor does not report its sleeps (a stuck read is then found by
+        # the service's timeout, not at once).
+        if getattr(setup, "liveness", ()):
+            setup = dataclasses.replace(setup, liveness=())
+        try:
+            run = actor.run.remote(target, setup, rows)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+            raise TypeError(
+                f"{name} cannot be started as a Ray actor: its segment cannot be serialized "
+                f"({type(exc).__name__}: {_first_line(exc)}). Use module-level functions, and open files and "
+                "connections inside __iter__ rather than in __init__."
+            ) from None
+        process = ActorProcess(name, actor, run, where)
+        self.processes.append(process)
+        return process
+
+    def node_of(self, process: Any) -> str | None:
+        return process.node if isinstance(process, ActorProcess) else None
+
+    def refresh_stats(self, table: Any, links: Sequence[Any]) -> None:
+        """Copy the statistics rows of the actors of ``links`` into ``table`` (this host's),
+        their times moved to this process's clock. An actor that does not answer within
+        ``_STATS_WAIT`` keeps its last figures."""
+        from ...runtime.stats import FIELDS
+
+        asked = {}
+        for link in links:
+            process = link.process
+            if isinstance(process, ActorProcess) and process.exitcode is None and link.stats_rows:
+                asked[process.actor.stats.remote(link.stats_rows)] = link
+        if not asked:
+            return
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=_STATS_WAIT)
+        width = len(FIELDS)
+        started = FIELDS.index("started")
+        for ref in ready:
+            link = asked[ref]
+            try:
+                then, rows = ray.get(ref, timeout=0)
+            except Exception:
+                continue  # gone meanwhile: its death is reported by the reads
+            shift = time.monotonic() - then
+            for row, values in zip(link.stats_rows, rows):
+                for i, name in enumerate(FIELDS):
+                    value = values[name]
+                    table._table[row * width + i] = value + shift if i == started and value else value
+
+    def death_error(self, processes: Sequence[Any]) -> Exception:
+        deadline = time.monotonic() + 2.0  # the pull can fail a moment before the watcher sees why
+        while time.monotonic() < deadline and not any(p.exitcode is not None for p in processes):
+            time.sleep(0.05)
+        dead = [
+            f"{p.name} (Ray actor on {p.node}, pid {p.pid}) {p.reason or 'ended without being asked'}"
+            for p in processes
+            if p.exitcode is not None
+        ]
+        if not dead:
+            return ProcessDiedError("a Ray actor of the reading service stopped answering its channel unexpectedly")
+        return ProcessDiedError(
+            "; ".join(dead) + ". The reading service cannot continue. Look at `ray status` and the node's logs "
+            "(an out-of-memory kill, a lost node, a crash in native code), then create a new DataLoader2."
+        )
+
+    def close(self) -> None:
+        """Kill every actor still there and wait (bounded) until Ray reports it gone; stop
+        the local Ray this placement started, never a cluster it attached to."""
+        processes, self.processes = self.processes, []
+        for process in processes:
+            process.terminate()
+        deadline = time.monotonic() + _CLOSE_WAIT
+        # A call to a killed actor fails once Ray has it dead: then it is gone for good.
+        probes = []
+        for process in processes:
+            with contextlib.suppress(Exception):
+                probes.append(process.actor.where.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(probes, num_returns=len(probes), timeout=_CLOSE_WAIT)
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            process.close()
+        if self._started_ray:
+            self._started_ray = False
+            _ours.users -= 1
+            if _ours.users == 0:
+                # Disconnect: a Ray started here stops with it; a cluster attached to goes on.
+                _ours.started = False
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+
+
+def _endpoints(setup: Any) -> tuple[list[RaySender], list[RayReceiver]]:
+    """The Ray endpoints in a child's setup (top-level fields and tuples of them)."""
+    senders: list[RaySender] = []
+    receivers: list[RayReceiver] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, RaySender):
+            senders.append(value)
+        elif isinstance(value, RayReceiver):
+            receivers.append(value)
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                visit(item)
+
+    for f in dataclasses.fields(setup):
+        visit(getattr(setup, f.name))
+    return senders, receivers
