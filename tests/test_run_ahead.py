@@ -51,9 +51,10 @@ def large(item):
     return np.full(LARGE // 8, item, dtype=np.float64)
 
 
-def _produced_while_waiting(monkeypatch, pipe, **options) -> None:
+def _produced_while_waiting(monkeypatch, pipe, **options) -> tuple[int, int]:
     """Take one item, then wait (bounded) until every child has slept in a channel wait
-    for a second: production has stopped."""
+    for a second: production has stopped. The counts (mapped, dealt) are read then, before
+    the shutdown, whose stop may let a worker blocked on a full channel make one more item."""
     made: list[liveness.Liveness] = []
     real_init = liveness.Liveness.__init__
 
@@ -75,6 +76,7 @@ def _produced_while_waiting(monkeypatch, pipe, **options) -> None:
         while not table.asleep_for(lanes, 1.0):
             assert time.monotonic() < deadline, "the producers never all waited for room"
             waiting.wait(0.05)
+        return _mapped.value, _dealt.value
     finally:
         loader.shutdown()
 
@@ -89,18 +91,18 @@ def _messages(worker_prefetch_cnt: int, main_prefetch_cnt: int) -> int:
 def test_small_items_stay_within_the_stated_bound_counting_every_item_of_a_batch(monkeypatch, prefetch):
     worker_prefetch_cnt, main_prefetch_cnt = prefetch
     pipe = IterableWrapper(range(10**6)).sharding_filter().map(mapped)
-    _produced_while_waiting(
+    mapped_count, _ = _produced_while_waiting(
         monkeypatch, pipe, worker_prefetch_cnt=worker_prefetch_cnt, main_prefetch_cnt=main_prefetch_cnt
     )
     bound = WORKERS * (_messages(*prefetch) + 2) * BATCH
-    assert 1 <= _mapped.value <= 1 + bound
+    assert 1 <= mapped_count <= 1 + bound
 
 
 @pytest.mark.timeout(90)
 def test_large_items_stay_within_the_stated_bound(monkeypatch):
     pipe = IterableWrapper(range(10**6)).sharding_filter().map(mapped).map(large)
-    _produced_while_waiting(monkeypatch, pipe, worker_prefetch_cnt=2, main_prefetch_cnt=2)
-    assert 1 <= _mapped.value <= 1 + WORKERS * (_messages(2, 2) + 1)
+    mapped_count, _ = _produced_while_waiting(monkeypatch, pipe, worker_prefetch_cnt=2, main_prefetch_cnt=2)
+    assert 1 <= mapped_count <= 1 + WORKERS * (_messages(2, 2) + 1)
 
 
 @pytest.mark.timeout(90)
@@ -112,8 +114,10 @@ def test_a_dispatcher_runs_ahead_of_each_worker_within_the_stated_bound(monkeypa
         .sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
         .map(mapped)
     )
-    _produced_while_waiting(monkeypatch, pipe, worker_prefetch_cnt=2, main_prefetch_cnt=2, dispatch_buffer_size=buffer)
-    assert 1 <= _mapped.value <= 1 + WORKERS * (_messages(2, 2) + 2) * BATCH
+    mapped_count, dealt_count = _produced_while_waiting(
+        monkeypatch, pipe, worker_prefetch_cnt=2, main_prefetch_cnt=2, dispatch_buffer_size=buffer
+    )
+    assert 1 <= mapped_count <= 1 + WORKERS * (_messages(2, 2) + 2) * BATCH
     # Beyond what the workers took, per worker: its channel, the batch being dealt to it,
     # and the message it is taking items from.
-    assert _mapped.value <= _dealt.value <= _mapped.value + WORKERS * (buffer + 2) * min(BATCH, buffer) + 1
+    assert mapped_count <= dealt_count <= mapped_count + WORKERS * (buffer + 2) * min(BATCH, buffer) + 1
