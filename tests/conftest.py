@@ -3,10 +3,17 @@
 The leak check fails a test that leaves a child process of this interpreter or a
 shared-memory segment of the service behind. It waits a bounded time for children
 that are already exiting; it never sleeps to synchronise.
+
+A hang that pytest-timeout cannot end ends the run: its timer is a signal, handled only
+when the main thread runs Python again, and a call into native code (Ray's client, a
+driver library) that waits forever never does. A watchdog thread of the interpreter's
+own (``faulthandler``) then prints every thread's stack and exits, so that a stuck test
+costs minutes and says where it stood instead of holding the run until its limit.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import warnings
@@ -26,23 +33,34 @@ def _shm_segments() -> set[str]:
         return set()
 
 
-def _is_ray(command: str) -> bool:
-    """A process of a Ray cluster a test module started (its own daemons, its pool of idle
-    workers): Ray owns them; the Ray tests check by Ray's state that no actor is left."""
-    return command.startswith("ray::") or "/ray/" in command or "raylet" in command or "gcs_server" in command
+def _is_ray_daemon(process: psutil.Process) -> bool:
+    """A daemon of a Ray cluster that a test module started (its control store, raylets,
+    monitors): a direct child of this interpreter, started long before any test looks, so
+    its command line is settled. Everything under it (Ray's workers and agents) is Ray's:
+    the Ray tests check by Ray's state that no actor is left."""
+    if "ray" not in sys.modules:
+        return False
+    command = " ".join(process.cmdline())
+    return "raylet" in command or "gcs_server" in command or "/ray/" in command
 
 
 def _service_children() -> list[psutil.Process]:
+    """This interpreter's descendants but the long-lived helpers and Ray's trees.
+
+    A Ray tree is left out by its root, never by a look at each of its processes: a worker
+    Ray is starting or ending can show an empty command line, and a leak check that took it
+    for ours would kill a process of the cluster under the next test."""
     # The forkserver itself (and multiprocessing's resource tracker) live for the whole
     # session by design; the service's own processes are named "mprs_plus ...".
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process().children():
         try:
-            if "forkserver" in " ".join(child.cmdline()) or "resource_tracker" in " ".join(child.cmdline()):
+            command = " ".join(child.cmdline())
+            if _is_ray_daemon(child):
                 continue
-            if "ray" in sys.modules and _is_ray(" ".join(child.cmdline())):
-                continue
-            found.append(child)
+            if "forkserver" not in command and "resource_tracker" not in command:
+                found.append(child)
+            found.extend(child.children(recursive=True))  # a forkserver's children are ours
         except psutil.NoSuchProcess:
             continue
     return found
@@ -60,6 +78,37 @@ def no_leaks():
         process.kill()
     assert not alive, f"child processes left behind: {[p.pid for p in alive]}"
     assert not leaked_shm, f"shared-memory segments left behind: {sorted(leaked_shm)}"
+
+
+# Seconds past a test's own timeout before the watchdog ends the run: room for
+# pytest-timeout to fail the test and for its teardown to run.
+HARD_STOP_MARGIN = 90.0
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    return float(item.config.getini("timeout") or 0)
+
+
+_stderr: list = []  # this run's own stderr, copied while no test's output is captured
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    timeout = _timeout_of(item)
+    if timeout > 0:
+        if not _stderr:
+            _stderr.append(os.fdopen(os.dup(2), "w"))
+        faulthandler.dump_traceback_later(timeout + HARD_STOP_MARGIN, exit=True, file=_stderr[0])
+    try:
+        yield
+    finally:
+        if timeout > 0:
+            faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(params=START_METHODS)
