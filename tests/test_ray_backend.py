@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -56,9 +57,18 @@ def cluster():
 
 
 def _alive_actors() -> list[str]:
+    """The actors Ray does not report dead, asked in a helper thread: the control store's
+    client waits in native code, where pytest-timeout's signal cannot end a wait."""
     from ray._private.state import actors
 
-    return [actor_id for actor_id, info in actors().items() if info["State"] != "DEAD"]
+    answer: list[list[str]] = []
+    helper = threading.Thread(
+        target=lambda: answer.append([a for a, info in actors().items() if info["State"] != "DEAD"]), daemon=True
+    )
+    helper.start()
+    helper.join(60.0)
+    assert answer, "Ray's control store did not list the actors within 60 s"
+    return answer[0]
 
 
 @pytest.fixture(autouse=True)
@@ -222,6 +232,36 @@ def test_shutdown_with_a_stopped_actor_is_bounded(cluster):
     finally:
         loader.shutdown()
     assert time.monotonic() - start < 20.0  # the stop grace (5 s), escalation, and Ray reporting the kill
+
+
+def test_shutdown_is_bounded_when_ray_does_not_answer_a_kill(cluster, monkeypatch):
+    """A kill waits on Ray's control store in native code; one that never answers must not
+    hold the stop: close() gives up after its wait and the actors are Ray's to end."""
+    from mprs_plus.backends.ray import placement
+
+    answering = threading.Event()
+    real_kill = ray.kill
+
+    def unanswered_kill(actor, **kwargs):
+        answering.wait(60.0)  # as a control store that stopped answering
+        real_kill(actor, **kwargs)
+
+    monkeypatch.setattr(placement, "_CLOSE_WAIT", 1.0)
+    monkeypatch.setattr(placement.ray, "kill", unanswered_kill)
+    loader = _loader(IterableWrapper(range(8)).sharding_filter(), RayBackend(num_cpus_per_worker=0))
+    try:
+        assert next(iter(loader)) == 0
+        start = time.monotonic()
+    finally:
+        loader.shutdown()
+        took = time.monotonic() - start
+        answering.set()  # Ray answers again: the helper's kills go through
+        for helper in [t for t in threading.enumerate() if t.name == "mprs_plus ray close"]:
+            helper.join(30.0)
+        deadline = time.monotonic() + DEATH_BOUND
+        while _alive_actors() and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling Ray's state: nothing to be woken by
+    assert took < 8.0  # the 1 s wait for the kills, the join of the watchers, the local steps
 
 
 DRIVER = textwrap.dedent(

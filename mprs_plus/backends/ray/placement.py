@@ -39,6 +39,7 @@ from .channel import PULLS_IN_FLIGHT, RayReceiver, RaySender, open_ray_channel
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
 _LOOK = 0.5  # seconds between two looks of a watcher at its actor
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
+_KILL_CALL_WAIT = 2.0  # seconds one kill request may take before the stop moves on
 _STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
 
 
@@ -97,8 +98,9 @@ class ActorProcess:
         self._done.wait(timeout)
 
     def terminate(self) -> None:
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor, no_restart=True)
+        """Ask Ray to kill the actor; waits at most ``_KILL_CALL_WAIT`` seconds for Ray to
+        take the request (see ``_bounded``)."""
+        _bounded(lambda: ray.kill(self.actor, no_restart=True), _KILL_CALL_WAIT)
 
     kill = terminate
 
@@ -303,18 +305,16 @@ class RayPlacement:
 
     def close(self) -> None:
         """Kill every actor still there and wait (bounded) until Ray reports it gone; stop
-        the local Ray this placement started, never a cluster it attached to."""
+        the local Ray this placement started, never a cluster it attached to.
+
+        The kills and probes run in a helper thread joined with a deadline: a kill waits
+        on the control store in native code, which no timeout or signal of
+        this process can end, and a stop must never wait on a cluster that stopped
+        answering. Past the deadline the actors are left to Ray's owner-death rule (they
+        end when this process does)."""
         processes, self.processes = self.processes, []
-        for process in processes:
-            process.terminate()
         deadline = time.monotonic() + _CLOSE_WAIT
-        # A call to a killed actor fails once Ray has it dead: then it is gone for good.
-        probes = []
-        for process in processes:
-            with contextlib.suppress(Exception):
-                probes.append(process.actor.where.remote())
-        with contextlib.suppress(Exception):
-            ray.wait(probes, num_returns=len(probes), timeout=_CLOSE_WAIT)
+        _bounded(lambda: _kill_and_wait(processes), _CLOSE_WAIT)
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
             process.close()
@@ -325,7 +325,32 @@ class RayPlacement:
                 # Disconnect: a Ray started here stops with it; a cluster attached to goes on.
                 _ours.started = False
                 with contextlib.suppress(Exception):
-                    ray.shutdown()
+                    ray.shutdown()  # here: it stops the processes of the Ray it started
+
+
+def _kill_and_wait(processes: Sequence[ActorProcess]) -> None:
+    for process in processes:
+        process.terminate()
+    # A call to a killed actor fails once Ray has it dead: then it is gone for good.
+    probes = []
+    for process in processes:
+        with contextlib.suppress(Exception):
+            probes.append(process.actor.where.remote())
+    with contextlib.suppress(Exception):
+        ray.wait(probes, num_returns=len(probes), timeout=_CLOSE_WAIT)
+
+
+def _bounded(call: Callable[[], Any], timeout: float) -> None:
+    """Run ``call`` in a daemon thread and wait for it at most ``timeout`` seconds; its
+    exceptions are dropped (a stop reports nothing of Ray's)."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    helper = threading.Thread(target=run, name="mprs_plus ray close", daemon=True)
+    helper.start()
+    helper.join(timeout)
 
 
 def _endpoints(setup: Any) -> tuple[list[RaySender], list[RayReceiver]]:
