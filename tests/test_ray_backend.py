@@ -34,10 +34,13 @@ ROOT = os.path.dirname(TESTS)
 # How the pipelines of this directory reach the actors: Ray's runtime_env (a real job
 # would ship its code with working_dir or py_modules; see RayBackend).
 RUNTIME_ENV = {"env_vars": {"PYTHONPATH": os.pathsep.join([TESTS, ROOT])}}
-# A lost node is reported dead by the control store after these health checks fail.
-FAST_NODE_FAILURE = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
+# A lost node is reported dead by the control store after these health checks fail: a
+# check a second, 4 failures in a row (a node whose processes died: about 4 s). Each check
+# may take 5 s: a raylet starved of CPU by the tests' own workers on two cores must never
+# be taken for lost (Ray would end it, and every call of this driver into it would hang).
+FAST_NODE_FAILURE = {"health_check_period_ms": 1000, "health_check_failure_threshold": 4, "health_check_timeout_ms": 5000}
 # The bound this backend states for a dead actor to become an error: Ray's node-failure
-# detection (above: about 2 s) plus a few seconds.
+# detection (above: about 4 s) plus a few seconds.
 DEATH_BOUND = 20.0
 
 
