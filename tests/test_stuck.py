@@ -22,8 +22,8 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
+from probes import record_liveness_tables
 from mprs_plus import MultiProcessingReadingService, PipelineStuckError
-from mprs_plus.runtime import liveness
 from mprs_plus.runtime.main import reader as main_reader
 
 SPAN = 0.2  # seconds: the detection span in these tests (STUCK_SECONDS)
@@ -110,14 +110,7 @@ def test_a_long_pause_of_the_main_process_is_never_called_stuck(monkeypatch, col
     """The main process stops reading until every child has slept in a channel wait for 20
     spans (a 20 s pause at the default span), then reads on: nothing is stuck."""
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", SPAN)
-    made: list[liveness.Liveness] = []
-    real_init = liveness.Liveness.__init__
-
-    def recording_init(self, *args):
-        real_init(self, *args)
-        made.append(self)
-
-    monkeypatch.setattr(liveness.Liveness, "__init__", recording_init)
+    made = record_liveness_tables(monkeypatch)
     # Far more items than the channels hold: every producer ends up waiting for room.
     loader = _loader(pipelines.plain_pipe(range(20000), dispatch=True), collect_stats=collect_stats)
     try:
