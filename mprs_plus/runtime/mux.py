@@ -44,6 +44,7 @@ Message = tuple[int, int, Any]  # (kind, epoch, payload)
 # newer than every epoch, so every reader of that channel ends at once.
 CLOSED_EPOCH = sys.maxsize
 _NONE: frozenset[int] = frozenset()
+RECHECK = 1.0  # seconds a taker waits for the pumping thread before it looks again
 
 
 class WakePipe:
@@ -232,7 +233,7 @@ class ChannelMux:
         if self._pumping:
             self._sleepers += 1
             try:
-                self._cv.wait()
+                self._cv.wait(RECHECK)  # the pump notifies; the caller's loop looks again either way
             finally:
                 self._sleepers -= 1
             return

@@ -58,6 +58,7 @@ SLICE = 0.02  # seconds between two looks at watched waitables while waiting on 
 # that long): then the channel is broken, never waited on forever.
 LOST_PULL = 60.0
 PULLS_IN_FLIGHT = 2  # per receiver
+_RECHECK = 1.0  # seconds between two looks of a control receiver with no deadline at its box
 
 
 @dataclass(eq=False)
@@ -445,7 +446,7 @@ class RayReceiver:
                 if box.closed:
                     raise EndOfStream()
                 if deadline is None:
-                    box.cv.wait()
+                    box.cv.wait(_RECHECK)  # woken by serve_deliver; the slice bounds a lost wake-up
                 else:
                     left = deadline - time.monotonic()
                     if left <= 0:

@@ -277,7 +277,7 @@ class _Flusher:
             if not due:
                 self._idle = True
                 if not due:  # an append between the test above and this one set the event
-                    self._wake.wait()
+                    self._wake.wait(1.0)  # set by watch(); the loop looks at `due` again either way
                 self._wake.clear()
                 self._idle = False
                 continue

@@ -98,14 +98,14 @@ class Inbox:
             self._parked += 1  # counts for this generation only: lane 0 resets it when it moves on
             self._cv.notify_all()
             while self._generation == generation and not self.stopping:
-                self._cv.wait()
+                self._cv.wait(1.0)  # notified by lane 0; a bounded wait re-reads the predicate
             return not self.stopping
 
     def take(self) -> list[Received] | None:
         """Lane 0: wait for messages and every other lane parked; None when stopping."""
         with self._cv:
             while not self.stopping and not (self._messages and self._parked + self._gone >= self._others):
-                self._cv.wait()
+                self._cv.wait(1.0)  # notified on every change; a bounded wait re-reads the predicate
             if self.stopping:
                 return None
             messages = list(self._messages)
