@@ -97,6 +97,11 @@ def _timeout_of(item: pytest.Item) -> float:
 _stderr: list = []  # this run's own stderr, copied while no test's output is captured
 
 
+def pytest_unconfigure(config):
+    while _stderr:
+        _stderr.pop().close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     timeout = _timeout_of(item)
