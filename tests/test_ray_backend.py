@@ -84,7 +84,14 @@ def no_actor_left(request):
     assert _alive_actors() == [], "actors left behind"
 
 
+# Local workers of a process connected to Ray start from a forkserver: Ray does not
+# support forking its driver (docs/ray.md, "When things fail").
+LOCAL = "forkserver"
+
+
 def _loader(pipe, backend=None, num_workers=2, **kwargs):
+    if backend is None:
+        kwargs.setdefault("multiprocessing_context", LOCAL)
     service = MultiProcessingReadingService(num_workers, backend=backend, **kwargs)
     return DataLoader2(pipe, reading_service=service)
 
@@ -155,7 +162,7 @@ def test_a_checkpoint_goes_from_local_workers_to_ray_and_back(cluster):
         state = on_ray.state_dict()
     finally:
         on_ray.shutdown()
-    back = DataLoader2.from_state(state, MultiProcessingReadingService(2))
+    back = DataLoader2.from_state(state, MultiProcessingReadingService(2, multiprocessing_context=LOCAL))
     try:
         got += list(back)
     finally:
