@@ -74,6 +74,13 @@ def _alive_actors() -> list[str]:
     return answer[0]
 
 
+def _wait_until_no_actor() -> None:
+    """Until Ray reports every actor dead, or ``DEATH_BOUND`` has passed."""
+    deadline = time.monotonic() + DEATH_BOUND
+    while _alive_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling Ray's state: nothing to be woken by
+
+
 @pytest.fixture(autouse=True)
 def no_actor_left(request):
     if "cluster" not in request.fixturenames:
@@ -261,16 +268,14 @@ def test_shutdown_is_bounded_when_ray_does_not_answer_a_kill(cluster, monkeypatc
     loader = _loader(IterableWrapper(range(8)).sharding_filter(), RayBackend(num_cpus_per_worker=0))
     try:
         assert next(iter(loader)) == 0
-        start = time.monotonic()
     finally:
+        start = time.monotonic()
         loader.shutdown()
         took = time.monotonic() - start
-        answering.set()  # Ray answers again: the helper's kills go through
-        for helper in [t for t in threading.enumerate() if t.name == "mprs_plus ray close"]:
+        answering.set()  # Ray answers again: the helpers' kills go through
+        for helper in [t for t in threading.enumerate() if t.name == placement.RAY_CALL_THREAD]:
             helper.join(30.0)
-        deadline = time.monotonic() + DEATH_BOUND
-        while _alive_actors() and time.monotonic() < deadline:
-            time.sleep(0.2)  # polling Ray's state: nothing to be woken by
+        _wait_until_no_actor()
     assert took < 8.0  # the 1 s wait for the kills, the join of the watchers, the local steps
 
 
@@ -311,9 +316,7 @@ def test_a_driver_killed_by_sigkill_leaves_no_actor(cluster):
         if driver.poll() is None:
             driver.kill()
             driver.wait(30)
-    deadline = time.monotonic() + DEATH_BOUND
-    while _alive_actors() and time.monotonic() < deadline:
-        time.sleep(0.2)  # polling Ray's state: nothing to be woken by
+    _wait_until_no_actor()
     assert _alive_actors() == []
 
 

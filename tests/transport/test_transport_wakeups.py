@@ -64,16 +64,12 @@ def test_a_message_sent_between_the_readers_check_and_its_block_wakes_it(channel
         return found
 
     monkeypatch.setattr(type(receiver), "has_input", check_then_race)
-    started = time.monotonic()
     ready = wait_readable([receiver], timeout=2.0)
-    slept = time.monotonic() - started
     assert sent, "the race was not provoked"
-    # (Without a watchdog, a reader waiting with no timeout would have slept forever.)
-    assert slept < 1.0, f"the receiver slept {slept:.1f} s on a message that was there"
     assert ready == [receiver]
     assert receiver.recv(timeout=0) == "in the window"
-    # Woken by its byte, not rescued by the watchdog: the protocol itself holds.
-    assert slept < _wakeup.WATCHDOG_SECONDS
+    # Woken by its byte, not rescued by the watchdog (without one, a reader waiting with
+    # no timeout would have slept forever): the protocol itself holds. Counted, not timed.
     assert receiver.traffic().rescues == 0
 
 
@@ -115,12 +111,12 @@ def test_the_watchdog_rescues_a_reader_whose_wake_up_was_lost_and_counts_it(chan
             receiver._ctl[_ring.RX_SLEEPING] = 1  # and the flag looks untouched
 
     monkeypatch.setattr(_wakeup, "race_hook", lose_the_wake_up, raising=False)
-    started = time.monotonic()
+    # Within the 5 s timeout (the watchdog looks every WATCHDOG_SECONDS); how much sooner
+    # depends on the scheduler, so only the rescue is counted.
     if how == "recv":
         assert receiver.recv(timeout=5.0) == "lost wake-up"
     else:
         assert _wait_readable(how, receiver, idle_receiver, 5.0) == [receiver]
-    assert time.monotonic() - started < 5 * _wakeup.WATCHDOG_SECONDS + 1.0
     assert hits == ["armed"]
     assert receiver.traffic().rescues == 1
     assert sender.traffic().rescues == 1  # the same shared figure from either end

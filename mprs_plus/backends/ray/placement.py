@@ -41,6 +41,7 @@ _LOOK = 0.5  # seconds between two looks of a watcher at its actor
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
 _KILL_CALL_WAIT = 2.0  # seconds one kill request may take before the stop moves on
 _STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
+RAY_CALL_THREAD = "mprs_plus ray call"  # the name of the helper threads of ``_bounded``
 
 
 class _Ours:
@@ -100,7 +101,7 @@ class ActorProcess:
     def terminate(self) -> None:
         """Ask Ray to kill the actor; waits at most ``_KILL_CALL_WAIT`` seconds for Ray to
         take the request (see ``_bounded``)."""
-        _bounded(lambda: ray.kill(self.actor, no_restart=True), _KILL_CALL_WAIT)
+        _bounded(lambda: _kill(self.actor), _KILL_CALL_WAIT)
 
     kill = terminate
 
@@ -328,9 +329,15 @@ class RayPlacement:
                     ray.shutdown()  # here: it stops the processes of the Ray it started
 
 
+def _kill(actor: Any) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
+
+
 def _kill_and_wait(processes: Sequence[ActorProcess]) -> None:
+    """In ``close``'s helper thread, which bounds the whole of it."""
     for process in processes:
-        process.terminate()
+        _kill(process.actor)
     # A call to a killed actor fails once Ray has it dead: then it is gone for good.
     probes = []
     for process in processes:
@@ -348,7 +355,7 @@ def _bounded(call: Callable[[], Any], timeout: float) -> None:
         with contextlib.suppress(Exception):
             call()
 
-    helper = threading.Thread(target=run, name="mprs_plus ray close", daemon=True)
+    helper = threading.Thread(target=run, name=RAY_CALL_THREAD, daemon=True)
     helper.start()
     helper.join(timeout)
 
