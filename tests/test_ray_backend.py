@@ -421,20 +421,46 @@ def test_items_cross_a_ray_channel_writable_and_equal():
 
 def test_ray_endpoints_implement_the_declared_channel_protocols():
     """The runtime calls nothing but ``transport.Sender``/``Receiver`` on the Ray channel's
-    ends; one receiver waits its own way, several by ``transport.wait_together``, where a
-    Ray receiver gives no waitable to arm."""
+    ends; one receiver waits its own way, several by ``transport.wait_together``."""
     from mprs_plus.backends.ray.channel import open_ray_channel
     from mprs_plus.transport import Receiver, Sender, wait_readable
 
     sender, receiver = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)
-    assert isinstance(sender, Sender) and isinstance(receiver, Receiver)
-    assert receiver.arm() is None
-    receiver.disarm(False)
     other = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)[1]
-    for r in (receiver, other):
-        r._ended = True  # no sender actor here: the end of the stream is all there is
-    assert wait_readable([receiver, other], timeout=1.0) == [receiver, other]
-    assert receiver.wait(timeout=1.0) == [receiver]
+    try:
+        assert isinstance(sender, Sender) and isinstance(receiver, Receiver)
+        for r in (receiver, other):
+            r._ended = True  # no sender actor here: the end of the stream is all there is
+        assert wait_readable([receiver, other], timeout=1.0) == [receiver, other]
+        assert receiver.wait(timeout=1.0) == [receiver]
+    finally:
+        receiver.close()
+        other.close()
+
+
+def test_an_answered_pull_wakes_an_armed_waiter_and_only_an_armed_one():
+    """A pull's answer completes its future in Ray's thread; the callback must make the
+    armed wake-up pipe readable (else a waiter sleeps its whole recheck interval), must not
+    write while nobody is armed, and must not touch the pipe once the receiver is closed
+    (its descriptor numbers may belong to another file by then)."""
+    from mprs_plus.backends.ray.channel import open_ray_channel
+    from mprs_plus.transport.channel import poll_waitables
+
+    before = len(os.listdir("/proc/self/fd"))
+    receiver = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)[1]
+    fd = receiver.arm()
+    assert isinstance(fd, int)
+    assert poll_waitables([fd], 0) == []
+    receiver._answered(None)  # what Ray's thread runs when a pull's answer arrives
+    assert poll_waitables([fd], 0) == [fd]
+    receiver.disarm(True)  # the waiter woke: the wake-up is consumed
+    assert poll_waitables([fd], 0) == []
+    receiver._answered(None)  # nobody armed: nothing to wake
+    assert poll_waitables([fd], 0) == []
+    receiver.close()
+    receiver._answered(None)  # a late answer after close: no write, no error
+    assert receiver.arm() is None
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_pause_resume_limit_and_hooks_run_in_the_actors(cluster):

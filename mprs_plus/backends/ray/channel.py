@@ -13,10 +13,11 @@ cannot serve calls, so its data ends pull and its control ends push.
 
 Why pulls: the receiver keeps ``PULLS_IN_FLIGHT`` pulls in flight (served in order), and a
 pull takes every message waiting, up to its share, so messages travel many to a Ray object
-exactly when the receiver is slower than one Ray call per message (a call costs
-milliseconds) and one at a time when it waits (a waiting pull is ``peer_waiting()``, and
-the batching flushes at once). A pull waits in the sender's actor at most ``PULL_WAIT``
-seconds; an empty answer makes the receiver ask again.
+(one Ray call costs the training process far more CPU than a message does: its submission,
+and Ray's own thread handling the answer; figures in ``docs/benchmarks.md``). A pull waits in the sender's actor at most
+``PULL_WAIT`` seconds for a first message, then lingers for more until its oldest one has
+waited ``HAND_ON`` (the batching's 2 ms rule): a slow producer's items then share a call,
+and none waits longer than the rule allows. An empty answer makes the receiver ask again.
 
 Bounds: the sender's box holds at most ``capacity_items`` messages (``send`` blocks, with
 the same ``timeout`` rule as the shared-memory sender); the pulls in flight together ask for
@@ -29,14 +30,18 @@ a pull. Large buffers travel out of band as uint8 arrays, which Ray stores as th
 buffers; the receiver copies them into writable memory, as the shared-memory transport
 does when it does not lend.
 
-Never a wait forever on Ray: every wait is in slices of at most ``SLICE`` seconds, between
-which the watched waitables (the children's sentinels, which the placement fires when an
-actor is gone) and the deadline are looked at; a pull of a dead actor fails, and the
+The receiver never polls Ray: an answer completes the pull's future in Ray's thread, whose
+callback makes the receiver's wake-up pipe readable while a waiter has it armed (the wait
+protocol of ``transport/channel.py``). Never a wait forever on Ray: every wait is in slices
+of at most ``SLICE`` seconds, between which the watched waitables (the children's
+sentinels, which the placement fires when an actor is gone) and the deadline are looked at; a pull of a dead actor fails, and the
 receiver raises ``ChannelBroken``. Ray's own exceptions end here: they never pass on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import select
 import threading
@@ -44,12 +49,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from ...transport import ChannelBroken, ChannelClosed, EndOfStream, Traffic
+from ...transport.channel import wait_together
 from ...transport.serialize import Encoder
 
 PULL_WAIT = 0.25  # seconds a pull waits in the sender's actor for a first message
@@ -58,6 +65,10 @@ SLICE = 0.02  # seconds between two looks at watched waitables while waiting on 
 # that long): then the channel is broken, never waited on forever.
 LOST_PULL = 60.0
 PULLS_IN_FLIGHT = 2  # per receiver
+# A pull that has a message lingers for more until its oldest message has waited this long
+# in the box (the batching's hand-on rule, ``runtime/child/batching.py``): one Ray call then
+# brings what a slow producer makes in that time, and no message waits longer for it.
+HAND_ON = 0.002
 _RECHECK = 1.0  # seconds between two looks of a control receiver with no deadline at its box
 
 
@@ -93,8 +104,9 @@ class _Box:
     def __init__(self) -> None:
         self.cv = threading.Condition(threading.Lock())
         self.queue: deque[Any] = deque()
+        self.stamps: deque[float] = deque()  # data: when each message of ``queue`` came
         self.closed = False
-        self.pullers = 0  # pulls waiting for a first message now
+        self.pullers = 0  # pulls waiting for messages now (a first one, or more: the linger)
         self.pull_turn = 0  # data: the pull served next (they may arrive out of order)
         self.next_seq = 0  # control: the next message in order
         self.early: dict[int, tuple[Any, bool]] = {}  # control: arrived before their turn
@@ -115,9 +127,11 @@ def _box(cid: str) -> _Box:
 
 
 def serve_pull(cid: str, limit: int, seq: int) -> tuple[list[Any], bool]:
-    """In the sender's actor: up to ``limit`` messages waiting (waiting ``PULL_WAIT`` at
-    most for a first one), and whether the stream ended after them. Pulls are served in
-    the order they were asked for (``seq``), whatever thread of the actor runs them first."""
+    """In the sender's actor: up to ``limit`` messages waiting, and whether the stream
+    ended after them. Waits ``PULL_WAIT`` at most for a first message, then lingers for
+    more until the oldest one has waited ``HAND_ON`` (or ``limit`` are there). Pulls are
+    served in the order they were asked for (``seq``), whatever thread of the actor runs
+    them first."""
     box = _box(cid)
     with box.cv:
         turn = time.monotonic() + LOST_PULL
@@ -131,9 +145,17 @@ def serve_pull(cid: str, limit: int, seq: int) -> tuple[list[Any], bool]:
                 if left <= 0:
                     break
                 box.cv.wait(left)
+            while box.queue and len(box.queue) < limit and not box.closed:
+                left = box.stamps[0] + HAND_ON - time.monotonic()
+                if left <= 0:
+                    break
+                box.cv.wait(left)  # woken by each send (``pullers``) and by the close
         finally:
             box.pullers -= 1
-        taken = [box.queue.popleft() for _ in range(min(limit, len(box.queue)))]
+        count = min(limit, len(box.queue))
+        taken = [box.queue.popleft() for _ in range(count)]
+        for _ in range(count):
+            box.stamps.popleft()
         ended = box.closed and not box.queue
         box.pull_turn = seq + 1
         box.cv.notify_all()  # room for a blocked sender, the turn of the next pull
@@ -202,15 +224,17 @@ class RaySender:
                     raise TimeoutError("no room in the channel")
                 box.cv.wait(left)
             box.queue.append(packed)
+            box.stamps.append(time.monotonic())
             box.messages += 1
             box.bytes += packed[2]
             if box.pullers:
                 box.cv.notify_all()
 
     def peer_waiting(self) -> bool:
-        """The receiver has a pull waiting for data now."""
+        """The receiver has a pull waiting for data now (for a first message, or lingering
+        for more: either way a message sent now leaves with it)."""
         box = self._box
-        return box is not None and box.pullers > 0 and not box.queue
+        return box is not None and box.pullers > 0
 
     def close(self) -> None:
         """End of stream: the receiver gets every message sent, then ``EndOfStream``."""
@@ -273,16 +297,32 @@ def _checked(ref: Any) -> None:
         raise ChannelBroken(f"the actor at the other end is gone ({type(exc).__name__})") from None
 
 
+class _Pull:
+    """One pull in flight: its answer's future (completed by Ray's own thread), how many
+    messages it asked for, and when."""
+
+    __slots__ = ("future", "asked", "at")
+
+    def __init__(self, future: Any, asked: int, at: float) -> None:
+        self.future = future
+        self.asked = asked
+        self.at = at
+
+
 class RayReceiver:
     """The receiving end. A data receiver (anywhere) pulls from the sender's actor; a
-    control receiver (in an actor) reads its box."""
+    control receiver (in an actor) reads its box.
+
+    A data receiver never polls Ray: each pull's answer completes a future in Ray's own
+    thread, whose callback makes this receiver's wake-up pipe readable while a waiter has
+    it armed (``arm``/``disarm``, the protocol of ``transport/channel.py``). A look
+    (``has_input``) is a look at the oldest future, without a call into Ray."""
 
     def __init__(self, spec: ChannelSpec) -> None:
         self._spec = spec
         self._box: _Box | None = None  # a control receiver in its actor
         self._buffer: deque[Any] = deque()
-        # Pulls in flight, oldest first: (reference, messages asked for, when asked).
-        self._pulls: deque[tuple[Any, int, float]] = deque()
+        self._pulls: deque[_Pull] = deque()  # oldest (answered next) first
         self._pull_seq = 0
         self._ended = False  # the sender closed and every message is here
         self._broken: str | None = None
@@ -290,6 +330,11 @@ class RayReceiver:
         self._watched: list[Any] = []
         self._messages = 0
         self._bytes = 0
+        # The wake-up pipe (made at the first arm), and whether a waiter has it armed; the
+        # lock makes an answer's callback and close() agree on whether the pipe is open.
+        self._wake_lock = threading.Lock()
+        self._wake: tuple[int, int] | None = None
+        self._armed = False
 
     def __getstate__(self) -> dict[str, Any]:
         spec = self._spec
@@ -351,6 +396,10 @@ class RayReceiver:
         self._closed = True
         self._buffer.clear()
         self._pulls.clear()
+        with self._wake_lock:
+            wake, self._wake = self._wake, None
+        for fd in wake or ():
+            os.close(fd)
 
     def release(self) -> None:
         """The training process's copy of an end an actor owns: nothing to let go of."""
@@ -360,17 +409,29 @@ class RayReceiver:
         return Traffic(self._messages + queued, self._bytes, queued, 0)
 
     def wait(self, timeout: float | None = None, also: Sequence[Any] = ()) -> list[Any]:
-        """This receiver alone: its pulls in flight waited on with ``ray.wait``."""
-        return _wait_on_ray([self], timeout, also)
+        """This receiver alone, by the protocol every receiver follows."""
+        return wait_together([self], timeout, also)
 
-    def arm(self) -> None:
-        """No waitable to give: a Ray object cannot wake a descriptor. A waiter for several
-        receivers (``transport.wait_together``) looks at this one again on a short
-        interval, as it does for every receiver without one."""
-        return None
+    def arm(self) -> Any:
+        """The wake-up pipe's reading end, readable once a pull is answered from now on
+        (None for a control receiver, whose waiter looks again on a short interval)."""
+        if self._box is not None or self._closed:
+            return None
+        with self._wake_lock:
+            if self._wake is None:
+                self._wake = os.pipe()
+                for fd in self._wake:
+                    os.set_blocking(fd, False)
+            self._armed = True
+            return self._wake[0]
 
     def disarm(self, woken: bool, timed_out: bool = False) -> None:
-        """Nothing was armed."""
+        del timed_out
+        with self._wake_lock:
+            self._armed = False
+            if woken and self._wake is not None:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake[0], 4096)
 
     # Internals ---------------------------------------------------------------------------
 
@@ -387,11 +448,6 @@ class RayReceiver:
         self._kick()
         return pickle.loads(stream, buffers=[bytearray(buffer) for buffer in buffers])
 
-    @property
-    def _pull(self) -> Any:
-        """The oldest pull in flight (the one answered next), or None."""
-        return self._pulls[0][0] if self._pulls else None
-
     def _kick(self) -> None:
         """Keep ``PULLS_IN_FLIGHT`` pulls in flight while there is room for their answers:
         each asks for a share of the room, so that what they bring and what is here stays
@@ -400,33 +456,48 @@ class RayReceiver:
             return
         capacity = self._spec.capacity
         while len(self._pulls) < PULLS_IN_FLIGHT:
-            room = capacity - len(self._buffer) - sum(asked for _, asked, _ in self._pulls)
+            room = capacity - len(self._buffer) - sum(pull.asked for pull in self._pulls)
             if room <= 0:
                 return
             asked = min(room, max(1, -(-capacity // PULLS_IN_FLIGHT)))
-            ref = self._spec.host.pull.remote(self._spec.cid, asked, self._pull_seq)
+            future = self._spec.host.pull.remote(self._spec.cid, asked, self._pull_seq).future()
             self._pull_seq += 1
-            self._pulls.append((ref, asked, time.monotonic()))
+            self._pulls.append(_Pull(future, asked, time.monotonic()))
+            future.add_done_callback(self._answered)
+
+    def _answered(self, _future: Any) -> None:
+        """In Ray's thread (or this one, for an answer already there): wake an armed waiter."""
+        with self._wake_lock:
+            if self._armed and self._wake is not None:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake[1], b"\0")
 
     def _absorb(self, timeout: float) -> None:
-        """Take the answer of the oldest pull in flight if it comes within ``timeout``."""
+        """Take the answers that are here, in order; with none, wait at most ``timeout``
+        for the oldest pull's."""
         if not self._pulls:
             self._kick()
             if not self._pulls:
                 return
-        ready, _ = ray.wait([self._pull], timeout=timeout)
-        if ready:
-            self._settle()
-        elif time.monotonic() - self._pulls[0][2] > LOST_PULL:
-            self._pulls.clear()
-            self._broken = f"the actor at the other end has not answered a pull for {LOST_PULL:.0f} s"
+        oldest = self._pulls[0]
+        if not oldest.future.done():
+            if timeout > 0:
+                futures.wait([oldest.future], timeout=timeout)
+            if not oldest.future.done():
+                if time.monotonic() - oldest.at > LOST_PULL:
+                    self._pulls.clear()
+                    self._broken = f"the actor at the other end has not answered a pull for {LOST_PULL:.0f} s"
+                return
+        while self._pulls and self._pulls[0].future.done() and self._broken is None and not self._ended:
+            self._settle(self._pulls.popleft())
+        self._kick()
 
-    def _settle(self) -> None:
-        ref, _, _ = self._pulls.popleft()
+    def _settle(self, pull: _Pull) -> None:
         try:
-            taken, ended = ray.get(ref, timeout=0)
+            taken, ended = pull.future.result(timeout=0)
         except Exception as exc:
             self._broken = f"the actor at the other end is gone ({type(exc).__name__})"
+            self._pulls.clear()
             return
         self._buffer.extend(taken)
         self._messages += len(taken)
@@ -434,8 +505,6 @@ class RayReceiver:
         if ended:
             self._ended = True
             self._pulls.clear()  # asked after the end: nothing more can come
-        else:
-            self._kick()
 
     def _recv_box(self, timeout: float | None) -> Any:
         box = self._box
@@ -488,28 +557,3 @@ def _poll_fds(waitables: Iterable[Any], timeout: float) -> list[Any]:
         poller.register(fd, select.POLLIN)
     hit = {fd for fd, _ in poller.poll(int(timeout * 1000))}
     return [w for w, fd in zip(waitables, fds) if fd in hit]
-
-
-def _wait_on_ray(receivers: Iterable[Any], timeout: float | None = None, also: Iterable[Any] = ()) -> list[Any]:
-    """The receivers (and ``also`` waitables) ready within ``timeout``; [] on timeout.
-
-    Waits on the pulls in flight with ``ray.wait`` and looks at the ``also`` waitables
-    between slices of ``SLICE`` seconds: an item wakes it at once, a waitable within a slice."""
-    receivers = list(receivers)
-    also = list(also)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        ready = [r for r in receivers if r.has_input()]
-        hits = _poll_fds(also, 0) if also else []
-        if ready or hits:
-            return ready + hits
-        left = SLICE if deadline is None else min(SLICE, deadline - time.monotonic())
-        if left <= 0:
-            return []
-        pulls = [r._pull for r in receivers if r._pull is not None]
-        if pulls:
-            ray.wait(pulls, num_returns=1, timeout=left)
-        elif any(r._box is not None for r in receivers):
-            time.sleep(min(left, 0.002))  # a control box: never waited on this way in practice
-        else:
-            _poll_fds(also, left)
