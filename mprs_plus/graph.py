@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils.data import IterDataPipe, MapDataPipe
 
@@ -84,8 +83,9 @@ Step = tuple[str, Any]
 ``("parents", i)`` (position in ``get_parents()``)."""
 
 
-@dataclass(frozen=True)
-class Edge:
+# Edge, Node and Graph are named tuples, not dataclasses: as immutable, with the same repr,
+# but made without generating code at import, which every loader's first item waits for.
+class Edge(NamedTuple):
     """A reference from a node to one of its parents, with the path it was found at."""
 
     parent: int
@@ -93,8 +93,7 @@ class Edge:
     steps: tuple[Step, ...] = ()  # the same path, replayable by ``replace_reference``
 
 
-@dataclass(frozen=True)
-class Node:
+class Node(NamedTuple):
     index: int
     name: str  # class name, for messages and renderings
     edges: tuple[Edge, ...]
@@ -106,8 +105,7 @@ class Node:
         return tuple(dict.fromkeys(edge.parent for edge in self.edges))
 
 
-@dataclass(frozen=True)
-class Graph:
+class Graph(NamedTuple):
     """Nodes indexed from 0 (the output); ``datapipes[i]`` is the object of node i."""
 
     nodes: tuple[Node, ...]

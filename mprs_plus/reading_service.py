@@ -23,11 +23,11 @@ from torchdata.dataloader2.reading_service import CheckpointableReadingServiceIn
 from .options import Options
 from .plan import Plan, plan
 from .runtime.main.family import Family
-from .runtime.main.inprocess import InProcessRuntime
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
 
 if TYPE_CHECKING:
+    from .runtime.main.inprocess import InProcessRuntime
     from .stats import Stats
 
 

@@ -88,7 +88,7 @@ def test_a_type_that_takes_no_single_message_is_the_original_with_the_text_in_a_
 
 def test_a_type_the_main_process_cannot_import_becomes_worker_error():
     error = RemoteError.capture(CustomError("lost"), describe_process(Segment.WORKER, 0))
-    error = RemoteError(None, None, *list(vars(error).values())[2:])  # as if neither unpickles
+    error = error._replace(type_pickled=None, pickled=None)  # as if neither unpickles
     exc = error.rebuild()
     assert type(exc) is WorkerError and isinstance(exc, RuntimeError)
     assert str(exc).startswith("Caught CustomError in worker process 0")

@@ -12,49 +12,46 @@ A message the listener cannot read at all becomes ``Unreadable(error)``.
 
 Payloads travel pickled on their own (``pack``), so a child that cannot unpickle one (a
 function of a module it cannot import) still knows which message, and which epoch, fails.
+
+The types are named tuples, not dataclasses: as immutable, and matched the same way
+(``isinstance``, ``case Reset(epoch=e)``), but made without generating code when this
+module loads, which every loader's first item waits for. Nothing compares two messages.
 """
 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .data_messages import RemoteError
 
 
-@dataclass(frozen=True, slots=True)
-class Reset:
+class Reset(NamedTuple):
     epoch: int
     payload: bytes
     skip: tuple[int, ...] = ()  # per lane: items to produce and drop before the first one sent
 
 
-@dataclass(frozen=True, slots=True)
-class Pause:
+class Pause(NamedTuple):
     epoch: int
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Resume:
+class Resume(NamedTuple):
     epoch: int
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Limit:
+class Limit(NamedTuple):
     epoch: int
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Stop:
+class Stop(NamedTuple):
     """Made by the child's listener when the control channel ends; never sent."""
 
 
-@dataclass(frozen=True, slots=True)
-class Unreadable:
+class Unreadable(NamedTuple):
     """Made by the child's listener for a message that did not unpickle; never sent."""
 
     error: RemoteError

@@ -23,9 +23,8 @@ import enum
 import os
 import pickle
 import traceback
-from dataclasses import dataclass
 from types import GetSetDescriptorType, MemberDescriptorType, TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils.data import IterDataPipe, MapDataPipe
 
@@ -46,8 +45,7 @@ class Kind(enum.IntEnum):
 
 
 
-@dataclass(frozen=True)
-class RemoteError:
+class RemoteError(NamedTuple):
     """An exception captured in a child process, ready to be raised again in the main one.
 
     Raised the way torch's DataLoader and torchdata raise a worker's exception, so code
@@ -64,6 +62,9 @@ class RemoteError:
     keep outside it (``errno``, ``filename``, a Unicode error's ``encoding``), so that one
     that does not pickle loses only itself, and a field torch's DataPipe hooks garbled
     through ``args`` reads as raised.
+
+    A named tuple (immutable, made at import without generated code, which the first item
+    of every loader waits for), as the control messages are.
     """
 
     type_pickled: bytes | None  # the exception's class, when main can import it

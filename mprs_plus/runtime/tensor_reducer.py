@@ -53,7 +53,12 @@ _DTYPES: dict[str, torch.dtype] = {
 
 def _numpy_dtypes() -> dict[str, Any]:
     """The dtypes numpy shares with torch (not bfloat16, the float8s, ...): those tensors are
-    rebuilt as numpy arrays over the buffer, wrapped by ``torch.from_numpy``."""
+    rebuilt as numpy arrays over the buffer, wrapped by ``torch.from_numpy``. Found by
+    trying each dtype, once per process, at the first tensor: not at import, which is on
+    the path to every loader's first item, tensors or not."""
+    global _NUMPY
+    if _NUMPY is not None:
+        return _NUMPY
     shared = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # making a tensor of some dtypes warns (complex32, quantized)
@@ -64,10 +69,11 @@ def _numpy_dtypes() -> dict[str, Any]:
                     shared[name] = array.dtype
             except (TypeError, RuntimeError):
                 pass
+    _NUMPY = shared
     return shared
 
 
-_NUMPY = _numpy_dtypes()
+_NUMPY: dict[str, Any] | None = None
 
 
 def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
@@ -93,7 +99,7 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
         nbytes = storage.nbytes()
         if 2 * span * itemsize >= nbytes:
             offset = tensor.storage_offset()
-            if dtype in _NUMPY and nbytes % itemsize == 0:
+            if dtype in _numpy_dtypes() and nbytes % itemsize == 0:
                 if offset == 0 and span * itemsize == nbytes and tensor.is_contiguous():
                     strides = None
                 return _rebuild_on_bytes, (_storage_bytes(storage), dtype, shape, strides, offset)
@@ -106,7 +112,7 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
         flat = tensor.contiguous().view(-1)
         strides = None
     raw = pickle.PickleBuffer(flat.view(torch.uint8).numpy())  # a view: no copy until the channel's
-    if dtype in _NUMPY:
+    if dtype in _numpy_dtypes():
         return _rebuild_on_bytes, ((raw,), dtype, shape, strides, 0)
     return _rebuild_tensor, (raw, dtype, shape, strides)
 
@@ -130,7 +136,7 @@ def _rebuild_on_bytes(
     array and one ``from_numpy`` for the usual tensor that fills its buffer. Each torch
     call here is a trip through its dispatcher, dear to the main process when its caches
     are cold, as they are between items; this is the whole rebuild."""
-    buffer, np_dtype = held[0], _NUMPY[dtype]
+    buffer, np_dtype = held[0], _numpy_dtypes()[dtype]
     if strides is None:
         return torch.from_numpy(numpy.ndarray(shape, np_dtype, buffer))
     whole = torch.from_numpy(numpy.ndarray((len(buffer) // np_dtype.itemsize,), np_dtype, buffer))

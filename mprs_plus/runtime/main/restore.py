@@ -40,14 +40,24 @@ import dataclasses
 import hashlib
 import pickle
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterDataPipe
 from torchdata.dataloader2.random import SeedGenerator
 
 from ...plan import Plan
-from ...resume_state import Phase, ResumeState
 from .cursor import ReadCursor
+
+if TYPE_CHECKING:
+    from ...resume_state import ResumeState
+
+
+def _record() -> Any:
+    """The checkpoint record's module, loaded when a checkpoint is taken or restored: not
+    on the path to a loader's first item."""
+    from ... import resume_state
+
+    return resume_state
 
 
 class MainCounter(IterDataPipe):
@@ -114,6 +124,7 @@ def capture(
 ) -> ResumeState:
     """The state of the epoch as the user has seen it; ``epoch_seed``: the pickled seed
     generator as the current epoch received it, None before the first epoch."""
+    ResumeState, Phase = _record().ResumeState, _record().Phase  # noqa: N806
     if epoch_seed is None:
         return ResumeState(num_workers, in_order, Phase.NOT_STARTED)
     if counter is not None:
@@ -140,7 +151,7 @@ def capture(
 def check_shape(state: ResumeState, counter: MainCounter | None) -> None:
     """A checkpoint counted after the main segment restores only into one that is counted
     there too, and the other way round: otherwise the pipeline changed shape."""
-    if state.phase is not Phase.RUNNING:
+    if state.phase is not _record().Phase.RUNNING:
         return
     if (counter is None and state.main_skip > 0) or (counter is not None and any(state.consumed)):
         raise ValueError(
@@ -219,7 +230,7 @@ class Checkpoints:
         return dataclasses.replace(state, graph=self._graph).to_bytes()
 
     def load(self, serialized_state: bytes) -> ResumeState:
-        state = ResumeState.from_bytes(serialized_state)
+        state = _record().ResumeState.from_bytes(serialized_state)
         state.check_workers(self._num_workers)
         if state.seed_state is not None and not isinstance(pickle.loads(state.seed_state), SeedGenerator):
             raise ValueError(
@@ -233,6 +244,6 @@ class Checkpoints:
         it was taken of another pipeline, or of one split differently between processes."""
         if self._graph is not None:
             state.check_graph(self._graph)
-        if state.phase is Phase.RUNNING:
+        if state.phase is _record().Phase.RUNNING:
             check_shape(state, self._counter)
             self._restored = state

@@ -56,7 +56,6 @@ from ...options import Options
 from ...plan import Plan
 from ...segment import Segment
 from ...transport import Receiver, Sender
-from ..child.dispatch import DispatchSetup, dispatch_main
 from .lifecycle import stop_at_exit
 from .reader import MainReader
 from ..control_messages import Limit, Pause, Reset, Resume, pack
@@ -66,7 +65,6 @@ from ..segments import build_dispatch_sources, build_main_pipeline, build_worker
 from ..stats import StatsTable
 from .stats import StatsView
 from .family import Figures
-from .inprocess import InProcessRuntime
 from .state import Lifecycle, State
 from ..liveness import Liveness
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
@@ -75,14 +73,18 @@ from ..child.worker import WorkerSetup, worker_main
 
 if TYPE_CHECKING:
     from ...stats import Stats
+    from .inprocess import InProcessRuntime
 
 _DATA_BYTES = 64 << 20
 _STATS_LOG = logging.getLogger("mprs_plus.stats")
 
 
 def open_runtime(datapipe: Any, plan: Plan, options: Options) -> ServiceRuntime | InProcessRuntime:
-    """The runtime for ``plan``: child processes, or none when nothing runs in workers."""
+    """The runtime for ``plan``: child processes, or none when nothing runs in workers.
+    Each kind's modules load when a plan needs it (a cold start waits for every import)."""
     if not plan.uses_processes:
+        from .inprocess import InProcessRuntime
+
         return InProcessRuntime(datapipe, options)
     return ServiceRuntime(plan, options)
 
@@ -348,6 +350,8 @@ def _wire_children(
                 row.append(tx)
                 worker_inputs[worker.index].append(rx)
             rows.append(tuple(row))
+        from ..child.dispatch import DispatchSetup, dispatch_main  # only a plan with a dispatch segment needs it
+
         setup = DispatchSetup(
             sources,
             len(topology.workers),
