@@ -463,6 +463,80 @@ def test_an_answered_pull_wakes_an_armed_waiter_and_only_an_armed_one():
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+def _actor_side_sender(capacity: int = 8):
+    """A data sender as it lives in its actor (its box in this process), for the pull's
+    own tests: ``serve_pull`` is what the actor runs for a receiver's pull."""
+    from mprs_plus.backends.ray.channel import _box, open_ray_channel
+
+    sender = open_ray_channel(capacity_items=capacity, capacity_bytes=1 << 20)[0]
+    state = sender.__getstate__()
+    sender.__setstate__(state)
+    return sender, _box(state["cid"]), state["cid"]
+
+
+def _until_a_pull_waits(box) -> None:
+    """Until the pull's thread waits in the box (it notifies no one when it begins: looked
+    at every 10 ms, for at most 10 s)."""
+    deadline = time.monotonic() + 10
+    with box.cv:
+        while box.pullers != 1:
+            assert time.monotonic() < deadline, "the pull never began to wait"
+            box.cv.wait(0.01)
+
+
+def test_a_pull_lingers_for_more_messages_and_answers_when_its_share_is_there(monkeypatch):
+    """A pull that found one message waits for more (the linger); a message sent while it
+    lingers leaves in the same answer, which comes as soon as the pull's share is there.
+    The linger is made long so that only the second message can end it."""
+    from mprs_plus.backends.ray import channel
+
+    monkeypatch.setattr(channel, "HAND_ON", 60.0)
+    sender, box, cid = _actor_side_sender()
+    sender.send("first")
+    answer = []
+    pull = threading.Thread(target=lambda: answer.append(channel.serve_pull(cid, 2, 0)))
+    pull.start()
+    _until_a_pull_waits(box)
+    assert sender.peer_waiting(), "a lingering pull is a waiting reader: the batching should send at once"
+    sender.send("second")
+    pull.join(10)
+    assert not pull.is_alive()
+    (taken, ended), = answer
+    assert [channel.pickle.loads(stream) for stream, _, _ in taken] == ["first", "second"] and not ended
+
+
+def test_a_lingering_pull_answers_once_its_oldest_message_has_waited_the_hand_on_time(monkeypatch):
+    """Without its share, the pull answers with what it has when its oldest message has
+    waited HAND_ON: never sooner (that is the batching it buys), and with that message."""
+    from mprs_plus.backends.ray import channel
+
+    monkeypatch.setattr(channel, "HAND_ON", 0.05)
+    sender, box, cid = _actor_side_sender()
+    sender.send("only")
+    stamp = box.stamps[0]
+    taken, ended = channel.serve_pull(cid, 8, 0)
+    assert time.monotonic() >= stamp + 0.05
+    assert [channel.pickle.loads(stream) for stream, _, _ in taken] == ["only"] and not ended
+    assert not box.stamps and not box.queue
+
+
+def test_a_close_ends_a_lingering_pull_with_the_end_of_the_stream(monkeypatch):
+    from mprs_plus.backends.ray import channel
+
+    monkeypatch.setattr(channel, "HAND_ON", 60.0)
+    sender, box, cid = _actor_side_sender()
+    sender.send("last")
+    answer = []
+    pull = threading.Thread(target=lambda: answer.append(channel.serve_pull(cid, 8, 0)))
+    pull.start()
+    _until_a_pull_waits(box)
+    sender.close()
+    pull.join(10)
+    assert not pull.is_alive()
+    (taken, ended), = answer
+    assert [channel.pickle.loads(stream) for stream, _, _ in taken] == ["last"] and ended
+
+
 def test_pause_resume_limit_and_hooks_run_in_the_actors(cluster):
     """The same control messages as local children: the pause, resume and limit functions
     run in the dispatch actor and the worker actors, the items go on in order."""
