@@ -484,6 +484,24 @@ def _until_a_pull_waits(box) -> None:
             box.cv.wait(0.01)
 
 
+def _lingering_pull(limit: int, then):
+    """A pull served in a thread with one message in the box; once it waits, ``then(sender)``
+    runs; returns the answer's messages, unpickled, and whether the stream ended."""
+    from mprs_plus.backends.ray import channel
+
+    sender, box, cid = _actor_side_sender()
+    sender.send("first")
+    answer = []
+    pull = threading.Thread(target=lambda: answer.append(channel.serve_pull(cid, limit, 0)))
+    pull.start()
+    _until_a_pull_waits(box)
+    then(sender)
+    pull.join(10)
+    assert not pull.is_alive(), "the pull did not answer"
+    (taken, ended), = answer
+    return [channel.pickle.loads(stream) for stream, _, _ in taken], ended
+
+
 def test_a_pull_lingers_for_more_messages_and_answers_when_its_share_is_there(monkeypatch):
     """A pull that found one message waits for more (the linger); a message sent while it
     lingers leaves in the same answer, which comes as soon as the pull's share is there.
@@ -491,18 +509,12 @@ def test_a_pull_lingers_for_more_messages_and_answers_when_its_share_is_there(mo
     from mprs_plus.backends.ray import channel
 
     monkeypatch.setattr(channel, "HAND_ON", 60.0)
-    sender, box, cid = _actor_side_sender()
-    sender.send("first")
-    answer = []
-    pull = threading.Thread(target=lambda: answer.append(channel.serve_pull(cid, 2, 0)))
-    pull.start()
-    _until_a_pull_waits(box)
-    assert sender.peer_waiting(), "a lingering pull is a waiting reader: the batching should send at once"
-    sender.send("second")
-    pull.join(10)
-    assert not pull.is_alive()
-    (taken, ended), = answer
-    assert [channel.pickle.loads(stream) for stream, _, _ in taken] == ["first", "second"] and not ended
+
+    def send_another(sender):
+        assert sender.peer_waiting(), "a lingering pull is a waiting reader: the batching should send at once"
+        sender.send("second")
+
+    assert _lingering_pull(2, send_another) == (["first", "second"], False)
 
 
 def test_a_lingering_pull_answers_once_its_oldest_message_has_waited_the_hand_on_time(monkeypatch):
@@ -524,17 +536,7 @@ def test_a_close_ends_a_lingering_pull_with_the_end_of_the_stream(monkeypatch):
     from mprs_plus.backends.ray import channel
 
     monkeypatch.setattr(channel, "HAND_ON", 60.0)
-    sender, box, cid = _actor_side_sender()
-    sender.send("last")
-    answer = []
-    pull = threading.Thread(target=lambda: answer.append(channel.serve_pull(cid, 8, 0)))
-    pull.start()
-    _until_a_pull_waits(box)
-    sender.close()
-    pull.join(10)
-    assert not pull.is_alive()
-    (taken, ended), = answer
-    assert [channel.pickle.loads(stream) for stream, _, _ in taken] == ["last"] and ended
+    assert _lingering_pull(8, lambda sender: sender.close()) == (["first"], True)
 
 
 def test_pause_resume_limit_and_hooks_run_in_the_actors(cluster):
