@@ -41,8 +41,9 @@ Waiting for several receivers (``wait_readable``)
     The block is bounded whatever happens: a lost wake-up (a bug) costs at most
     ``RECHECK_SECONDS`` of latency, never a hang, and ``disarm(timed_out=True)`` lets a
     transport count such a rescue (``Traffic.rescues``). A receiver that has no waitable
-    to give (``arm()`` returns None: a queue between threads) is simply looked at again: the block then lasts ``FALLBACK_SECONDS`` at
-    first, doubling up to ``FALLBACK_MAX_SECONDS`` while nothing arrives, so such a
+    to give (``arm()`` returns None: a queue between threads) is simply looked at again:
+    the block then lasts ``FALLBACK_SECONDS`` at first, doubling up to
+    ``FALLBACK_MAX_SECONDS`` while nothing arrives, so such a
     receiver is served within that interval and an idle one costs some tens of wake-ups a
     second (a transport that cares gives a waitable instead).
 

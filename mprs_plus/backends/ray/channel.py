@@ -13,11 +13,12 @@ cannot serve calls, so its data ends pull and its control ends push.
 
 Why pulls: the receiver keeps ``PULLS_IN_FLIGHT`` pulls in flight (served in order), and a
 pull takes every message waiting, up to its share, so messages travel many to a Ray object
-(one Ray call costs the training process far more CPU than a message does: its submission,
-and Ray's own thread handling the answer; figures in ``docs/benchmarks.md``). A pull waits in the sender's actor at most
-``PULL_WAIT`` seconds for a first message, then lingers for more until its oldest one has
-waited ``HAND_ON`` (the batching's 2 ms rule): a slow producer's items then share a call,
-and none waits longer than the rule allows. An empty answer makes the receiver ask again.
+(one Ray call costs the training process far more CPU than a message does: its
+submission, and Ray's own thread handling the answer; figures in ``docs/benchmarks.md``).
+A pull waits in the sender's actor at most ``PULL_WAIT`` seconds for a first message, then
+lingers for more until its oldest one has waited ``HAND_ON`` (the batching's rule): a slow
+producer's items then share a call, and none waits longer than the rule allows. An empty
+answer makes the receiver ask again.
 
 Bounds: the sender's box holds at most ``capacity_items`` messages (``send`` blocks, with
 the same ``timeout`` rule as the shared-memory sender); the pulls in flight together ask for
@@ -34,8 +35,9 @@ The receiver never polls Ray: an answer completes the pull's future in Ray's thr
 callback makes the receiver's wake-up pipe readable while a waiter has it armed (the wait
 protocol of ``transport/channel.py``). Never a wait forever on Ray: every wait is in slices
 of at most ``SLICE`` seconds, between which the watched waitables (the children's
-sentinels, which the placement fires when an actor is gone) and the deadline are looked at; a pull of a dead actor fails, and the
-receiver raises ``ChannelBroken``. Ray's own exceptions end here: they never pass on.
+sentinels, which the placement fires when an actor is gone) and the deadline are looked
+at; a pull of a dead actor fails, and the receiver raises ``ChannelBroken``. Ray's own
+exceptions end here: they never pass on.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from typing import Any
 
 import ray
 
+from ...runtime.child.batching import HAND_ON  # how long a pull lingers: the batching's rule
 from ...transport import ChannelBroken, ChannelClosed, EndOfStream, Traffic
 from ...transport.channel import wait_together
 from ...transport.serialize import Encoder
@@ -65,10 +68,6 @@ SLICE = 0.02  # seconds between two looks at watched waitables while waiting on 
 # that long): then the channel is broken, never waited on forever.
 LOST_PULL = 60.0
 PULLS_IN_FLIGHT = 2  # per receiver
-# A pull that has a message lingers for more until its oldest message has waited this long
-# in the box (the batching's hand-on rule, ``runtime/child/batching.py``): one Ray call then
-# brings what a slow producer makes in that time, and no message waits longer for it.
-HAND_ON = 0.002
 _RECHECK = 1.0  # seconds between two looks of a control receiver with no deadline at its box
 
 

@@ -124,7 +124,8 @@ def capture(
 ) -> ResumeState:
     """The state of the epoch as the user has seen it; ``epoch_seed``: the pickled seed
     generator as the current epoch received it, None before the first epoch."""
-    ResumeState, Phase = _record().ResumeState, _record().Phase  # noqa: N806
+    record = _record()
+    ResumeState, Phase = record.ResumeState, record.Phase  # noqa: N806
     if epoch_seed is None:
         return ResumeState(num_workers, in_order, Phase.NOT_STARTED)
     if counter is not None:
