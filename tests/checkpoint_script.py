@@ -1,9 +1,14 @@
 """Checkpoint, then resume in another Python process, as a preempted job would.
 
-    python checkpoint_script.py save CONFIG STATE_FILE    prints {"reference": [4 epochs], "got": [...]}
-    python checkpoint_script.py resume CONFIG STATE_FILE  prints {"epochs": [the rest, 3 more]}
+    python checkpoint_script.py save CASES STATE_DIR    prints {case: {"reference": [4 epochs], "got": [...]}}
+    python checkpoint_script.py resume CASES STATE_DIR  prints {case: {"epochs": [the rest, 3 more]}}
 
-CONFIG is JSON: pipe ("workers": shuffle and filter in the worker segment; "dispatch": a
+CASES is JSON, a config per case name; each case's state is STATE_DIR/<case>.pkl. The
+cases run one after another in the one process: a resume never runs where its checkpoint
+was taken, and one interpreter start serves every case. A case that raises reports
+{"error": its traceback} and the others still run.
+
+A config is JSON: pipe ("workers": shuffle and filter in the worker segment; "dispatch": a
 shuffle in the dispatch segment, another in the worker segment; "main": a shuffle in the
 main process), n, workers, ctx, in_order,
 at (items before the checkpoint, or "end": after the whole first epoch), paused (take the
@@ -16,8 +21,10 @@ The reference run and the checkpointed run use seed 7; the resumed run sets no s
 from __future__ import annotations
 
 import json
+import pathlib
 import pickle
 import sys
+import traceback
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
@@ -121,9 +128,15 @@ def resume(config: dict, path: str) -> dict:
 
 
 def main() -> None:
-    action, config, path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    result = save(config, path) if action == "save" else resume(config, path)
-    print(json.dumps(result))
+    action, cases, folder = sys.argv[1], json.loads(sys.argv[2]), pathlib.Path(sys.argv[3])
+    step = save if action == "save" else resume
+    results = {}
+    for name, config in cases.items():
+        try:
+            results[name] = step(config, str(folder / f"{name}.pkl"))
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

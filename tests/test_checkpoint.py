@@ -23,18 +23,20 @@ SCRIPT = pathlib.Path(__file__).with_name("checkpoint_script.py")
 EPOCH = 43  # items per epoch of the script's pipelines (n=50, 7 filtered out)
 
 
-def _run(action: str, config: dict, state: pathlib.Path) -> dict:
+def _run(action: str, cases: dict[str, dict], folder: pathlib.Path, timeout: float = 100) -> dict[str, dict]:
+    """The script's ``action`` for every case, in one fresh interpreter; a case that
+    raised comes back as {"error": its traceback}."""
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", str(SCRIPT), action, json.dumps(config), str(state)],
+        [sys.executable, "-W", "ignore", str(SCRIPT), action, json.dumps(cases), str(folder)],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
+def _config(**overrides: object) -> dict:
     config = {
         "pipe": "workers",
         "n": 50,
@@ -46,9 +48,22 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
         "load": "from_state",
     }
     config.update(overrides)
-    state = tmp_path / "state.pkl"
-    saved = _run("save", config, state)
-    resumed = _run("resume", config, state)["epochs"]
+    return config
+
+
+def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
+    """One case: checkpointed in a fresh interpreter, resumed in another."""
+    config = _config(**overrides)
+    saved = _run("save", {"case": config}, tmp_path)["case"]
+    resumed = _run("resume", {"case": config}, tmp_path)["case"]
+    check_outcome(config, saved, resumed)
+
+
+def check_outcome(config: dict, saved: dict, resumed_run: dict) -> None:
+    """The resumed run goes on exactly as the uninterrupted one (same seed) did."""
+    assert "error" not in saved, saved.get("error")
+    assert "error" not in resumed_run, resumed_run.get("error")
+    resumed = resumed_run["epochs"]
     reference, got = saved["reference"], saved["got"]
     assert all(len(epoch) == EPOCH for epoch in reference)
     if config["at"] == "end":
@@ -72,40 +87,40 @@ def check_resume(tmp_path: pathlib.Path, **overrides: object) -> None:
         assert [sorted(e) for e in resumed_later] == [sorted(e) for e in later]
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {},
-        {"at": 0, "load": "load_state_dict"},
-        {"at": EPOCH},
-        {"at": "end"},
-        {"paused": True, "at": 20},
-        {"pipe": "dispatch"},
-        # Taken under fork, restored under spawn: the restored processes get everything pickled.
-        {"pipe": "dispatch", "resume_ctx": "spawn", "at": 30},
-        {"in_order": False},
-        {"again": 9},
-        {"pipe": "main", "at": 17},
-        {"workers": 0, "at": 11},
-        {"pipe": "dispatch", "in_order": False, "at": 25},
-    ],
-    ids=[
-        "mid",
-        "item0_load_state_dict",
-        "last_item",
-        "after_epoch_end",
-        "paused",
-        "dispatch",
-        "dispatch_restored_under_spawn",
-        "as_ready_exact_set",
-        "checkpoint_of_a_restored_epoch",
-        "main_segment_replayed",
-        "in_process",
-        "dispatch_as_ready_exact_set",
-    ],
-)
-def test_resume_in_new_process(tmp_path, overrides):
-    check_resume(tmp_path, **overrides)
+RESUME_CASES = {
+    "mid": {},
+    "item0_load_state_dict": {"at": 0, "load": "load_state_dict"},
+    "last_item": {"at": EPOCH},
+    "after_epoch_end": {"at": "end"},
+    "paused": {"paused": True, "at": 20},
+    "dispatch": {"pipe": "dispatch"},
+    # Taken under fork, restored under spawn: the restored processes get everything pickled.
+    "dispatch_restored_under_spawn": {"pipe": "dispatch", "resume_ctx": "spawn", "at": 30},
+    "as_ready_exact_set": {"in_order": False},
+    "checkpoint_of_a_restored_epoch": {"again": 9},
+    "main_segment_replayed": {"pipe": "main", "at": 17},
+    "in_process": {"workers": 0, "at": 11},
+    "dispatch_as_ready_exact_set": {"pipe": "dispatch", "in_order": False, "at": 25},
+}
+CASES_TIMEOUT = 400  # seconds for all the cases' checkpoints (or resumes) on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def resumed_cases(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Every case checkpointed in one fresh interpreter and resumed in another: a resume
+    still runs in a process that never saw its checkpoint taken, and two interpreter
+    starts serve all the cases instead of two per case."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    cases = {name: _config(**overrides) for name, overrides in RESUME_CASES.items()}
+    saved = _run("save", cases, folder, timeout=CASES_TIMEOUT)
+    resumed = _run("resume", cases, folder, timeout=CASES_TIMEOUT)
+    return {name: (saved[name], resumed[name]) for name in cases}
+
+
+@pytest.mark.timeout(2 * CASES_TIMEOUT + 60)  # the first case waits for the module's two runs
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_resume_in_new_process(resumed_cases, case):
+    check_outcome(_config(**RESUME_CASES[case]), *resumed_cases[case])
 
 
 @pytest.mark.stress

@@ -122,7 +122,7 @@ def test_the_seed_pipeline_runs_its_workers_on_both_nodes(cluster):
     loader = _loader(pipelines.NoGraphWrapper(8), RayBackend(scheduling_strategy="SPREAD", num_cpus_per_worker=0.5))
     try:
         got = list(loader)
-        nodes = {process.where()["node_id"] for process in _processes(loader)}
+        nodes = {process.where(timeout=60.0)["node_id"] for process in _processes(loader)}
         stats = loader.reading_service.stats()
     finally:
         loader.shutdown()
@@ -243,8 +243,10 @@ def test_shutdown_with_a_stopped_actor_is_bounded(cluster):
     try:
         iterator = iter(loader)
         assert next(iterator) == 0
-        worker = _processes(loader)[1]
-        os.kill(worker.pid, signal.SIGSTOP)  # the nodes of this cluster are this machine
+        # The other worker's actor may still be starting: its place is known once it runs.
+        where = _processes(loader)[1].where(timeout=60.0)
+        assert where is not None, "the second worker's actor never started"
+        os.kill(where["pid"], signal.SIGSTOP)  # the nodes of this cluster are this machine
         start = time.monotonic()
     finally:
         loader.shutdown()

@@ -74,8 +74,16 @@ def baseline(start_method):
     return snapshot()
 
 
+# Every start method with and without a dispatch process, in pairs: fork both ways, spawn
+# dispatched, forkserver sharded. What is checked lives in this process, where the start
+# method changes only how the children were launched.
+PAIRS = [("fork", False), ("fork", True), ("spawn", True), ("forkserver", False)]
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("dispatch", [False, True], ids=["sharded", "dispatched"])
+@pytest.mark.parametrize(
+    "start_method, dispatch", PAIRS, ids=[f"{m}-{'dispatched' if d else 'sharded'}" for m, d in PAIRS]
+)
 def test_the_usual_loop_leaves_nothing_once_its_last_item_is_dropped(start_method, baseline, dispatch):
     loader = loader_of(40, MIB // 4, start_method, dispatch)  # 1 MiB tensors: lent
     for item in loader:
@@ -91,6 +99,7 @@ def test_the_usual_loop_leaves_nothing_once_its_last_item_is_dropped(start_metho
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_kept_items_hold_their_memory_until_the_last_is_dropped(start_method, baseline):
     """200 kept 4 MiB items: the views among them keep their channels mapped after
     shutdown; dropping them unmaps everything, the loader still referenced."""
@@ -109,7 +118,7 @@ def test_kept_items_hold_their_memory_until_the_last_is_dropped(start_method, ba
 @pytest.mark.timeout(180)
 def test_shut_down_loaders_that_are_kept_hold_no_descriptor(start_method, baseline):
     loaders = []
-    for round in range(5):
+    for round in range(2):  # one sharded, one with a dispatch process
         loader = loader_of(8, 16, start_method, dispatch=round % 2 == 1)
         assert len(list(loader)) == 8
         loader.shutdown()

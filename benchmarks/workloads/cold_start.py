@@ -22,7 +22,8 @@ _caches_filled: set[str] = set()
 
 
 def run(contender: str, settings: harness.Settings) -> dict[str, object]:
-    if contender not in _caches_filled:  # the first sample compiles and caches bytecode: untimed
+    if not settings.quick and contender not in _caches_filled:
+        # The first sample compiles and caches bytecode: untimed (a smoke run skips it).
         startup_cold.run_sample(contender, settings.num_workers, settings.context)
         _caches_filled.add(contender)
     samples = [
