@@ -5,6 +5,7 @@ is a clear error or a clean end, with no actor left behind."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 
@@ -463,6 +465,72 @@ def test_an_answered_pull_wakes_an_armed_waiter_and_only_an_armed_one():
     receiver._answered(None)  # a late answer after close: no write, no error
     assert receiver.arm() is None
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+class _Clock:
+    """The channel's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _PullsByHand:
+    """A sender's actor as a receiver sees it (``host.pull.remote(...).future()``): each
+    pull's answer is a future that the test completes, or never does."""
+
+    def __init__(self) -> None:
+        self.answers: list[concurrent.futures.Future] = []
+        self.pull = self
+
+    def remote(self, cid: str, asked: int, seq: int):
+        future = concurrent.futures.Future()
+        self.answers.append(future)
+        return types.SimpleNamespace(future=lambda: future)
+
+
+def _receiver_of(host):
+    from mprs_plus.backends.ray.channel import open_ray_channel
+
+    receiver = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)[1]
+    receiver._spec.host = host
+    return receiver
+
+
+def test_a_pull_counts_as_lost_only_past_the_bound_that_applies_to_it(monkeypatch):
+    """Until the sender's actor first answers, it may still be starting (on a loaded
+    machine that took more than a minute): its pulls wait ``FIRST_ANSWER``. Once it has
+    answered, a pull unanswered for ``LOST_PULL`` since it was asked and since that answer
+    breaks the channel, and the receiver says why."""
+    from mprs_plus.backends.ray import channel
+    from mprs_plus.transport import ChannelBroken
+
+    clock = _Clock()
+    monkeypatch.setattr(channel, "time", clock)
+    never_starts, starts = _PullsByHand(), _PullsByHand()
+    first, second = _receiver_of(never_starts), _receiver_of(starts)
+    try:
+        assert not first.has_input() and len(never_starts.answers) == 2  # two pulls asked
+        assert not second.has_input()
+        clock.now += channel.LOST_PULL + 1  # no answer yet: the actors may still be starting
+        assert not first.has_input() and not second.has_input()
+        starts.answers[0].set_result(([], False))  # the second actor runs: its first answer
+        assert not second.has_input()
+        clock.now += channel.LOST_PULL - 1  # its other pull is older, but the answer is recent
+        assert not second.has_input()
+        clock.now += 2
+        assert second.has_input()
+        with pytest.raises(ChannelBroken, match="has not answered a pull for 60 s"):
+            second.recv(timeout=0)
+        clock.now += channel.FIRST_ANSWER - channel.LOST_PULL  # the first actor: past its bound
+        assert first.has_input()
+        with pytest.raises(ChannelBroken, match="has not answered its first pull within 180 s"):
+            first.recv(timeout=0)
+    finally:
+        first.close()
+        second.close()
 
 
 def _actor_side_sender(capacity: int = 8):

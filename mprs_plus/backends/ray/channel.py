@@ -67,6 +67,9 @@ SLICE = 0.02  # seconds between two looks at watched waitables while waiting on 
 # A pull answers within PULL_WAIT unless Ray lost it (or its actor cannot get a thread for
 # that long): then the channel is broken, never waited on forever.
 LOST_PULL = 60.0
+# Until its first answer, a channel also waits for its sender's actor to start (a loaded
+# node, a runtime_env that installs packages), which the placement bounds at 120 s.
+FIRST_ANSWER = 180.0
 PULLS_IN_FLIGHT = 2  # per receiver
 _RECHECK = 1.0  # seconds between two looks of a control receiver with no deadline at its box
 
@@ -325,6 +328,7 @@ class RayReceiver:
         self._pull_seq = 0
         self._ended = False  # the sender closed and every message is here
         self._broken: str | None = None
+        self._answered_at: float | None = None  # the last answer: the sender's actor runs
         self._closed = False
         self._watched: list[Any] = []
         self._messages = 0
@@ -483,13 +487,26 @@ class RayReceiver:
             if timeout > 0:
                 futures.wait([oldest.future], timeout=timeout)
             if not oldest.future.done():
-                if time.monotonic() - oldest.at > LOST_PULL:
+                lost = self._lost(oldest)
+                if lost is not None:
                     self._pulls.clear()
-                    self._broken = f"the actor at the other end has not answered a pull for {LOST_PULL:.0f} s"
+                    self._broken = lost
                 return
         while self._pulls and self._pulls[0].future.done() and self._broken is None and not self._ended:
             self._settle(self._pulls.popleft())
         self._kick()
+
+    def _lost(self, pull: _Pull) -> str | None:
+        """Why ``pull`` counts as lost, or None while it may still come: unanswered for
+        ``LOST_PULL`` since it was asked and since the sender's actor last answered one.
+        Before any answer, the actor may still be starting: then ``FIRST_ANSWER``."""
+        waited = time.monotonic() - max(pull.at, self._answered_at or pull.at)
+        if self._answered_at is None:
+            if waited > FIRST_ANSWER:
+                return f"the actor at the other end has not answered its first pull within {FIRST_ANSWER:.0f} s"
+        elif waited > LOST_PULL:
+            return f"the actor at the other end has not answered a pull for {LOST_PULL:.0f} s"
+        return None
 
     def _settle(self, pull: _Pull) -> None:
         try:
@@ -498,6 +515,7 @@ class RayReceiver:
             self._broken = f"the actor at the other end is gone ({type(exc).__name__})"
             self._pulls.clear()
             return
+        self._answered_at = time.monotonic()
         self._buffer.extend(taken)
         self._messages += len(taken)
         self._bytes += sum(size for _, _, size in taken)
