@@ -206,7 +206,7 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
         children = [psutil.Process(int(pid)) for pid in main.stdout.readline().split()]
         assert len(children) == 2
         os.killpg(main.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        out, err = main.communicate(timeout=30)
+        out, err = main.communicate(timeout=60)  # a hang's bound: seconds here, more on a loaded machine
     finally:
         if main.poll() is None:
             os.killpg(main.pid, signal.SIGKILL)
@@ -216,6 +216,36 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+
+
+@pytest.mark.parametrize("dispatch", [False, True], ids=["worker", "dispatch"])
+def test_a_ctrl_c_that_reaches_a_child_before_its_setup_is_dropped(monkeypatch, capfd, dispatch):
+    """Ctrl-C reaches every process of the group, also a child that is forked but has not
+    begun to ignore SIGINT yet (on a loaded machine it may wait long for the CPU). Forced:
+    each child gets a SIGINT just before its setup runs. It must hold it until it ignores
+    it, and run on."""
+    from mprs_plus.runtime.child import dispatch as dispatch_child
+    from mprs_plus.runtime.child import worker as worker_child
+
+    for module in (worker_child, dispatch_child):
+        real_setup = module.child_setup
+
+        def interrupted_first(endpoints, real_setup=real_setup):
+            os.kill(os.getpid(), signal.SIGINT)  # the window: SIGINT before the setup ignores it
+            real_setup(endpoints)
+
+        monkeypatch.setattr(module, "child_setup", interrupted_first)
+    pipe = IterableWrapper(range(12))
+    if dispatch:
+        pipe = pipe.sharding_round_robin_dispatch(pipelines.SHARDING_PRIORITIES.MULTIPROCESSING)
+    else:
+        pipe = pipe.sharding_filter()
+    loader = loader_for(pipe.map(pipelines.identity), multiprocessing_context="fork")  # a fork carries the patch
+    try:
+        assert sorted(loader) == list(range(12))
+    finally:
+        loader.shutdown()
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
 # -- exits without shutdown ----------------------------------------------------------------

@@ -3,7 +3,9 @@ ring (or a pipe, see ``transport``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..transport import open_channel
@@ -36,7 +38,8 @@ class LocalPlacement:
 
         process = self._ctx.Process(target=target, args=(setup,), name=name, daemon=True)
         try:
-            process.start()
+            with _interrupts_held():
+                process.start()
         except Exception as exc:
             if self._ctx.get_start_method() == "fork":
                 raise
@@ -56,3 +59,18 @@ class LocalPlacement:
 
     def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Start a child with SIGINT blocked. Ctrl-C reaches the whole process group, and a
+    child ignores SIGINT only once its setup runs (``runtime/child/lifecycle.py``): one
+    pressed before that would kill it with a traceback. A fork and an exec keep the
+    signal mask, so the child holds such a SIGINT pending until its setup ignores and
+    unblocks it; this process handles its own as soon as the start returns. (A forkserver
+    child is forked by the server, whose mask this does not set.)"""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)

@@ -27,6 +27,8 @@ from ...transport import Endpoint, release_all_except
 def child_setup(own_endpoints: Iterable[Endpoint]) -> None:
     if threading.current_thread() is threading.main_thread():  # a Ray actor runs its child in a thread
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Started with SIGINT blocked (backends/local.py): one that came since is dropped now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     release_all_except(own_endpoints)
     _limit_intra_op_threads()
     parent = multiprocessing.parent_process()
