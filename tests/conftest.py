@@ -13,6 +13,7 @@ costs minutes and says where it stood instead of holding the run until its limit
 
 from __future__ import annotations
 
+import compileall
 import faulthandler
 import os
 import sys
@@ -20,6 +21,8 @@ import warnings
 
 import psutil
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "mprs_"
@@ -95,6 +98,15 @@ def _timeout_of(item: pytest.Item) -> float:
 
 
 _stderr: list = []  # this run's own stderr, copied while no test's output is captured
+
+
+def pytest_sessionstart(session):
+    """Write this checkout's bytecode once, as pip does for an installed package. The
+    suite starts hundreds of fresh interpreters (spawned children, scripts, the docs'
+    examples); where PYTHONDONTWRITEBYTECODE is set, each of them would otherwise compile
+    the package and the test helpers from source, about 0.3 s of CPU apiece here."""
+    for folder in ("mprs_plus", "tests", "benchmarks"):
+        compileall.compile_dir(os.path.join(ROOT, folder), quiet=1)
 
 
 def pytest_unconfigure(config):
