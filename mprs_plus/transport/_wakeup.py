@@ -106,9 +106,21 @@ def fence() -> None:
     Acquiring and releasing an uncontended lock executes locked (atomic) instructions,
     which x86-64 orders with every earlier store and later load. That is why the
     shared-memory transport is used on x86-64 only (see ``__init__``).
+
+    It never waits on the shared lock. A signal's exception (Ctrl-C's KeyboardInterrupt)
+    can be raised in the main thread right after the acquire, so the lock may stay held
+    for good; and another thread may hold it for an instant. Either way a lock of its own
+    makes the barrier, and the shared lock is replaced (a blocking acquire here once
+    deadlocked a Ctrl-C'd service's stop).
     """
-    _fence_lock.acquire()
-    _fence_lock.release()
+    lock = _fence_lock
+    if lock.acquire(False):
+        lock.release()
+        return
+    spare = threading.Lock()
+    spare.acquire()
+    spare.release()
+    _new_fence_lock()
 
 
 def _new_fence_lock() -> None:

@@ -282,3 +282,38 @@ def test_a_thread_asleep_in_a_channel_wait_is_reported_until_it_wakes(channel, i
     reader.join(30)
     assert not reader.is_alive()
     assert notes[-1] == 0.0 and all(notes[i] > 0 for i in range(0, len(notes), 2))
+
+
+class _InterruptedOnceHeld:
+    """A lock whose first successful acquire is followed at once by KeyboardInterrupt, as
+    when Ctrl-C's handler runs in the main thread right after ``acquire()`` returned."""
+
+    def __init__(self) -> None:
+        self.real = threading.Lock()
+        self.interrupted = False
+
+    def acquire(self, *args: object) -> bool:
+        taken = self.real.acquire(*args)
+        if taken and not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return taken
+
+    def release(self) -> None:
+        self.real.release()
+
+
+def test_a_fence_left_holding_its_lock_by_ctrl_c_never_blocks_the_next_one(monkeypatch):
+    """A Ctrl-C'd service's stop still sends and waits through the channels, each send and
+    wait with a fence: the fence that the interrupt cut short must not make the next one
+    wait for a lock that nobody will release."""
+    lock = _InterruptedOnceHeld()
+    monkeypatch.setattr(_wakeup, "_fence_lock", lock)
+    with pytest.raises(KeyboardInterrupt):
+        _wakeup.fence()
+    assert lock.real.locked()  # the interrupted fence left it held
+    fenced = threading.Event()
+    thread = threading.Thread(target=lambda: (_wakeup.fence(), _wakeup.fence(), fenced.set()), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert fenced.is_set(), "fence() waited for a lock that an interrupted fence left held"
