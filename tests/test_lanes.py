@@ -248,3 +248,41 @@ def test_an_item_that_cannot_travel_is_an_error_not_a_crash(dispatch):
     loader.shutdown()
     where = "dispatching process" if dispatch else "worker process"
     assert any(where in note for note in info.value.__notes__)
+
+
+class _InterruptedOnceReleased:
+    """The mux's condition, with Ctrl-C's KeyboardInterrupt raised once just after a
+    release returns (where the main thread runs a signal's handler)."""
+
+    def __init__(self, cv: threading.Condition) -> None:
+        self._cv = cv
+        self.interrupted = False
+
+    def release(self) -> None:
+        self._cv.release()
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+        return getattr(self._cv, name)
+
+
+@pytest.mark.parametrize("where", ["pump", "before_block"])
+def test_a_ctrl_c_as_the_mux_lets_go_of_its_lock_reaches_the_user_as_itself(where):
+    """The mux lets go of its lock to wait (the pump) or to flush (``before_block``). A
+    KeyboardInterrupt raised just then must reach the reader as a KeyboardInterrupt, with
+    the lock let go, and the mux must go on serving."""
+    (tx, rx), = [channel()]
+    mux = _mux([rx])
+    mux._cv = cv = _InterruptedOnceReleased(mux._cv)
+    before_block = (lambda: None) if where == "before_block" else None
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mux.take(0, 0, before_block)
+        assert cv.interrupted and not mux._lock.locked()
+        tx.send((Kind.ITEMS, 0, ["a"]))
+        assert mux.take(0, 0)[2] == ["a"]
+    finally:
+        tx.close()
+        rx.close()

@@ -222,8 +222,12 @@ class ChannelMux:
             self._current[index] = True
 
     def _call_unlocked(self, fn: Callable[[], None]) -> None:
-        self._cv.release()
+        # The release is inside the ``try``: a signal's exception (Ctrl-C) raised as it
+        # returns must still find the lock re-acquired, for the caller's ``with`` to
+        # release it (outside, that ``with`` released an unlocked lock, and the user saw
+        # a RuntimeError instead of the KeyboardInterrupt).
         try:
+            self._cv.release()
             fn()
         finally:
             self._cv.acquire()
@@ -248,9 +252,9 @@ class ChannelMux:
         else:
             idle = [i for i, message in enumerate(held) if message is None]
         self._pump_set = frozenset(idle)
-        self._cv.release()
         got: list[tuple[int, Message]] = []
         try:
+            self._cv.release()  # inside the ``try``: see ``_call_unlocked``
             for index in self._wait(idle):
                 message = self._recv(index)
                 # Drain a run of stale messages at once: their producer is waiting on them.
