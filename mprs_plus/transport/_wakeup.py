@@ -110,8 +110,8 @@ def fence() -> None:
     It never waits on the shared lock. A signal's exception (Ctrl-C's KeyboardInterrupt)
     can be raised in the main thread right after the acquire, so the lock may stay held
     for good; and another thread may hold it for an instant. Either way a lock of its own
-    makes the barrier, and the shared lock is replaced (a blocking acquire here once
-    deadlocked a Ctrl-C'd service's stop).
+    makes the barrier, and the shared lock is replaced (a blocking acquire here would
+    deadlock the stop of a service that Ctrl-C interrupted).
     """
     lock = _fence_lock
     if lock.acquire(False):

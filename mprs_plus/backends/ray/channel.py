@@ -500,11 +500,11 @@ class RayReceiver:
         """Why ``pull`` counts as lost, or None while it may still come: unanswered for
         ``LOST_PULL`` since it was asked and since the sender's actor last answered one.
         Before any answer, the actor may still be starting: then ``FIRST_ANSWER``."""
-        waited = time.monotonic() - max(pull.at, self._answered_at or pull.at)
-        if self._answered_at is None:
-            if waited > FIRST_ANSWER:
+        now, answered = time.monotonic(), self._answered_at
+        if answered is None:
+            if now - pull.at > FIRST_ANSWER:
                 return f"the actor at the other end has not answered its first pull within {FIRST_ANSWER:.0f} s"
-        elif waited > LOST_PULL:
+        elif now - max(pull.at, answered) > LOST_PULL:
             return f"the actor at the other end has not answered a pull for {LOST_PULL:.0f} s"
         return None
 
