@@ -178,7 +178,8 @@ def _run_script(body: str, timeout: float = 60, **popen) -> subprocess.Completed
 def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
     script = textwrap.dedent(
         f"""
-        import sys
+        import faulthandler, sys
+        faulthandler.enable(all_threads=True)  # on SIGABRT, this process and its forks write their stacks
         sys.path.insert(0, {TESTS!r})
         import psutil, pipelines
         from torchdata.dataloader2 import DataLoader2
@@ -206,7 +207,12 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
         children = [psutil.Process(int(pid)) for pid in main.stdout.readline().split()]
         assert len(children) == 2
         os.killpg(main.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        out, err = main.communicate(timeout=60)  # a hang's bound: seconds here, more on a loaded machine
+        try:
+            out, err = main.communicate(timeout=60)  # a hang's bound: seconds here, more on a loaded machine
+        except subprocess.TimeoutExpired:
+            os.killpg(main.pid, signal.SIGABRT)  # every process of the group writes its stacks and dies
+            out, err = main.communicate(timeout=30)
+            pytest.fail(f"no stop 60 s after Ctrl-C; the stacks:\n{err}")
     finally:
         if main.poll() is None:
             os.killpg(main.pid, signal.SIGKILL)
