@@ -99,6 +99,7 @@ def test_children_exit_when_the_main_process_is_killed(tmp_path):
         sys.stdin.read()
         """
     )
+    ours = _signal_state(os.getpid())
     main = subprocess.Popen(
         [sys.executable, "-W", "ignore", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -196,6 +197,7 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
             print("interrupted", flush=True)
         """
     )
+    ours = _signal_state(os.getpid())
     main = subprocess.Popen(
         [sys.executable, "-W", "ignore", "-c", script],
         stdout=subprocess.PIPE,
@@ -210,9 +212,10 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
         try:
             out, err = main.communicate(timeout=60)  # a hang's bound: seconds here, more on a loaded machine
         except subprocess.TimeoutExpired:
+            theirs = _signal_state(main.pid)
             os.killpg(main.pid, signal.SIGABRT)  # every process of the group writes its stacks and dies
             out, err = main.communicate(timeout=30)
-            pytest.fail(f"no stop 60 s after Ctrl-C; the stacks:\n{err}")
+            pytest.fail(f"no stop 60 s after Ctrl-C; signals here {ours}, there {theirs}; the stacks:\n{err}")
     finally:
         if main.poll() is None:
             os.killpg(main.pid, signal.SIGKILL)
@@ -222,6 +225,15 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+
+
+def _signal_state(pid: int) -> dict[str, str]:
+    """What the kernel holds of a process's signals, thread by thread (masks in hex)."""
+    state = {}
+    for task in sorted(os.listdir(f"/proc/{pid}/task")):
+        with open(f"/proc/{pid}/task/{task}/status") as status:
+            state[task] = " ".join(line.strip() for line in status if line[:6] in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+    return state
 
 
 @pytest.mark.parametrize("dispatch", [False, True], ids=["worker", "dispatch"])
