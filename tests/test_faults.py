@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -234,6 +236,48 @@ def _signal_state(pid: int) -> dict[str, str]:
         with open(f"/proc/{pid}/task/{task}/status") as status:
             state[task] = " ".join(line.strip() for line in status if line[:6] in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
     return state
+
+
+class _SigmaskInterruptedOnce:
+    """The signal module as Python runs it with a Ctrl-C pending: ``pthread_sigmask``
+    changes the mask, then raises KeyboardInterrupt (once, at the call ``how`` names)."""
+
+    def __init__(self, how: int) -> None:
+        self.SIGINT, self.SIG_BLOCK, self.SIG_SETMASK = signal.SIGINT, signal.SIG_BLOCK, signal.SIG_SETMASK
+        self._how, self.raised = how, False
+
+    def pthread_sigmask(self, how, mask):
+        previous = signal.pthread_sigmask(how, mask)
+        query = how == signal.SIG_BLOCK and not set(mask)  # reads the mask, changes nothing
+        if how == self._how and not query and not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+        return previous
+
+
+def _wait_forever(setup) -> None:
+    threading.Event().wait()
+
+
+@pytest.mark.parametrize("at", ["block", "restore"])
+def test_a_ctrl_c_pending_as_a_child_starts_leaves_sigint_unblocked_and_no_child_running(monkeypatch, at):
+    """A Ctrl-C that comes as a child starts is raised by Python inside ``pthread_sigmask``
+    after the mask changed: at the block, SIGINT must not stay blocked (every later Ctrl-C
+    would pend unseen: a loader that Ctrl-C cannot stop); at the restore, the child just
+    started must not run on, unknown to the service's stop."""
+    from mprs_plus.backends import local
+
+    fake = _SigmaskInterruptedOnce(signal.SIG_BLOCK if at == "block" else signal.SIG_SETMASK)
+    monkeypatch.setattr(local, "signal", fake)
+    before = set(psutil.Process().children())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            local.LocalPlacement(multiprocessing.get_context("fork")).start("worker 0", _wait_forever, None)
+        assert fake.raised
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        assert set(psutil.Process().children()) <= before
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @pytest.mark.parametrize("dispatch", [False, True], ids=["worker", "dispatch"])

@@ -40,6 +40,9 @@ class LocalPlacement:
         try:
             with _interrupts_held():
                 process.start()
+        except KeyboardInterrupt:
+            _end_unrecorded(process)
+            raise
         except Exception as exc:
             if self._ctx.get_start_method() == "fork":
                 raise
@@ -69,8 +72,25 @@ def _interrupts_held() -> Iterator[None]:
     signal mask, so the child holds such a SIGINT pending until its setup ignores and
     unblocks it; this process handles its own as soon as the start returns. (A forkserver
     child is forked by the server, whose mask this does not set.)"""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    # Python handles a pending signal inside ``pthread_sigmask``, after the mask changed: a
+    # Ctrl-C just before the block raises from the blocking call itself. So the mask to
+    # restore is read first (a query changes nothing), and the block is inside the try:
+    # SIGINT cannot stay blocked for good, which would make every later Ctrl-C pend unseen.
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _end_unrecorded(process: Any) -> None:
+    """A Ctrl-C held during the start raises as it ends, before the caller records the
+    child: end it here, or it would run on unknown to the stop."""
+    from ..runtime.main.lifecycle import DEATH_GRACE
+
+    if process.pid is None:
+        return  # never started
+    with contextlib.suppress(Exception):
+        process.kill()
+        process.join(DEATH_GRACE)
