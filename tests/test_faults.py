@@ -178,7 +178,19 @@ def _run_script(body: str, timeout: float = 60, **popen) -> subprocess.Completed
     )
 
 
-def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
+@pytest.fixture
+def sigint_as_in_a_terminal():
+    """SIGINT handled as Python handles it in a terminal, whatever this run inherited: a
+    background job of a shell without job control starts with SIGINT ignored, and an
+    ignored SIGINT is kept by Python and passed on to every process it starts (so a
+    Ctrl-C test would wait for an interrupt that can never come). A handled signal is
+    reset to its default by an exec, and a fork keeps the handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path, sigint_as_in_a_terminal):
     script = textwrap.dedent(
         f"""
         import faulthandler, sys
@@ -229,12 +241,15 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path):
     assert not alive
 
 
+_SIGNAL_FIELDS = ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+
+
 def _signal_state(pid: int) -> dict[str, str]:
     """What the kernel holds of a process's signals, thread by thread (masks in hex)."""
     state = {}
     for task in sorted(os.listdir(f"/proc/{pid}/task")):
         with open(f"/proc/{pid}/task/{task}/status") as status:
-            state[task] = " ".join(line.strip() for line in status if line[:6] in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+            state[task] = " ".join(line.strip() for line in status if line.startswith(_SIGNAL_FIELDS))
     return state
 
 
@@ -281,7 +296,9 @@ def test_a_ctrl_c_pending_as_a_child_starts_leaves_sigint_unblocked_and_no_child
 
 
 @pytest.mark.parametrize("dispatch", [False, True], ids=["worker", "dispatch"])
-def test_a_ctrl_c_that_reaches_a_child_before_its_setup_is_dropped(monkeypatch, capfd, dispatch):
+def test_a_ctrl_c_that_reaches_a_child_before_its_setup_is_dropped(
+    monkeypatch, capfd, dispatch, sigint_as_in_a_terminal
+):
     """Ctrl-C reaches every process of the group, also a child that is forked but has not
     begun to ignore SIGINT yet (on a loaded machine it may wait long for the CPU). Forced:
     each child gets a SIGINT just before its setup runs. It must hold it until it ignores
