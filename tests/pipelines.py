@@ -581,7 +581,13 @@ def is_even(item: Any) -> bool:
 
 def starving_pipe(n: int) -> IterDataPipe:
     """Dispatched round-robin to two workers, then filtered: worker 1 receives only odd
-    items and keeps none, so an in-order read waits for it while worker 0's items pile up."""
+    items and keeps none, so an in-order read waits for it while worker 0's items pile up.
+
+    The cycle closes only if worker 0's share does not fit in what its path buffers, and
+    batching makes that a matter of timing: channels count messages, and a worker that
+    finds several inputs waiting (a loaded machine) sends up to 64 items in one. At the
+    default options 15 messages to the main process and 10 from the dispatcher hold over
+    a thousand small items, so a share of 1,000 once ran through: pass 20,000 or so."""
     return (
         IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).filter(is_even)
     )

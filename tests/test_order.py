@@ -71,7 +71,7 @@ def test_a_starved_read_the_service_cannot_prove_stuck_is_reported_and_its_timeo
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
     monkeypatch.setattr(liveness.Liveness, "asleep_for", lambda self, slots, seconds: False)
     service = MultiProcessingReadingService(2, multiprocessing_context="fork", timeout=4, collect_stats=False)
-    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    loader = DataLoader2(pipelines.starving_pipe(20000), reading_service=service)
     try:
         with caplog.at_level(logging.WARNING, logger="mprs_plus"):
             with pytest.raises(TimeoutError, match="no item from worker 1 .*Pass in_order=False"):
@@ -84,9 +84,9 @@ def test_a_starved_read_the_service_cannot_prove_stuck_is_reported_and_its_timeo
 
 def test_as_ready_reads_through_the_imbalance_in_order_cannot():
     service = MultiProcessingReadingService(2, multiprocessing_context="fork", in_order=False)
-    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    loader = DataLoader2(pipelines.starving_pipe(20000), reading_service=service)
     try:
-        assert sorted(loader) == list(range(0, 2000, 2))
+        assert sorted(loader) == list(range(0, 20000, 2))
     finally:
         loader.shutdown()
 
@@ -112,7 +112,7 @@ def test_an_in_order_read_a_dispatcher_starves_raises_instead_of_hanging(monkeyp
     waits proves that the cycle closed, and the read raises the documented error."""
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.3)
     service = MultiProcessingReadingService(2, multiprocessing_context=start_method)
-    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    loader = DataLoader2(pipelines.starving_pipe(20000), reading_service=service)
     try:
         with pytest.raises(PipelineStuckError, match="worker 1's next item can never come.*Pass in_order=False"):
             list(loader)
@@ -153,7 +153,7 @@ def test_a_stuck_read_first_seen_while_a_process_still_ran_raises_at_a_later_loo
 
     monkeypatch.setattr(liveness.Liveness, "asleep_for", first_look_says_no)
     service = MultiProcessingReadingService(2, multiprocessing_context="fork")
-    loader = DataLoader2(pipelines.starving_pipe(2000), reading_service=service)
+    loader = DataLoader2(pipelines.starving_pipe(20000), reading_service=service)
     try:
         with caplog.at_level(logging.WARNING, logger="mprs_plus"):
             with pytest.raises(PipelineStuckError):

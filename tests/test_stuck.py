@@ -42,7 +42,7 @@ def _loader(pipe, **options) -> DataLoader2:
 )
 def test_a_starved_in_order_read_raises_with_statistics_on_and_off(monkeypatch, collect_stats, context):
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", SPAN)
-    loader = _loader(pipelines.starving_pipe(2000), multiprocessing_context=context, collect_stats=collect_stats)
+    loader = _loader(pipelines.starving_pipe(20000), multiprocessing_context=context, collect_stats=collect_stats)
     try:
         with pytest.raises(PipelineStuckError, match="worker 1's next item can never come.*Pass in_order=False"):
             list(loader)
@@ -52,7 +52,7 @@ def test_a_starved_in_order_read_raises_with_statistics_on_and_off(monkeypatch, 
 
 @pytest.mark.timeout(60)
 def test_with_the_default_span_and_no_statistics_it_raises_within_15_seconds():
-    loader = _loader(pipelines.starving_pipe(2000), collect_stats=False)
+    loader = _loader(pipelines.starving_pipe(20000), collect_stats=False)
     started = time.monotonic()
     try:
         with pytest.raises(PipelineStuckError):
