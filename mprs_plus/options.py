@@ -1,19 +1,19 @@
 """The reading service's options, validated once, up front.
 
 torchdata's keyword arguments are accepted as they are; everything below the
-reading service receives this one frozen object instead of loose keywords.
+reading service receives this one immutable object instead of loose keywords. A named
+tuple, not a frozen dataclass: a dataclass compiles its methods when its module loads,
+which a training script's first loader waits for.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class Options:
+class _Fields(NamedTuple):
     num_workers: int = 0
     multiprocessing_context: str | None = None
     worker_prefetch_cnt: int = 10
@@ -30,7 +30,16 @@ class Options:
     # Where the children run (``backends``): None for processes of this host.
     backend: Any = None
 
-    def __post_init__(self) -> None:
+
+class Options(_Fields):
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Options:
+        self = super().__new__(cls, *args, **kwargs)
+        self._validate()
+        return self
+
+    def _validate(self) -> None:
         if self.backend is not None and not callable(getattr(self.backend, "open", None)):
             raise TypeError(
                 "backend must be a backend such as mprs_plus.RayBackend(...), or None; "

@@ -15,7 +15,6 @@ form a *group*: their lanes share a compute lock in the child (see ``lanes.py``)
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib
 import pickle
 from collections.abc import Sequence
@@ -132,8 +131,10 @@ class PortableWorkerProgram(WorkerProgram):
     """A ``WorkerProgram`` that crosses into a child as one blob (see ``dumps_segment``)
     and arrives as a plain ``WorkerProgram``."""
 
+    __slots__ = ()
+
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        plain = WorkerProgram(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerProgram)})
+        plain = WorkerProgram(*self)
         return _loads_segment, dumps_segment(plain)
 
 

@@ -37,7 +37,6 @@ class SegmentHost:
         ``stats_rows``: the rows of the service's statistics table this child's lanes
         write. The table is shared memory of the training process's host, which Ray cannot
         carry: the lanes write a table of this process instead, which ``stats`` reads."""
-        import dataclasses
         import multiprocessing
 
         from ...runtime import data_messages
@@ -47,7 +46,7 @@ class SegmentHost:
         data_messages.NODE = f"{where['ip']}, node id {where['node_id'][:12]}"
         if stats_rows:
             self._table = StatsTable(multiprocessing.get_context(), max(stats_rows) + 1)
-            setup = dataclasses.replace(setup, stats=tuple(self._table.writer(row) for row in stats_rows))
+            setup = setup._replace(stats=tuple(self._table.writer(row) for row in stats_rows))
         target(setup)
 
     def stats(self, rows: tuple[int, ...]) -> tuple[float, list[dict[str, float]]]:

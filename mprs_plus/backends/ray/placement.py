@@ -23,7 +23,6 @@ Every actor is owned by the training process: if it dies, even by SIGKILL, Ray e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import threading
 import time
@@ -237,12 +236,12 @@ class RayPlacement:
         rows: tuple[int, ...] = ()
         if getattr(setup, "stats", ()):
             rows = tuple(writer._row for writer in setup.stats)
-            setup = dataclasses.replace(setup, stats=())
+            setup = setup._replace(stats=())
         # The liveness slots are shared memory of this host too, read on every slice of a
         # starved read: an actor does not report its sleeps (a stuck read is then found by
         # the service's timeout, not at once).
         if getattr(setup, "liveness", ()):
-            setup = dataclasses.replace(setup, liveness=())
+            setup = setup._replace(liveness=())
         try:
             run = actor.run.remote(target, setup, rows)
         except Exception as exc:
@@ -374,6 +373,6 @@ def _endpoints(setup: Any) -> tuple[list[RaySender], list[RayReceiver]]:
             for item in value:
                 visit(item)
 
-    for f in dataclasses.fields(setup):
-        visit(getattr(setup, f.name))
+    for value in setup:
+        visit(value)
     return senders, receivers

@@ -17,8 +17,7 @@ Seeds are shared ones only: the dispatch process is one process, as in torchdata
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
@@ -31,8 +30,9 @@ from ..data_messages import RemoteError, describe_process
 from ...segment import Segment
 
 
-@dataclass
-class DispatchSetup:
+class DispatchSetup(NamedTuple):
+    """Everything the dispatch process starts from (a named tuple, like ``WorkerSetup``)."""
+
     sources: tuple[Any, ...]  # the copied dispatcher nodes; iterating one runs its part of the segment
     num_workers: int
     control: Receiver  # main -> dispatch

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.utils.data.graph_settings
 from torch.utils.data import IterDataPipe
@@ -90,8 +89,9 @@ def _iterate_dispatched(self: DispatchedInput) -> Iterator[Any]:
 DispatchedInput.__iter__ = _iterate_dispatched  # type: ignore[method-assign]
 
 
-@dataclass
-class WorkerProgram:
+# The records below are named tuples, not dataclasses: a dataclass compiles its methods
+# when its module loads, which every training script's first loader waits for.
+class WorkerProgram(NamedTuple):
     """What a worker runs: its copy of the segment, built once in the main process."""
 
     outputs: tuple[Any, ...]  # one per worker output (lane)
@@ -100,8 +100,9 @@ class WorkerProgram:
     groups: tuple[int, ...] = (0,)  # outputs with the same group share DataPipes (and a lock)
 
 
-@dataclass
-class WorkerSetup:
+class WorkerSetup(NamedTuple):
+    """Everything a worker process starts from: one argument of its process."""
+
     worker_id: int
     num_workers: int
     program: WorkerProgram

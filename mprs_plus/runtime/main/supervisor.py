@@ -47,8 +47,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ...errors import ServiceClosedError
 from ...transport import ChannelError, Endpoint, wait_readable
@@ -68,8 +67,7 @@ _SLICE = 0.1  # seconds of one blocking send, between two looks at the stop and 
 _GATE_WAIT = 2.0  # seconds a stop waits for readers of other threads to leave
 
 
-@dataclass(frozen=True)
-class ExitedProcess:
+class ExitedProcess(NamedTuple):
     """What the link of a reaped child keeps once its ``Process`` is closed: what errors
     and statistics still read of it."""
 

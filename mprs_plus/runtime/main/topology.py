@@ -18,7 +18,6 @@ Nothing else in the main process counts positions: a worker's data receivers are
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...plan import Plan
@@ -26,10 +25,9 @@ from ...segment import Segment
 from ...transport import Receiver, Sender
 
 
-_ENDPOINTS = frozenset({"control", "data", "_wired"})
+_ENDPOINTS = frozenset({"control", "data"})
 
 
-@dataclass(eq=False)
 class ChildLink:
     """One child process as the main process sees it.
 
@@ -37,24 +35,33 @@ class ChildLink:
     endpoints are filled in by the wiring and frozen with the topology; ``process`` is
     attached by the supervisor when it starts the child, once, and retired
     (replaced by its record) once the child is reaped.
+
+    A plain class rather than a dataclass, as the other records on the way to a first item
+    are: a dataclass compiles its methods when its module loads.
     """
 
-    role: Segment  # the segment this child runs: DISPATCH or WORKER
-    index: int
-    name: str  # the process name, as errors and ``ps`` show it
-    lanes: int  # dispatch process: one per dispatcher; worker: one per worker output
-    stats_rows: tuple[int, ...]  # one statistics row per lane
-    control: Sender | None = None  # main -> this child
-    data: tuple[Receiver, ...] = ()  # this child's output k -> main (workers only)
-    process: Any = None
-    _wired: bool = field(default=False, repr=False)
+    __slots__ = ("role", "index", "name", "lanes", "stats_rows", "control", "data", "process", "_wired")
+
+    def __init__(self, role: Segment, index: int, name: str, lanes: int, stats_rows: tuple[int, ...]) -> None:
+        object.__setattr__(self, "_wired", False)
+        object.__setattr__(self, "process", None)
+        self.role = role  # the segment this child runs: DISPATCH or WORKER
+        self.index = index
+        self.name = name  # the process name, as errors and ``ps`` show it
+        self.lanes = lanes  # dispatch process: one per dispatcher; worker: one per worker output
+        self.stats_rows = stats_rows  # one statistics row per lane
+        self.control: Sender | None = None  # main -> this child
+        self.data: tuple[Receiver, ...] = ()  # this child's output k -> main (workers only)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ENDPOINTS and self._wired:
             raise RuntimeError(f"internal error: {self.name}'s {name} written after the topology was wired")
-        if name == "process" and name in self.__dict__:
-            raise RuntimeError(f"internal error: {self.name}'s process is attached by the supervisor, once")
+        if name in ("process", "_wired"):
+            raise RuntimeError(f"internal error: {self.name}'s {name} is set by attach/retire and freeze only")
         object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"ChildLink({self.name!r}, lanes={self.lanes}, process={self.process!r})"
 
     def attach(self, process: Any) -> None:
         """The started process of this link; a link is started once."""
@@ -73,16 +80,18 @@ class ChildLink:
         return self.process is not None and self.process.exitcode is None
 
 
-@dataclass(eq=False)
 class Topology:
-    dispatch: ChildLink | None
-    workers: tuple[ChildLink, ...]
-    main_row: int  # the main process's statistics row
-    stats_rows: int  # rows in the statistics table
-    outputs: int = field(init=False)  # worker outputs (branches read by the main segment)
+    __slots__ = ("dispatch", "workers", "main_row", "stats_rows", "outputs")
 
-    def __post_init__(self) -> None:
-        self.outputs = self.workers[0].lanes if self.workers else 0
+    def __init__(self, dispatch: ChildLink | None, workers: tuple[ChildLink, ...], main_row: int, stats_rows: int) -> None:
+        self.dispatch = dispatch
+        self.workers = workers
+        self.main_row = main_row  # the main process's statistics row
+        self.stats_rows = stats_rows  # rows in the statistics table
+        self.outputs = workers[0].lanes if workers else 0  # worker outputs (branches read by the main segment)
+
+    def __repr__(self) -> str:
+        return f"Topology(dispatch={self.dispatch!r}, workers={self.workers!r})"
 
     def freeze(self) -> None:
         """Every endpoint is in place: from now on the links' endpoints are read-only."""
