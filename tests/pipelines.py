@@ -14,6 +14,12 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 from mprs_plus import NoGraph
 from mprs_plus._cli.demo import NonReplicable, stamp  # the demo's own stages, shared  # noqa: F401
 
+# Where a behaviour does not depend on how a child began, beyond inheriting its segment or
+# receiving it pickled, tests run under these two: forkserver pickles as spawn does, and
+# its children start sooner. Every start method runs in test_reading_service.py and
+# test_matrix.py.
+INHERITED_AND_PICKLED = ("fork", "forkserver")
+
 
 def fail_on(item: Any, bad: int = 5) -> Any:
     value = item[0] if isinstance(item, tuple) else item

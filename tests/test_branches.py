@@ -176,7 +176,8 @@ def test_as_ready_with_a_slow_branch_still_yields_every_pair():
     assert sorted(a[1] for a, _ in rows) == sorted(b for _, b in rows) == list(range(16))
 
 
-def test_several_outputs_and_dispatchers_under_every_start_method(start_method):
+@pytest.mark.parametrize("start_method", pipelines.INHERITED_AND_PICKLED)
+def test_several_outputs_and_dispatchers_inherited_and_pickled(start_method):
     epochs = run(pipelines.mixed_pipe(8), epochs=2, multiprocessing_context=start_method)
     for rows in epochs:
         assert [(dealt[1], sharded) for dealt, sharded in rows] == [((i, 2 * i), 100 + i) for i in range(8)]

@@ -50,7 +50,7 @@ def children_of_this_test(before: set[int]) -> list[psutil.Process]:
 # -- crashes -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
 def test_worker_killed_by_signal_is_reported_with_role_pid_and_signal(context):
     loader = loader_for(sharded(40, pipelines.kill_self_on), multiprocessing_context=context)
     with pytest.raises(ProcessDiedError, match=r"mprs_plus worker 1 \(pid \d+\) was killed by SIGKILL"):

@@ -33,7 +33,7 @@ def _runtime(method: str = "fork", n: int = 12) -> ServiceRuntime:
     )
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_the_state_moves_forward_from_new_to_stopped(method):
     runtime = _runtime(method)
     try:

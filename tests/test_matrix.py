@@ -31,7 +31,14 @@ def torchdata_outputs():
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("dispatch", [False, True], ids=["no_dispatch", "dispatch"])
+# Every start method, with and without a dispatch process, in four pairs: spawn's and
+# forkserver's children both receive their segment pickled, so each pairing is covered.
+PAIRS = [("fork", False), ("fork", True), ("spawn", True), ("forkserver", False)]
+
+
+@pytest.mark.parametrize(
+    "start_method, dispatch", PAIRS, ids=[f"{m}-{'dispatch' if d else 'no_dispatch'}" for m, d in PAIRS]
+)
 def test_start_methods_dispatch_epochs_seeds_match_torchdata(start_method, dispatch, torchdata_outputs):
     ours = epochs_with_seeds(
         pipelines.matrix_pipe(N, dispatch), MultiProcessingReadingService(2, multiprocessing_context=start_method)

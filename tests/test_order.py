@@ -106,7 +106,7 @@ def test_without_a_dispatcher_a_long_wait_is_not_reported(monkeypatch, caplog):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_an_in_order_read_a_dispatcher_starves_raises_instead_of_hanging(monkeypatch, start_method):
     """No timeout set: every process sleeping in a channel wait while the main process
     waits proves that the cycle closed, and the read raises the documented error."""

@@ -99,7 +99,7 @@ def test_the_usual_loop_leaves_nothing_once_its_last_item_is_dropped(start_metho
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_kept_items_hold_their_memory_until_the_last_is_dropped(start_method, baseline):
     """200 kept 4 MiB items: the views among them keep their channels mapped after
     shutdown; dropping them unmaps everything, the loader still referenced."""
@@ -115,6 +115,7 @@ def test_kept_items_hold_their_memory_until_the_last_is_dropped(start_method, ba
     del loader
 
 
+@pytest.mark.parametrize("start_method", pipelines.INHERITED_AND_PICKLED)
 @pytest.mark.timeout(180)
 def test_shut_down_loaders_that_are_kept_hold_no_descriptor(start_method, baseline):
     loaders = []

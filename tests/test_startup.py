@@ -116,7 +116,7 @@ def test_a_service_stopped_before_its_first_epoch_started_nothing_and_keeps_no_c
     assert channel_descriptors() == held
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_a_first_epoch_too_large_to_queue_still_starts(method):
     """A Reset larger than a control channel holds waits for its reader: such a child is
     started first, and the Reset sent to it as to a running child."""

@@ -37,8 +37,8 @@ def _loader(pipe, **options) -> DataLoader2:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "collect_stats, context",
-    # With statistics on under spawn: test_order.py.
-    [(False, "fork"), (False, "spawn"), (True, "fork")],
+    # With statistics on under forkserver: test_order.py.
+    [(False, "fork"), (False, "forkserver"), (True, "fork")],
 )
 def test_a_starved_in_order_read_raises_with_statistics_on_and_off(monkeypatch, collect_stats, context):
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", SPAN)

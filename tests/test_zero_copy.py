@@ -32,6 +32,7 @@ def small_rings(monkeypatch):
     monkeypatch.setattr(service_module, "_DATA_BYTES", SMALL_RING)
 
 
+@pytest.mark.parametrize("start_method", pipelines.INHERITED_AND_PICKLED)
 @pytest.mark.timeout(120)
 def test_a_loop_that_drops_its_items_receives_views_not_copies(small_rings, start_method):
     service = MultiProcessingReadingService(2, multiprocessing_context=start_method)

@@ -15,7 +15,7 @@ def make_sample(i: int) -> dict:
     return {"index": i, "image": torch.full((3, 64, 64), float(i)).transpose(1, 2), "mask": np.full(5000, i)}
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_samples_cross_the_workers_intact_and_in_order(method):
     pipe = IterableWrapper(range(24)).sharding_filter().map(make_sample)
     service = MultiProcessingReadingService(num_workers=2, multiprocessing_context=method)
