@@ -46,9 +46,6 @@ import torch
 from ..transport import register_reducer
 from ..transport.serialize import message_memo
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(value).removeprefix("torch."): value for value in vars(torch).values() if isinstance(value, torch.dtype)
-}
 
 
 def _numpy_dtypes() -> dict[str, Any]:
@@ -62,7 +59,8 @@ def _numpy_dtypes() -> dict[str, Any]:
     shared = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # making a tensor of some dtypes warns (complex32, quantized)
-        for name, dtype in _DTYPES.items():
+        every = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+        for name, dtype in every.items():
             try:
                 array = torch.empty((1,), dtype=dtype).numpy()
                 if torch.from_numpy(array).dtype == dtype:
@@ -144,20 +142,20 @@ def _rebuild_on_bytes(
 
 
 def _rebuild_tensor(buffer: Any, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...] | None) -> torch.Tensor:
-    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(_DTYPES[dtype])
+    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(getattr(torch, dtype))
     if strides is None:
         return flat.view(shape)
     return flat.as_strided(shape, strides)
 
 
 def _rebuild_empty(dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.empty(shape, dtype=_DTYPES[dtype])
+    return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
 def _rebuild_on_storage(
     storage: torch.UntypedStorage, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], offset: int
 ) -> torch.Tensor:
-    return torch.empty((0,), dtype=_DTYPES[dtype]).set_(storage, offset, shape, strides)
+    return torch.empty((0,), dtype=getattr(torch, dtype)).set_(storage, offset, shape, strides)
 
 
 def reduce_storage(storage: torch.UntypedStorage) -> str | tuple[Any, ...]:
