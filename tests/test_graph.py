@@ -10,7 +10,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import NoGraph
-from mprs_plus.graph import discover
+from mprs_plus.graph import container_items, discover, is_datapipe
 
 
 def _names(graph, index):
@@ -71,3 +71,22 @@ def test_shared_nodes_are_one_node():
     graph = discover(zipped)
     assert sum(n.name == "IterableWrapperIterDataPipe" for n in graph.nodes) == 1
     assert len(graph.nodes) == 4
+
+
+def test_datapipes_and_mappings_are_told_apart_as_isinstance_would():
+    """The walk's own checks (a class's MRO, a mapping's keys) answer as isinstance does."""
+    import collections
+    import types
+
+    from torch.utils.data import IterDataPipe, MapDataPipe
+    from torchdata.datapipes.map import SequenceWrapper
+
+    candidates = [IterableWrapper([1]), IterableWrapper([1]).map(abs), SequenceWrapper([1]), pipelines.NoGraphWrapper(2)]
+    candidates += [1, "text", b"bytes", None, abs, lambda x: x, object(), IterDataPipe, [1], (1,)]
+    for value in candidates:
+        assert is_datapipe(value) == isinstance(value, (IterDataPipe, MapDataPipe)), value
+    mappings = [{"a": 1}, collections.OrderedDict(a=1), types.MappingProxyType({"a": 1}), collections.ChainMap({"a": 1})]
+    for mapping in mappings:
+        assert container_items(mapping) == [(("item", "a"), 1)], type(mapping)
+    assert container_items(1) == container_items("ab") == []
+

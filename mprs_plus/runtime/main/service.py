@@ -45,7 +45,6 @@ import multiprocessing
 import os
 import threading
 import weakref
-from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
