@@ -121,26 +121,36 @@ def test_an_item_that_cannot_be_sent_is_named_and_the_ones_before_it_arrive(chan
 # -- through the service -------------------------------------------------------------------
 
 
-def _sleep_a_second(item: int) -> int:
-    time.sleep(1.0)
+# Set by the test once it holds item 0; forked workers inherit it (a module global).
+_FIRST_RECEIVED = multiprocessing.get_context("fork").Event()
+_WAIT_S = 20.0
+
+
+def _after_the_first_is_received(item: int) -> int:
+    """Every item but 0 waits until the main process has received item 0."""
+    if item != 0 and not _FIRST_RECEIVED.wait(_WAIT_S):
+        raise TimeoutError(f"item {item}: the main process never received item 0 (held back in a batch?)")
     return item
 
 
 @pytest.mark.timeout(60)
 def test_the_first_of_slow_items_arrives_when_it_is_ready_not_with_the_next():
-    pipe = IterableWrapper(range(6)).sharding_filter().map(_sleep_a_second)
-    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(2, timeout=1.5))
+    """The next items cannot be made until the first has reached the main process, so a
+    worker that held item 0 back to batch it with its next item would never send it: the
+    read would fail with the workers' TimeoutError instead of yielding item 0."""
+    _FIRST_RECEIVED.clear()
+    pipe = IterableWrapper(range(6)).sharding_filter().map(_after_the_first_is_received)
+    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(2, multiprocessing_context="fork"))
     try:
-        started = time.monotonic()
-        got = []
-        for item in loader:  # timeout=1.5: every item is ready within about 1 s of the previous
-            got.append((item, time.monotonic() - started))
-        assert [item for item, _ in got] == list(range(6))
-        assert got[0][1] < 1.8, f"first item after {got[0][1]:.2f} s"
-        # The workers slept and woke many times; no wake-up needed the watchdog.
+        iterator = iter(loader)
+        assert next(iterator) == 0
+        _FIRST_RECEIVED.set()
+        assert list(iterator) == [1, 2, 3, 4, 5]
+        # The workers slept and woke; no wake-up needed the watchdog.
         processes = loader.reading_service.stats().processes
         assert processes and all(process.rescues == 0 for process in processes)
     finally:
+        _FIRST_RECEIVED.set()
         loader.shutdown()
 
 
