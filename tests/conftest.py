@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import compileall
 import faulthandler
+import multiprocessing
 import os
 import sys
 import warnings
@@ -107,6 +108,11 @@ def pytest_sessionstart(session):
     the package and the test helpers from source, about 0.3 s of CPU apiece here."""
     for folder in ("mprs_plus", "tests", "benchmarks"):
         compileall.compile_dir(os.path.join(ROOT, folder), quiet=1)
+    # The forkserver starts with torch already imported, as a user who starts many
+    # loaders would set it up. Its children still unpickle their segment (what the
+    # forkserver cases are there for) but no longer import torch each, the larger part of
+    # a child's start here. Spawn's cases keep a child that imports everything itself.
+    multiprocessing.set_forkserver_preload(["__main__", "torch", "torchdata.datapipes.iter"])
 
 
 def pytest_unconfigure(config):
