@@ -20,6 +20,7 @@ from torchdata.dataloader2 import MultiProcessingReadingService as TorchdataServ
 from torchdata.datapipes.iter import IterableWrapper
 
 from mprs_plus import MultiProcessingReadingService
+from torchdata_reference import descendants, shut_down
 
 TIMEOUT_S = 60
 
@@ -37,13 +38,17 @@ def pipe(case: str):
 
 
 def read(case: str, service_class) -> list[list[int]]:
+    before = descendants()
     service = SequentialReadingService(DistributedReadingService(timeout=TIMEOUT_S), service_class(2))
     loader = DataLoader2(pipe(case), reading_service=service)
     loader.seed(123)
     try:
         return [list(loader) for _ in range(2)]
     finally:
-        loader.shutdown()
+        if service_class is TorchdataService:
+            shut_down(loader, before)  # bounded: torchdata's own may wait 20 s (torchdata_reference)
+        else:
+            loader.shutdown()
 
 
 def main() -> None:

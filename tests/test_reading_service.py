@@ -13,6 +13,7 @@ from torchdata.dataloader2 import DataLoader2, SequentialReadingService
 from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
+from torchdata_reference import descendants, shut_down
 from mprs_plus import AmbiguousGraphError, MultiProcessingReadingService, ServiceClosedError
 
 
@@ -116,18 +117,15 @@ def test_seed_reproduces_shuffles_in_dispatch_and_worker_segments():
 def test_seeds_follow_torchdatas_scheme_exactly():
     from torchdata.dataloader2 import MultiProcessingReadingService as TorchdataService
 
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = descendants()
     loader = DataLoader2(pipelines.shuffled_pipe(), reading_service=TorchdataService(2))
     loader.seed(123)
     try:
         expected = [list(loader) for _ in range(2)]
     finally:
-        loader.shutdown()
-        # torchdata's own service sometimes leaves a worker running after shutdown(); that
-        # is not this project's leak to report, so end its processes here.
-        theirs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        for process in psutil.wait_procs(theirs, timeout=5)[1]:
-            process.kill()
+        # torchdata's own service sometimes leaves a process running after shutdown(); that
+        # is not this project's leak to report, so the reference ends its processes itself.
+        shut_down(loader, before)
     assert run(pipelines.shuffled_pipe(), epochs=2, seed=123) == expected
 
 
