@@ -33,6 +33,14 @@ from torchdata.datapipes.iter import IterableWrapper
 import mprs_plus
 from mprs_plus._cli.demo import NonReplicable  # the demo's own main-process stage
 
+# torch's filter DataPipe imports pandas on its first item wherever pandas is installed (the
+# test extra brings it, with Ray Data): 0.5-0.9 s in every worker of every loader, most of
+# this script's time. Imported once here, before any worker is forked, they inherit it.
+try:
+    import pandas  # noqa: F401
+except ImportError:
+    pass
+
 
 def square(x: int) -> int:
     return x * x
