@@ -4,6 +4,7 @@ leaves threads and queues behind, which must not share a process with the tests 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import warnings
@@ -38,10 +39,8 @@ def shut_down(loader: DataLoader2, before: set[int]) -> None:
         loader.shutdown()
     theirs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     for process in theirs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(theirs, timeout=10)
 
 
