@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import threading
 import time
+import types
 
 import pytest
 from mprs_plus.transport import EndOfStream, open_channel, release_all_except, wait_readable
@@ -224,16 +225,29 @@ def test_stress_ping_pong_with_rings_of_one_message(monkeypatch):
 def test_a_waiter_stops_spinning_while_spins_keep_failing_and_spins_again_when_one_pays(channel, monkeypatch):
     """A failed spin burns its whole budget for nothing (a process waiting for each large
     item did that on every item): after SPIN_MISSES of them the waiter goes straight to
-    sleep, probing now and then, and one spin that succeeds brings spinning back."""
+    sleep, probing now and then, and one spin that succeeds brings spinning back.
+
+    The spin's clock is the test's: it moves a tenth of the budget per ``sched_yield``, so
+    a spin yields up to ten times however the scheduler runs this thread (on the real
+    clock a preemption longer than the budget ends a spin before its first yield), and the
+    sleep after a failed spin times out at once."""
     _, receiver = channel
     yields = []
-    monkeypatch.setattr(_wakeup.os, "sched_yield", lambda: yields.append(1))
+    clock = [0.0]
+
+    def sched_yield() -> None:
+        yields.append(1)
+        clock[0] += _wakeup.SPIN_SECONDS / 10
+
+    monkeypatch.setattr(_wakeup.os, "sched_yield", sched_yield)
+    monkeypatch.setattr(_wakeup, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic))
     sleeper = receiver._sleeper
+    monkeypatch.setattr(sleeper, "_sleep", lambda *args: _wakeup.Outcome.TIMEOUT)
     never = lambda: False  # noqa: E731
     spun = []
     for _ in range(_wakeup.SPIN_MISSES + 2):
         yields.clear()
-        assert sleeper.wait(never, time.monotonic() + 0.001) == _wakeup.Outcome.TIMEOUT
+        assert sleeper.wait(never) == _wakeup.Outcome.TIMEOUT
         spun.append(bool(yields))
     assert spun == [True] * _wakeup.SPIN_MISSES + [False, False]
     # The probe: one wait in SPIN_PROBE still spins, and this time the condition comes true.
@@ -244,7 +258,9 @@ def test_a_waiter_stops_spinning_while_spins_keep_failing_and_spins_again_when_o
         return len(calls) > 3
 
     while (sleeper._waits + 1) % _wakeup.SPIN_PROBE:
-        sleeper.wait(never, time.monotonic())
+        yields.clear()
+        sleeper.wait(never)
+        assert not yields  # no spin between probes
     yields.clear()
     assert sleeper.wait(soon) == _wakeup.Outcome.READY and yields
     yields.clear()
