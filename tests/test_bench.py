@@ -222,21 +222,25 @@ def test_suite_records_spdl_as_not_applicable_when_it_is_not_installed(monkeypat
     assert not cells[harness.SPDL].errors
 
 
-def test_spdl_pool_under_another_start_method_fails_clearly_and_leaves_nothing() -> None:
+def test_spdl_pool_under_another_start_method_fails_clearly_and_leaves_nothing(monkeypatch) -> None:
     # SPDL's pool makes its condition variable in multiprocessing's default context (fork
     # here), so a spawn subprocess cannot share it: the suite records why, and cleans up.
     pytest.importorskip("spdl.pipeline")
-    from benchmarks import harness
+    from benchmarks import _spdl, harness
     from benchmarks.workloads._shared import ShardedRange, identity, spdl_pool
 
     if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
         pytest.skip("the default start method is not fork")
-    shm_before = set(os.listdir("/dev/shm"))
+    # The pool's own segments, by name: other processes on the machine (a second test
+    # suite) make segments of the same prefix meanwhile.
+    made: list[str] = []
+    names_of = _spdl.segment_names
+    monkeypatch.setattr(_spdl, "segment_names", lambda pool: made.extend(names_of(pool)) or names_of(pool))
     settings = harness.Settings(quick=True, context="spawn")
     with harness.deadline(60, "the SPDL loader"), pytest.raises(RuntimeError, match="default start method"):
         harness.open_loader(harness.SPDL, settings, dataset=ShardedRange(10, identity), pool=spdl_pool(harness.MiB))
     assert not harness.child_processes()
-    assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")}
+    assert made and not [name for name in made if _shm_exists(name)]
 
 
 def test_spdl_segments_left_by_its_shutdown_are_reported_and_removed(monkeypatch) -> None:

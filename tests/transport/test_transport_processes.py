@@ -40,9 +40,13 @@ def _fds() -> set[int]:
 
 
 def _shm_names() -> set[str]:
-    """Segments this test could have made: ours, multiprocessing's, or torch's (the
-    machine is shared, so other processes' segments come and go meanwhile)."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith(("mprs", "psm_", "torch_"))}
+    """Named segments this test could have made and can tell apart: ours, or torch's (named
+    after the process that made them; ``_made_here``). multiprocessing.shared_memory's
+    ``psm_`` names say nothing of their maker, and other processes on the machine make them
+    meanwhile (a second test suite's SPDL pool did, and failed this test), so they are not
+    counted; the transport's own segments are memfds, gone with their last descriptor,
+    which the descriptor check covers."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(("mprs", "torch_"))}
 
 
 def _made_here(names: set[str], pids: set[int]) -> set[str]:
