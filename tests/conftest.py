@@ -139,6 +139,21 @@ def start_method(request):
     return request.param
 
 
+SHORT_STOP_GRACE = 1.0
+
+
+@pytest.fixture
+def short_stop_grace(monkeypatch):
+    """A stop grace of ``SHORT_STOP_GRACE`` instead of ``STOP_GRACE`` (5 s), for a test
+    whose children cannot exit on their own (stopped, or blocked in a DataPipe) and which
+    checks what happens before or after the stop, not the grace itself: the stop then
+    waits 1 s before it terminates them, instead of 5."""
+    from mprs_plus.runtime.main import lifecycle
+
+    monkeypatch.setattr(lifecycle, "STOP_GRACE", SHORT_STOP_GRACE)
+    return SHORT_STOP_GRACE
+
+
 @pytest.fixture(autouse=True)
 def _quiet_torchdata_deprecation():
     with warnings.catch_warnings():

@@ -164,7 +164,7 @@ def test_error_in_worker_init_fn_surfaces():
 # -- interrupts and timeouts ---------------------------------------------------------------
 
 
-def test_timeout_raises_a_clear_error():
+def test_timeout_raises_a_clear_error(short_stop_grace):
     loader = loader_for(sharded(10, pipelines.block_on), timeout=1.0)
     with pytest.raises(TimeoutError, match=r"no item from worker 1 within timeout=1.0 s"):
         list(loader)

@@ -240,7 +240,7 @@ def _wait_until_declared_dead(node_id: str) -> None:
         time.sleep(0.2)  # polling Ray's control store for a state change, not synchronising threads
 
 
-def test_shutdown_with_a_stopped_actor_is_bounded(cluster):
+def test_shutdown_with_a_stopped_actor_is_bounded(cluster, short_stop_grace):
     loader = _loader(_blocked_pipe(), RayBackend(num_cpus_per_worker=0), worker_prefetch_cnt=0, main_prefetch_cnt=0)
     try:
         iterator = iter(loader)
@@ -252,7 +252,7 @@ def test_shutdown_with_a_stopped_actor_is_bounded(cluster):
         start = time.monotonic()
     finally:
         loader.shutdown()
-    assert time.monotonic() - start < 20.0  # the stop grace (5 s), escalation, and Ray reporting the kill
+    assert time.monotonic() - start < 20.0  # the stop grace (1 s here), escalation, and Ray reporting the kill
 
 
 def test_shutdown_is_bounded_when_ray_does_not_answer_a_kill(cluster, monkeypatch):

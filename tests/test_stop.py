@@ -173,7 +173,7 @@ def test_a_dropped_runtime_stops_its_processes_without_a_garbage_collection():
         gc.enable()
 
 
-def test_a_control_message_a_stopped_worker_never_reads_fails_in_bounded_time(monkeypatch):
+def test_a_control_message_a_stopped_worker_never_reads_fails_in_bounded_time(monkeypatch, short_stop_grace):
     from mprs_plus.runtime.main import supervisor
 
     monkeypatch.setattr(supervisor, "CONTROL_WAIT", 1.0)

@@ -5,10 +5,11 @@ The cycle ``service.py`` describes, closed on purpose (``pipelines.starving_pipe
 main process) raises ``PipelineStuckError`` with statistics on and off, under fork and
 spawn. Its evidence (every child lane asleep in a channel wait, ``runtime/liveness.py``)
 is kept whatever the options. The look-alikes never raise: a worker or a source that is
-slow for many detection spans, and a main process that stops reading for many of them.
+slow for ten detection spans, and a main process that stops reading for as many.
 
 The detection span is made small (``STUCK_SECONDS``) so that each case stays short; the
-slow cases last many spans, so they would have raised if they were going to.
+slow cases last ten spans, five times the two slices after which a starved read
+raises, so they would have raised if they were going to.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mprs_plus import MultiProcessingReadingService, PipelineStuckError
 from mprs_plus.runtime.main import reader as main_reader
 
 SPAN = 0.2  # seconds: the detection span in these tests (STUCK_SECONDS)
+SLOW_SPANS = 10  # how long the look-alikes last
 
 
 def _loader(pipe, **options) -> DataLoader2:
@@ -71,16 +73,16 @@ def slow_io_on(item: int, slow: int, seconds: float) -> int:
 
 
 def _slow_worker_pipe(n: int):
-    # Worker 1's first item takes 30 spans, while worker 0 fills its channel and the
+    # Worker 1's first item takes 10 spans, while worker 0 fills its channel and the
     # dispatcher waits for room at worker 0: from outside, the stuck picture.
     dispatched = IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
-    return dispatched.map(_SlowOn(1, 30 * SPAN))
+    return dispatched.map(_SlowOn(1, SLOW_SPANS * SPAN))
 
 
 def _slow_source_pipe(n: int):
-    # The source (in the dispatch process) stalls for 30 spans on item 40, while the
+    # The source (in the dispatch process) stalls for 10 spans on item 40, while the
     # workers wait for input and the main process for worker 0.
-    source = IterableWrapper(range(n)).map(_SlowOn(40, 30 * SPAN))
+    source = IterableWrapper(range(n)).map(_SlowOn(40, SLOW_SPANS * SPAN))
     return source.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(pipelines.identity)
 
 
@@ -107,8 +109,8 @@ def test_a_slow_worker_or_source_is_never_called_stuck(monkeypatch, collect_stat
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("collect_stats", [True, False])
 def test_a_long_pause_of_the_main_process_is_never_called_stuck(monkeypatch, collect_stats):
-    """The main process stops reading until every child has slept in a channel wait for 20
-    spans (a 20 s pause at the default span), then reads on: nothing is stuck."""
+    """The main process stops reading until every child has slept in a channel wait for
+    ten spans (a 40 s pause at the default span), then reads on: nothing is stuck."""
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", SPAN)
     made = record_liveness_tables(monkeypatch)
     # Far more items than the channels hold: every producer ends up waiting for room.
@@ -121,7 +123,7 @@ def test_a_long_pause_of_the_main_process_is_never_called_stuck(monkeypatch, col
         lanes = [row for link in service._topology.children() for row in link.stats_rows]
         deadline = time.monotonic() + 30
         pause = threading.Event()
-        while not table.asleep_for(lanes, 20 * SPAN):  # the pause: until every child sleeps that long
+        while not table.asleep_for(lanes, SLOW_SPANS * SPAN):  # the pause: until every child sleeps that long
             assert time.monotonic() < deadline, "the children never all slept: producers still running?"
             pause.wait(SPAN / 4)
         assert head + list(items) == [2 * i for i in range(20000)]

@@ -65,12 +65,13 @@ def exit_description(process: Any) -> str:
 def stop_processes(
     processes: Sequence[Any],
     drain: Callable[[float], None] | None = None,
-    grace: float = STOP_GRACE,
+    grace: float | None = None,
 ) -> None:
-    """Wait up to ``grace`` seconds for ``processes`` to exit, calling ``drain(timeout)``
-    meanwhile so that producers blocked on full channels can move on; then terminate,
-    then kill. Returns once every process is reaped."""
-    deadline = time.monotonic() + grace
+    """Wait up to ``grace`` seconds (None: ``STOP_GRACE``, read at each stop) for
+    ``processes`` to exit, calling ``drain(timeout)`` meanwhile so that producers blocked
+    on full channels can move on; then terminate, then kill. Returns once every process is
+    reaped."""
+    deadline = time.monotonic() + (STOP_GRACE if grace is None else grace)
     while True:
         alive = [p for p in processes if p.exitcode is None]
         left = deadline - time.monotonic()
