@@ -235,7 +235,13 @@ def test_spdl_pool_under_another_start_method_fails_clearly_and_leaves_nothing(m
     # suite) make segments of the same prefix meanwhile.
     made: list[str] = []
     names_of = _spdl.segment_names
-    monkeypatch.setattr(_spdl, "segment_names", lambda pool: made.extend(names_of(pool)) or names_of(pool))
+
+    def recorded(pool) -> list[str]:
+        names = names_of(pool)
+        made.extend(names)
+        return names
+
+    monkeypatch.setattr(_spdl, "segment_names", recorded)
     settings = harness.Settings(quick=True, context="spawn")
     with harness.deadline(60, "the SPDL loader"), pytest.raises(RuntimeError, match="default start method"):
         harness.open_loader(harness.SPDL, settings, dataset=ShardedRange(10, identity), pool=spdl_pool(harness.MiB))

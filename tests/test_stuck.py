@@ -73,14 +73,14 @@ def slow_io_on(item: int, slow: int, seconds: float) -> int:
 
 
 def _slow_worker_pipe(n: int):
-    # Worker 1's first item takes 10 spans, while worker 0 fills its channel and the
+    # Worker 1's first item takes SLOW_SPANS spans, while worker 0 fills its channel and the
     # dispatcher waits for room at worker 0: from outside, the stuck picture.
     dispatched = IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
     return dispatched.map(_SlowOn(1, SLOW_SPANS * SPAN))
 
 
 def _slow_source_pipe(n: int):
-    # The source (in the dispatch process) stalls for 10 spans on item 40, while the
+    # The source (in the dispatch process) stalls for SLOW_SPANS spans on item 40, while the
     # workers wait for input and the main process for worker 0.
     source = IterableWrapper(range(n)).map(_SlowOn(40, SLOW_SPANS * SPAN))
     return source.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(pipelines.identity)

@@ -62,16 +62,11 @@ def exit_description(process: Any) -> str:
     return f"exited with code {code}"
 
 
-def stop_processes(
-    processes: Sequence[Any],
-    drain: Callable[[float], None] | None = None,
-    grace: float | None = None,
-) -> None:
-    """Wait up to ``grace`` seconds (None: ``STOP_GRACE``, read at each stop) for
-    ``processes`` to exit, calling ``drain(timeout)`` meanwhile so that producers blocked
-    on full channels can move on; then terminate, then kill. Returns once every process is
-    reaped."""
-    deadline = time.monotonic() + (STOP_GRACE if grace is None else grace)
+def stop_processes(processes: Sequence[Any], drain: Callable[[float], None] | None = None) -> None:
+    """Wait up to ``STOP_GRACE`` seconds (read at each stop) for ``processes`` to exit,
+    calling ``drain(timeout)`` meanwhile so that producers blocked on full channels can
+    move on; then terminate, then kill. Returns once every process is reaped."""
+    deadline = time.monotonic() + STOP_GRACE
     while True:
         alive = [p for p in processes if p.exitcode is None]
         left = deadline - time.monotonic()
