@@ -12,8 +12,7 @@ A reference that straddles two segments in a way the split cannot honour raises
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torchdata.datapipes.iter.util.sharding import ShardingRoundRobinDispatcherIterDataPipe
 
@@ -22,9 +21,10 @@ from .graph import Edge, Graph, NoGraph, Node, discover
 from .segment import Segment
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Where every node of a graph runs, computed once in the main process.
+class Plan(NamedTuple):
+    """Where every node of a graph runs, computed once in the main process. Immutable; a
+    named tuple, as the package's other records, not a dataclass, whose methods are
+    compiled when its module loads, on the way to a training script's first item.
 
     Nodes are indices into ``graph.datapipes``; node 0 is the output.
 

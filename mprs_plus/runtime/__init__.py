@@ -20,6 +20,7 @@ Rooms by process: a module's folder says where its code runs.
       lanes.py       what each lane produces and where it writes
       batching.py    items bound for one channel, in batches
       control.py     how a child applies control messages to its segment copy
+      seeding.py     numpy's global generator seeded per epoch, loaded only if used
       lifecycle.py   what a child does first (SIGINT, parent watch, threads)
     (here)     both sides
       control_messages.py  main -> child: Reset, Pause, Resume, Limit

@@ -20,15 +20,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-# torchdata's per-epoch reseeding seeds numpy's global generator, and numpy loads its
-# random module on first use. Loaded here, before any child is forked, it is not imported
-# again in every child on the path to its first item.
-import numpy.random  # noqa: F401
 from torch.utils.data import IterDataPipe
 
 from ..data_messages import RemoteError
 from ..control_messages import Limit, Pause, Received, Reset, Resume, Unreadable, unpack
 from ..pausing import pause_datapipes, resume_datapipes
+from .seeding import deferred_numpy_seed
 
 if TYPE_CHECKING:
     from .loop import ChildLoop
@@ -163,7 +160,8 @@ class SegmentControl:
             return
         seed_generator, iter_reset_fn = value
         try:
-            self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
+            with deferred_numpy_seed():  # numpy.random is loaded only if the pipeline uses it
+                self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
             outputs = outputs_of(self.root, self.count)
         except BaseException as exc:
             loop.fail_all(RemoteError.capture(exc, self._where), every=True)

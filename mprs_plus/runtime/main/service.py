@@ -40,6 +40,7 @@ the main process waits), whether statistics are collected or not.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -49,6 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterDataPipe
+from torch.utils.data.graph import traverse_dps
 from torchdata.dataloader2.graph import set_graph_random_seed
 
 from ...options import Options
@@ -184,6 +186,8 @@ class ServiceRuntime:
             self.lifecycle.advance(State.PREPARED)
             if self._ctx.get_start_method() != "fork" or supervisor.placement.start_at_once:
                 supervisor.launch_all()
+            else:
+                _prime_graph_walks(self.plan)
             self._reader = MainReader(
                 topology,
                 supervisor.gate,
@@ -386,6 +390,22 @@ def _wire_children(
         )
         supervisor.prepare(link, worker_main, setup)
     topology.freeze()
+
+
+def _prime_graph_walks(plan: Plan) -> None:
+    """Under fork, before the children start: walk their segments once here, as torch's
+    graph walk (``traverse_dps``) will in every child, in ``apply_sharding`` and in each
+    epoch's seeding.
+
+    That walk asks ``isinstance(value, collections.abc.Collection)`` of every attribute of
+    every DataPipe. The first answer for a type is slow (``abc`` checks it against every
+    registered subclass of every ``Collection`` ABC, about a thousand checks for a
+    three-stage pipeline) and is then cached on the ABC, and a forked child inherits the
+    caches: asked once here instead of in every child, on its way to its first item.
+    Best effort: a walk that fails here fails in the child too, which reports it."""
+    with contextlib.suppress(Exception):
+        for index in plan.worker_outputs:
+            traverse_dps(plan.graph.datapipes[index])
 
 
 def _start_stats_logger(figures: Figures, interval: float, lifecycle: Lifecycle) -> None:
