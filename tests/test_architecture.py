@@ -280,3 +280,27 @@ def test_the_first_item_imports_only_what_it_needs() -> None:
     loaded = done.stdout.split()
     assert "mprs_plus.runtime.main.service" in loaded  # the service did run
     assert [m for m in loaded if _within(m, NOT_ON_THE_FIRST_ITEM_PATH)] == []
+
+
+def _runtime_map(text: str) -> set[str]:
+    """The modules the map in ``runtime/__init__.py`` lists, by path from ``runtime/``: a
+    room's heading ("main/", "child/", "(here)") starts a list of its files."""
+    listed, room = set(), None
+    for line in text.splitlines():
+        words = line.split()
+        if line.startswith("    ") and not line.startswith("      ") and words:
+            room = "" if words[0] == "(here)" else words[0]
+            words = words[1:]
+        if room is not None and words and words[0].endswith(".py"):
+            listed.add(room + words[0])
+    return listed
+
+
+def test_the_runtime_map_names_every_runtime_module_in_its_room() -> None:
+    """The map in ``runtime/__init__.py`` is how a reader finds which process runs a module:
+    a module missing from it, or listed in another room, sends the reader astray."""
+    runtime = ROOT / "runtime"
+    modules = {p.relative_to(runtime).as_posix() for p in runtime.rglob("*.py") if p.name != "__init__.py"}
+    listed = _runtime_map((runtime / "__init__.py").read_text())
+    assert {"main/service.py", "child/worker.py", "mux.py"} <= listed  # the map is read
+    assert modules == listed, {"not in the map": modules - listed, "no such module": listed - modules}

@@ -4,6 +4,9 @@ Rooms by process: a module's folder says where its code runs.
 
     main/      the training process only
       service.py     ServiceRuntime: the facade the reading service calls; wires the children
+      inprocess.py   the same surface with no child (num_workers=0)
+      state.py       the one lifecycle state: NEW, PREPARED, RUNNING, STOPPING, STOPPED
+      family.py      a service and its copies in this process share their statistics
       topology.py    which children exist, their channels and statistics rows, by name
       supervisor.py  starts the children, sends control messages, stops them
       lifecycle.py   bounded stop (join -> terminate -> kill), exit hook, death errors
@@ -26,6 +29,8 @@ Rooms by process: a module's folder says where its code runs.
       control_messages.py  main -> child: Reset, Pause, Resume, Limit
       data_messages.py     child -> next process: items, end, remote errors
       mux.py               several channels read as one
+      liveness.py          which child lanes sleep in a channel wait (a stuck read's evidence)
+      pausing.py           pause/resume a segment's DataPipes, in graph order
       segments.py          runnable copies of a Plan's segments (built in main, run in children)
       stats.py             the shared statistics table and its writers
       tensor_reducer.py    tensors through the channels as raw bytes (registered on import)
