@@ -29,7 +29,10 @@ import mprs_plus  # noqa: E402
 import pipelines  # noqa: E402
 from mprs_plus import MultiProcessingReadingService, ProcessDiedError, RayBackend  # noqa: E402
 
-pytestmark = pytest.mark.ray
+# Each Ray loader starts an actor process per child, and each imports torch: seconds apiece
+# on an idle machine, and with this suite on two workers beside a second suite on two cores,
+# up to 75 s for a test of three loaders. The bound stays a hang detector, with room.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -375,7 +378,7 @@ def test_attached_by_address_the_code_ships_with_runtime_env_and_the_cluster_sta
         [sys.executable, "-c", SHIPPING_DRIVER, cluster.address, str(package)],
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=240,
         env=env,
     )
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
@@ -400,7 +403,7 @@ def test_ray_started_for_the_service_is_stopped_at_shutdown():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     assert mprs_plus.RayBackend(address=None).address is None
 
