@@ -45,9 +45,7 @@ setup(
         "test": [
             "pytest>=7.4",
             "pytest-timeout>=2.2",
-            # pytest.ini runs the suite on two workers, a test file each: most of a test's
-            # time is a child process starting or a bounded wait, which the other worker
-            # fills.
+            # pytest.ini runs the suite on two workers (why: there).
             "pytest-xdist>=3.5",
             "dill>=0.3.6",
             *BENCH,

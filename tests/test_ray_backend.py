@@ -31,8 +31,10 @@ from mprs_plus import MultiProcessingReadingService, ProcessDiedError, RayBacken
 
 # Each Ray loader starts an actor process per child, and each imports torch: seconds apiece
 # on an idle machine, and with this suite on two workers beside a second suite on two cores,
-# up to 75 s for a test of three loaders. The bound stays a hang detector, with room.
+# up to 100 s for a test of three loaders. The bounds stay hang detectors, with room.
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+# A driver script of its own (its start, Ray's and its loader's), inside a test's bound.
+DRIVER_TIMEOUT = 240
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -378,7 +380,7 @@ def test_attached_by_address_the_code_ships_with_runtime_env_and_the_cluster_sta
         [sys.executable, "-c", SHIPPING_DRIVER, cluster.address, str(package)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=DRIVER_TIMEOUT,
         env=env,
     )
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
@@ -403,7 +405,7 @@ def test_ray_started_for_the_service_is_stopped_at_shutdown():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DRIVER_TIMEOUT)
     assert result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     assert mprs_plus.RayBackend(address=None).address is None
 
