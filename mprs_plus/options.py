@@ -29,6 +29,11 @@ class _Fields(NamedTuple):
     stats_interval: float | None = None
     # Where the children run (``backends``): None for processes of this host.
     backend: Any = None
+    # Feeding an accelerator (``runtime/main/feeding.py``): items page-locked, and with
+    # ``device`` moved there on a stream of the service's own, ``device_prefetch`` ahead.
+    pin_memory: bool = False
+    device: Any = None
+    device_prefetch: int = 2
 
 
 class Options(_Fields):
@@ -57,6 +62,21 @@ class Options(_Fields):
             isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0
         ):
             raise ValueError(f"timeout must be a number of seconds > 0, or None to wait forever; got {self.timeout!r}")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"pin_memory must be True or False, got {type(self.pin_memory).__name__}")
+        if self.device is not None:
+            kind = self.device if isinstance(self.device, str) else getattr(self.device, "type", None)
+            if not isinstance(kind, str):
+                raise TypeError(f"device must be a device name such as 'cuda' or 'cuda:1', or a torch.device; got {self.device!r}")
+            if kind.split(":")[0] == "cpu":
+                raise ValueError("device='cpu': items are already in host memory; leave device=None")
+            if not self.pin_memory:
+                raise ValueError(
+                    f"device={str(self.device)!r} copies items from page-locked memory: pass pin_memory=True as well"
+                )
+        _non_negative_int("device_prefetch", self.device_prefetch)
+        if self.device_prefetch == 0:
+            raise ValueError("device_prefetch must be >= 1 (items copied to the device ahead of the loop)")
         _non_negative_int("num_workers", self.num_workers)
         _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
         _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)

@@ -91,6 +91,9 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         collect_stats: bool = True,
         stats_interval: float | None = None,
         backend: Any = None,
+        pin_memory: bool = False,
+        device: Any = None,
+        device_prefetch: int = 2,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -106,9 +109,13 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             collect_stats=collect_stats,
             stats_interval=stats_interval,
             backend=backend,
+            pin_memory=pin_memory,
+            device=device,
+            device_prefetch=device_prefetch,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | InProcessRuntime | None = None
+        self._feeding: Any = None
         self._family = Family.new()
         self._checkpoints = Checkpoints(num_workers, in_order)
 
@@ -165,6 +172,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self.options = state["options"]
         self._plan = None
         self._runtime = None
+        self._feeding = None
         self._family = Family.joined(state["family"])
         self._checkpoints = Checkpoints(self.options.num_workers, self.options.in_order)
 
@@ -173,10 +181,13 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._checkpoints.planned(self._plan)  # a checkpoint names the graph it is about
         for message in warnings_for(self._plan, self.options):
             warnings.warn(message, UserWarning, stacklevel=3)
+        self._feeding = _open_feeding(self.options)
         self._runtime = open_runtime(datapipe, self._plan, self.options)
         main = self._runtime.start()
         self._family.started(self._runtime.figures)
-        return self._checkpoints.adapt(main, self._runtime.counts_handed_out)
+        if self._feeding is not None:
+            self._runtime.figures.feeding = self._feeding.counters
+        return self._adapt(main)
 
     def initialize_iteration(self, seed_generator: Any, iter_reset_fn: Any = None) -> Any:
         runtime = self._started("initialize_iteration")
@@ -184,8 +195,17 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         main = runtime.begin_epoch(seed_generator, iter_reset_fn, skips, next_worker)
         if main is None:
             return None  # the main segment DataLoader2 holds stays as it is
-        adapted = self._checkpoints.adapt(main, runtime.counts_handed_out)
+        adapted = self._adapt(main)
         return lambda _: adapted
+
+    def _adapt(self, main: Any) -> Any:
+        """What DataLoader2 iterates: the main segment, fed to the device if asked, counted
+        for checkpoints where the user receives items (after any items copied ahead)."""
+        counted = self._runtime is not None and self._runtime.counts_handed_out
+        if self._feeding is not None:
+            main = self._feeding.wrap(main)
+            counted = counted and not self._feeding.ahead
+        return self._checkpoints.adapt(main, counted)
 
     # -- checkpoint and restore: called by DataLoader2.state_dict() / from_state() ---------------
 
@@ -218,6 +238,9 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
     def finalize(self) -> None:
         if self._runtime is not None:
             self._runtime.stop()
+        feeding, self._feeding = self._feeding, None
+        if feeding is not None:
+            feeding.close()
 
     # -- pause, resume, limit: called by DataLoader2 (its iterator's limit() and resume()) --
 
@@ -245,3 +268,11 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         if self._runtime is None:
             raise RuntimeError(f"{what}() called before initialize(): use the service through DataLoader2")
         return self._runtime
+
+
+def _open_feeding(options: Options) -> Any:
+    if not options.pin_memory:
+        return None  # the feeding module (and its device calls) only where asked for
+    from .runtime.main.feeding import open_feeding
+
+    return open_feeding(options.pin_memory, options.device, options.device_prefetch)

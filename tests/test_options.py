@@ -24,7 +24,8 @@ def test_torchdata_arguments_come_first_in_torchdatas_order():
     for name, parameter in theirs.items():
         assert ours[name].default == parameter.default, name
     extra = list(ours)[len(theirs) :]
-    assert extra == ["dispatch_init_fn", "dispatch_buffer_size", "in_order", "timeout", "collect_stats", "stats_interval", "backend"]
+    assert extra == ["dispatch_init_fn", "dispatch_buffer_size", "in_order", "timeout", "collect_stats", "stats_interval", "backend",
+                     "pin_memory", "device", "device_prefetch"]
     assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extra)
 
 
@@ -37,6 +38,11 @@ def test_torchdata_arguments_come_first_in_torchdatas_order():
         ({"in_order": "yes"}, TypeError, "in_order must be True or False"),
         ({"dispatch_init_fn": 3}, TypeError, "dispatch_init_fn must be callable"),
         ({"backend": "ray"}, TypeError, "backend must be a backend such as mprs_plus.RayBackend"),
+        ({"pin_memory": 1}, TypeError, "pin_memory must be True or False"),
+        ({"device": "cuda"}, ValueError, "pass pin_memory=True as well"),
+        ({"device": "cpu", "pin_memory": True}, ValueError, "leave device=None"),
+        ({"device": 3, "pin_memory": True}, TypeError, "device must be a device name"),
+        ({"device_prefetch": 0}, ValueError, "device_prefetch must be >= 1"),
     ],
 )
 def test_new_options_are_validated_at_construction(kwargs, error, text):

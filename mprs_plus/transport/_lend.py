@@ -74,6 +74,24 @@ Fork: a child keeps the bytes it inherited, and its writes stay its own
     that could not remap (the kernel refused a mapping) writes a byte before it closes the
     pipe, and the parent then never gives those extents back.
 
+Page-locked lend areas: a copy to a device may still read an extent the user dropped
+    A process that installs a ``PageLocker`` (``lock_pages_with``; the runtime does, in the
+    training process, for ``pin_memory=True``) page-locks the lend area of each of its
+    receivers when it first lends from it, so every lent buffer is page-locked memory and
+    a non-blocking copy to the device reads the worker's bytes directly. Such a copy runs
+    after the call that enqueued it returned: the user may drop the last view while the
+    device still reads it. So when a lent root dies in such a process, the locker is
+    asked for a *fence* (an event recorded on the current stream) and the extent goes back
+    to the sender only once the fence has *passed*: checked whenever a buffer is lent,
+    copied or dropped, and by ``lending()``, never by blocking on the device. Until then
+    the extent counts against the held-bytes bound, so memory stays bounded, and the
+    mapping stays mapped (a view of it is kept with the fence). The area is unlocked
+    before it is unmapped: when the channel is released and nothing of it is held or
+    awaiting a fence. A copy enqueued on a stream other than the current one at the drop
+    is for its user to order (as with ``Tensor.record_stream``). Buffers copied instead of
+    lent are copied into memory the locker allocates (page-locked too). A forked child
+    never calls the locker: it is the parent's (the child inherits no device context).
+
 ``lending()`` reports what this process's receivers did; ``stats()`` of the service shows
 it for the main process.
 """
@@ -84,7 +102,7 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 from ._memory import PAGE, SharedRegion
 from .traffic import Lending
@@ -101,6 +119,37 @@ FREE, LENT = 0, 1
 LENT_BIT = 1 << 63  # in a buffer's length word: the frame holds [offset, slot], not bytes
 DESCRIPTOR = 16  # bytes of [offset, slot] in a frame
 
+
+
+class PageLocker(Protocol):
+    """What a receiver needs to lend page-locked memory (see the module's docstring). The
+    transport knows nothing of devices: the runtime implements this with the device's
+    calls, and tests with a fake whose fences pass when the test says so."""
+
+    def register(self, address: int, nbytes: int) -> bool:
+        """Page-lock ``[address, address + nbytes)``; False if it could not (lend unlocked)."""
+
+    def unregister(self, address: int) -> None:
+        """Undo ``register`` of the range starting at ``address`` (before it is unmapped)."""
+
+    def fence(self) -> Any:
+        """A token for the device work enqueued so far on the current stream."""
+
+    def passed(self, token: Any) -> bool:
+        """Whether that work has finished (never blocks)."""
+
+    def allocate(self, nbytes: int) -> Any:
+        """A writable buffer of ``nbytes`` page-locked bytes, for a buffer copied out."""
+
+
+_locker: PageLocker | None = None
+
+
+def lock_pages_with(locker: PageLocker | None) -> None:
+    """From now on, receivers of this process lend page-locked memory through ``locker``
+    (None: receivers that lend from now on do not lock). A forked child starts with None."""
+    global _locker
+    _locker = locker
 
 
 class _Holding:
@@ -126,6 +175,9 @@ class _Holding:
         self.pinned: set[int] = set()  # keys of live roots a child may still be copying
         self.deferred: list[tuple[LentViews, int]] = []  # pinned, dropped: (views, slot)
         self.kept: set[int] = set()  # keys of roots whose extents never go back
+        # Roots dropped in a page-locking receiver, waiting for their fence:
+        # (key, views, slot, length, fence token, a view that keeps the mapping mapped).
+        self.awaiting: list[tuple[int, LentViews, int, int, Any, memoryview]] = []
 
 
 _holding = _Holding()
@@ -165,9 +217,10 @@ def _after_fork_in_child() -> None:
     once the sender reused it, free the next buffer lent there too). With a new
     ``_Holding`` the old weak references' callbacks never run here; and it has a new lock,
     as a fork may have copied the old one while another thread held it."""
-    global _holding
+    global _holding, _locker
     inherited = _holding
     _holding = _Holding()
+    _locker = None
     if not inherited.fork_pipes:
         return
     failed = False
@@ -258,8 +311,10 @@ def lending() -> Lending:
     h = _holding
     if h.copying:
         _settle()
+    if h.awaiting:
+        _reap_awaiting()
     with h.lock:
-        return Lending(h.lent, h.copied, h.held_buffers, h.held_bytes)
+        return Lending(h.lent, h.copied, h.held_buffers, h.held_bytes, len(h.awaiting))
 
 
 def _give_back(ref: weakref.ref[Any]) -> None:
@@ -271,6 +326,48 @@ def _give_back(ref: weakref.ref[Any]) -> None:
     if entry is None:
         return
     _, views, slot, length = entry
+    locker = views.locker
+    if locker is not None:
+        # The dying root still holds the mapping: a view taken now keeps it mapped until
+        # the fence passes, whatever happens to the channel meanwhile.
+        guard = memoryview(views.locked_mapping)  # type: ignore[arg-type]
+        h.awaiting.append((key, views, slot, length, _fence(locker), guard))
+        _reap_awaiting()
+        return
+    _returned(key, views, slot, length)
+
+
+def _fence(locker: PageLocker) -> Any:
+    try:
+        return locker.fence()
+    except Exception:  # a device that fails now fails the user's own next call too
+        return None
+
+
+def _reap_awaiting() -> None:
+    """Give back the extents whose fences have passed (a failed fence counts as passed).
+
+    Lock-free: the list is swapped out whole (a root dropped by another thread meanwhile
+    lands in one list or the other, never in neither) and what still waits goes back."""
+    h = _holding
+    entries, h.awaiting = h.awaiting, []
+    waiting, done = [], []
+    for entry in entries:
+        token, locker = entry[4], entry[1].locker
+        try:
+            finished = token is None or locker is None or locker.passed(token)
+        except Exception:
+            finished = True
+        (done if finished else waiting).append(entry)
+    h.awaiting.extend(waiting)
+    for key, views, slot, length, _token, guard in done:
+        _returned(key, views, slot, length)
+        guard.release()
+
+
+def _returned(key: int, views: LentViews, slot: int, length: int) -> None:
+    """Nothing reads the extent of a dropped root any more (in this process)."""
+    h = _holding
     with h.lock:
         h.held_buffers -= 1
         h.held_bytes -= length
@@ -283,6 +380,8 @@ def _give_back(ref: weakref.ref[Any]) -> None:
         h.kept.discard(key)
     else:
         _free(views, slot)
+    if views.retired and not views.held:
+        views.unlock()
 
 
 def _free(views: LentViews, slot: int) -> None:
@@ -436,7 +535,48 @@ class LentViews:
         self._hold_limit = hold_limit
         self._frombuffer: Any = None
         self._uint8: Any = None
+        # Page-locking (the module's docstring): the locker this area is registered with,
+        # in the process that registered it, and the mapping it holds while registered.
+        self.locker: PageLocker | None = None
+        self.locked_mapping: Any = None
+        self._locked_at: tuple[int, int] | None = None  # (process id, address)
+        self._lock_tried = False
+        self.retired = False
+        region.before_release.append(self._retire)
         _holding.receivers.add(self)
+
+    def _lock(self, locker: PageLocker) -> None:
+        """Page-lock the whole lend area, once, in the first process that lends from it."""
+        self._lock_tried = True
+        mapping = self._region.mapping
+        if mapping is None or not self._region.lend_size:
+            return
+        probe = self._frombuffer(mapping, self._uint8, 1, self._start)
+        address = probe.__array_interface__["data"][0]
+        del probe
+        if not locker.register(address, self._region.lend_size):
+            return
+        self.locker, self.locked_mapping = locker, mapping
+        self._locked_at = (os.getpid(), address)
+
+    def unlock(self) -> None:
+        """Unregister the area (before it is unmapped); only in the process that locked it."""
+        locked_at, self._locked_at = self._locked_at, None
+        locker, self.locker = self.locker, None
+        self.locked_mapping = None
+        if locked_at is None or locker is None or locked_at[0] != os.getpid():
+            return
+        try:
+            locker.unregister(locked_at[1])
+        except Exception:
+            pass  # the process's device context is gone (interpreter exit): nothing to undo
+
+    def _retire(self) -> None:
+        """The channel lets go of the region: unlock now, or once the last lent buffer
+        (dropped, its fence passed) is back."""
+        self.retired = True
+        if not self.held:
+            self.unlock()
 
     def take(self, offset: int, slot: int, length: int) -> Any:
         """The buffer at ``offset``: an ndarray over shared memory, or a bytearray copy."""
@@ -447,6 +587,10 @@ class LentViews:
 
             self._frombuffer = numpy.frombuffer
             uint8 = self._uint8 = numpy.dtype(numpy.uint8)
+        if _locker is not None and not self._lock_tried:
+            self._lock(_locker)
+        if holding.awaiting:
+            _reap_awaiting()
         with holding.lock:
             lend = self.held == 0 or self.held + length <= self._hold_limit
             if lend:
@@ -461,7 +605,7 @@ class LentViews:
         if not lend:
             try:
                 with memoryview(mapping) as whole:
-                    return bytearray(whole[start : start + length])
+                    return self.copy_out(whole[start : start + length])
             finally:
                 self.ctl[SLOT_BASE + slot] = FREE
         root = self._frombuffer(mapping, uint8, length, start)  # keywords cost it more
@@ -474,9 +618,21 @@ class LentViews:
             _settle()
         return root
 
+    def copy_out(self, source: memoryview) -> Any:
+        """A writable copy of ``source``: page-locked where this area is, else a bytearray."""
+        locker = self.locker
+        if locker is None:
+            return bytearray(source)
+        out = locker.allocate(source.nbytes)
+        with memoryview(out) as target:
+            target[:] = source
+        return out
+
     def count_copied(self) -> None:
         """A buffer large enough to lend came through the ring: the sender had no free
         extent or slot for it."""
+        if _holding.awaiting:
+            _reap_awaiting()
         with _holding.lock:
             _holding.copied += 1
 

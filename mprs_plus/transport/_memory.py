@@ -63,6 +63,9 @@ class SharedRegion:
         self.lend_start = PAGE + data_size
         whole.release()
         self._users = 0
+        # Called, in order, before the last user unmaps the region: a receiver that
+        # page-locked its lend area unlocks it there (``_lend.py``).
+        self.before_release: list[Any] = []
 
     @classmethod
     def create(cls, data_size: int, name: str, lend_size: int = 0) -> SharedRegion:
@@ -88,6 +91,9 @@ class SharedRegion:
         self._users -= 1
         if self._users > 0:
             return
+        hooks, self.before_release = self.before_release, []
+        for hook in hooks:
+            hook()
         for view in (self.words, self.data, self.lend, self.ctl):
             view.release()
         mapping, self.mapping = self.mapping, None

@@ -240,7 +240,7 @@ class ShmReceiver(Endpoint):
                     at += DESCRIPTOR
                 else:
                     self._note_copied(length)
-                    buffers.append(self._copy(at, length))
+                    buffers.append(self._copy_buffer(at, length))
                     at += length
         offset = position % size
         # The stream is unpickled in place when it does not wrap: it needs no copy.
@@ -324,6 +324,18 @@ class ShmReceiver(Endpoint):
             done += step
         view.release()
         return out
+
+    def _copy_buffer(self, position: int, length: int) -> Any:
+        """An out-of-band buffer copied out of the ring: into page-locked memory where this
+        receiver lends page-locked memory (``_lend.py``), else as ``_copy``."""
+        lent = self._lent
+        if lent is None or lent.locker is None:
+            return self._copy(position, length)
+        data, size = self._data, self._size
+        offset = position % size
+        if offset + length <= size:
+            return lent.copy_out(data[offset : offset + length])
+        return lent.copy_out(memoryview(self._copy(position, length)))  # wraps: rare, two copies
 
     def _copy(self, position: int, length: int) -> bytearray:
         """``length`` bytes from the ring as a new writable buffer (one copy)."""

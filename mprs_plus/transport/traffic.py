@@ -29,3 +29,6 @@ class Lending(NamedTuple):
     copied: int
     held_buffers: int  # lent buffers the user still holds now
     held_bytes: int
+    # Lent buffers the user dropped whose extents wait for device work enqueued before the
+    # drop (a copy to the GPU from page-locked memory) to finish before they go back.
+    awaiting_device: int = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from ...stats import Stats
@@ -57,6 +57,7 @@ class Figures:
         self._view: StatsView | None = None
         self._reader: MainReader | None = None
         self._final: Stats | None = None
+        self.feeding: Any = None  # the feeding's counters (``feeding.py``), when items are pinned
 
     def watch(self, view: StatsView | None, reader: MainReader) -> None:
         self._view, self._reader = view, reader
@@ -66,15 +67,25 @@ class Figures:
         if final is not None:
             return final
         if view is None or reader is None:
-            return _empty()
+            return _with_feeding(_empty(), self.feeding)
         view.main.items_in = reader.handed_out()
-        return view.snapshot()
+        return _with_feeding(view.snapshot(), self.feeding)
 
     def freeze(self) -> None:
         """The first step of the stop, while the children still run."""
         if self._final is None:
             self._final = self.snapshot()
             self._view = self._reader = None
+
+
+def _with_feeding(stats: Stats, counters: Any) -> Stats:
+    if counters is None:
+        return stats
+    from dataclasses import asdict, replace
+
+    from ...stats import DeviceFeed
+
+    return replace(stats, device=DeviceFeed(**asdict(counters)))
 
 
 def _empty() -> Stats:

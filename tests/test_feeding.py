@@ -1,0 +1,187 @@
+"""pin_memory=True and device= without an accelerator: the run-ahead, order, errors,
+checkpoints and statistics of the device feed, through a fake mover that stands in for
+the device; and what a user without CUDA sees (a warning, items as they are)."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections import namedtuple
+
+import pytest
+import torch
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+import pipelines
+from mprs_plus import MultiProcessingReadingService
+from mprs_plus.runtime.main import feeding
+from mprs_plus.runtime.main.feeding import FeedCounters, Feeding, feed_ahead, map_tensors
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+
+
+class FakeMover:
+    """Stands in for the device: 'moving' an item tags it; records what happened when."""
+
+    def __init__(self, device: str = "fake", counters: FeedCounters | None = None) -> None:
+        self.on_side = False
+        self.events: list[tuple[str, object]] = []
+        self.started = 0
+
+    @contextlib.contextmanager
+    def side(self):
+        self.on_side = True
+        try:
+            yield
+        finally:
+            self.on_side = False
+
+    def start(self, box):
+        item = box.pop()
+        assert not box, "the mover must take the item out of the box"
+        self.events.append(("start", item))
+        self.started += 1
+        return ("moved", item), self.started
+
+    def hand_out(self, moved, token):
+        self.events.append(("hand_out", moved[1]))
+        return moved, token % 2 == 0
+
+
+def counting_source(n: int, mover: FakeMover, pulled: list[int], fail_at: int | None = None):
+    for i in range(n):
+        assert mover.on_side, "the source must be pulled while the side stream is current"
+        if i == fail_at:
+            raise ValueError(f"bad item {i}")
+        pulled.append(i)
+        yield i
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 5])
+def test_the_feed_runs_at_most_ahead_items_ahead_of_the_loop_in_order(ahead):
+    mover, pulled, counters = FakeMover(), [], FeedCounters(device="fake")
+    stream = feed_ahead(counting_source(10, mover, pulled), mover, ahead, counters)
+    got = []
+    for moved in stream:
+        assert not mover.on_side, "the loop must never run with the side stream current"
+        got.append(moved[1])
+        # Enqueued but not handed out: never more than ``ahead``, the one in hand included.
+        assert len(pulled) - (len(got) - 1) <= ahead
+    assert got == list(range(10))
+    assert counters.items == 10
+    assert [e for e, _ in mover.events].count("start") == 10
+
+
+def test_the_first_item_waits_for_no_more_than_ahead_pulls():
+    mover, pulled = FakeMover(), []
+    stream = feed_ahead(counting_source(100, mover, pulled), mover, 3, FeedCounters())
+    assert next(stream)[1] == 0
+    assert pulled == [0, 1, 2]
+
+
+def test_an_error_comes_after_the_items_before_it_with_its_own_traceback():
+    mover, pulled = FakeMover(), []
+    stream = feed_ahead(counting_source(10, mover, pulled, fail_at=4), mover, 3, FeedCounters())
+    got = []
+    with pytest.raises(ValueError, match="bad item 4") as raised:
+        for moved in stream:
+            got.append(moved[1])
+    assert got == [0, 1, 2, 3]
+    frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert "counting_source" in frames
+
+
+def test_items_handed_out_before_their_copy_finished_are_counted():
+    mover, counters = FakeMover(), FeedCounters()
+    list(feed_ahead(counting_source(6, mover, []), mover, 2, counters))
+    assert counters.waited_on_copy == 3  # the fake's even tokens are 'still running'
+
+
+def test_map_tensors_reaches_every_tensor_and_keeps_the_structure():
+    Pair = namedtuple("Pair", "a b")
+    item = {"x": torch.zeros(2), "rest": [Pair(torch.ones(1), "label"), (torch.ones(3), 7)], "n": 3}
+    out = map_tensors(item, lambda t: t + 1)
+    assert isinstance(out["rest"][0], Pair) and out["rest"][0].b == "label"
+    assert out["x"].tolist() == [1.0, 1.0]
+    assert out["rest"][1][0].tolist() == [2.0, 2.0, 2.0] and out["rest"][1][1] == 7
+    assert out["n"] == 3
+
+
+def big_tensor(i: int) -> torch.Tensor:
+    return torch.full((64 << 10,), i, dtype=torch.float32)  # 256 KiB: lent
+
+
+@needs_no_cuda
+def test_pin_memory_without_an_accelerator_warns_and_delivers_every_item():
+    service = MultiProcessingReadingService(2, pin_memory=True)
+    loader = DataLoader2(IterableWrapper(range(8)).sharding_filter().map(big_tensor), reading_service=service)
+    try:
+        with pytest.warns(UserWarning, match="no accelerator is available"):
+            iterator = iter(loader)  # DataLoader2 starts the service here
+        got = [int(t[0]) for t in iterator]
+    finally:
+        loader.shutdown()
+    assert got == list(range(8))
+
+
+@needs_no_cuda
+def test_device_without_cuda_is_an_error_that_says_what_to_do():
+    service = MultiProcessingReadingService(2, pin_memory=True, device="cuda")
+    loader = DataLoader2(IterableWrapper(range(4)).sharding_filter(), reading_service=service)
+    try:
+        with pytest.raises(RuntimeError, match="CUDA is not available.*Leave device=None"):
+            iter(loader)
+    finally:
+        loader.shutdown()
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """The service's feeding with the fake mover: the runtime's real wiring, no device."""
+    made: list[Feeding] = []
+
+    def open_fake(pin_memory, device, ahead):
+        made.append(Feeding(device, ahead, mover_factory=FakeMover))
+        return made[-1]
+
+    monkeypatch.setattr(feeding, "open_feeding", open_fake)
+    return made
+
+
+def test_a_fed_service_delivers_every_item_in_order_and_reports_it(fake_device):
+    service = MultiProcessingReadingService(2, pin_memory=True, device="cuda", device_prefetch=3)
+    loader = DataLoader2(IterableWrapper(range(20)).sharding_filter().map(pipelines.identity), reading_service=service)
+    try:
+        epochs = [[moved[1] for moved in loader] for _ in range(2)]
+        stats = service.stats()
+    finally:
+        loader.shutdown()
+    assert epochs == [list(range(20))] * 2
+    assert stats.device is not None and stats.device.items == 40 and stats.device.device == "cuda"
+    assert "to cuda: 40 items" in stats.summary()
+
+
+def test_a_checkpoint_with_items_copied_ahead_resumes_with_exactly_the_rest(fake_device):
+    """Items enqueued for the device but not handed out were not seen by the user: a
+    restored run must yield them."""
+
+    def make_pipe():
+        return IterableWrapper(range(30)).sharding_filter().map(pipelines.identity)
+
+    service = MultiProcessingReadingService(2, pin_memory=True, device="cuda", device_prefetch=4)
+    loader = DataLoader2(make_pipe(), reading_service=service)
+    try:
+        iterator = iter(loader)
+        first = [next(iterator)[1] for _ in range(7)]
+        state = loader.state_dict()
+    finally:
+        loader.shutdown()
+    assert first == list(range(7))
+    service = MultiProcessingReadingService(2, pin_memory=True, device="cuda", device_prefetch=4)
+    restored = DataLoader2.from_state(state, service)
+    try:
+        rest = [moved[1] for moved in restored]
+    finally:
+        restored.shutdown()
+    assert rest == list(range(7, 30))

@@ -1,0 +1,230 @@
+"""Page-locked lend areas (``pin_memory=True``), through the transport's seam: a fake
+locker whose fences pass only when the test says so stands in for the device.
+
+What a user relies on: no extent is handed back to the sender while a copy enqueued
+before its buffer was dropped may still read it; such extents count against the held
+bound; the area is unlocked before it is unmapped, and only by the process that locked
+it; buffers copied instead of lent land in memory the locker gives."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+from transport_peers import shm_only
+
+from mprs_plus.transport import lending, open_channel
+from mprs_plus.transport import _lend
+
+pytestmark = shm_only
+
+FORK = multiprocessing.get_context("fork")
+RING = 1 << 20
+ITEM = 256 << 10  # lent (>= LEND_MIN)
+
+
+class FakeLocker:
+    """Records every call; a fence passes once the test calls ``finish``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.issued = 0
+        self.finished = 0  # fences numbered below this have passed
+        self.allocated: list[np.ndarray] = []
+
+    def register(self, address: int, nbytes: int) -> bool:
+        self.calls.append(("register", (address, nbytes)))
+        return True
+
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", address))
+
+    def fence(self) -> int:
+        self.issued += 1
+        return self.issued
+
+    def passed(self, token: int) -> bool:
+        return token <= self.finished
+
+    def finish(self) -> None:
+        self.finished = self.issued
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, dtype=np.uint8)
+        self.allocated.append(out)
+        return out
+
+    def count(self, name: str) -> int:
+        return sum(1 for call, _ in self.calls if call == name)
+
+
+@pytest.fixture
+def locker():
+    fake = FakeLocker()
+    _lend.lock_pages_with(fake)
+    yield fake
+    _lend.lock_pages_with(None)
+    fake.finish()  # whatever a test left waiting goes back, so the next test starts clean
+    gc.collect()
+    assert lending().awaiting_device == 0
+
+
+@pytest.fixture
+def channel(locker):
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def filled(value: int, nbytes: int = ITEM) -> np.ndarray:
+    return np.full(nbytes, value % 251, dtype=np.uint8)
+
+
+def slots_lent(receiver) -> int:
+    ctl = receiver._lent.ctl
+    return sum(1 for slot in range(_lend.SLOTS) if ctl[_lend.SLOT_BASE + slot] != _lend.FREE)
+
+
+def test_the_lend_area_is_registered_once_when_it_first_lends(channel, locker):
+    sender, receiver = channel
+    assert locker.count("register") == 0  # nothing is locked before anything is lent
+    for value in range(3):
+        sender.send(filled(value))
+        assert receiver.recv(timeout=5)[0] == value
+    assert locker.count("register") == 1
+    (_, (address, nbytes)), = [call for call in locker.calls if call[0] == "register"]
+    assert nbytes == receiver._lent._region.lend_size
+    assert address % os.sysconf("SC_PAGE_SIZE") == 0
+
+
+def test_a_dropped_buffer_goes_back_only_after_its_fence_passes(channel, locker):
+    sender, receiver = channel
+    sender.send(filled(7))
+    item = receiver.recv(timeout=5)
+    assert slots_lent(receiver) == 1
+    del item
+    gc.collect()
+    # Dropped, but the device may still copy from it: the sender must not get it back.
+    assert slots_lent(receiver) == 1
+    assert lending().awaiting_device == 1
+    assert lending().held_bytes >= ITEM  # still counted against the held bound
+    locker.finish()
+    assert lending().awaiting_device == 0  # lending() reaps what passed
+    assert slots_lent(receiver) == 0
+
+
+def test_a_fence_is_reaped_when_the_next_buffer_arrives(channel, locker):
+    sender, receiver = channel
+    sender.send(filled(1))
+    first = receiver.recv(timeout=5)
+    del first
+    locker.finish()
+    assert slots_lent(receiver) == 1  # nothing has looked yet
+    sender.send(filled(2))
+    second = receiver.recv(timeout=5)
+    assert second[0] == 2
+    assert slots_lent(receiver) == 1  # the first went back when the second was lent
+
+
+def test_extents_awaiting_a_fence_count_against_the_held_bound(channel, locker):
+    """Past the bound a buffer is copied, not lent, into memory the locker gives: memory
+    stays bounded however long the device takes."""
+    sender, receiver = channel
+    limit = _lend.HOLD_FACTOR * RING
+    lent_before = lending().lent
+    for value in range(limit // ITEM):
+        sender.send(filled(value))
+        item = receiver.recv(timeout=5)
+        assert item[0] == value
+        del item  # dropped at once, but no fence passes
+    assert lending().lent - lent_before == limit // ITEM
+    allocated = len(locker.allocated)
+    sender.send(filled(99))
+    copy = receiver.recv(timeout=5)
+    assert copy[0] == 99
+    assert lending().lent - lent_before == limit // ITEM  # copied: the bound held
+    assert len(locker.allocated) == allocated + 1  # ... into the locker's memory
+    locker.finish()
+    del copy
+    sender.send(filled(100))
+    assert receiver.recv(timeout=5)[0] == 100
+    assert lending().lent - lent_before == limit // ITEM + 1  # lent again once fences passed
+
+
+def test_the_area_is_unlocked_after_the_last_fence_and_before_it_is_unmapped(locker):
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    sender.send(filled(3))
+    item = receiver.recv(timeout=5)
+    sender.close()
+    receiver.close()
+    assert locker.count("unregister") == 0  # the user still holds a lent buffer
+    assert item[0] == 3 and item[-1] == 3  # ... and it is still mapped
+    del item
+    gc.collect()
+    assert locker.count("unregister") == 0  # dropped, but its fence has not passed
+    locker.finish()
+    lending()
+    assert locker.count("unregister") == 1
+    register = next(value for call, value in locker.calls if call == "register")
+    assert ("unregister", register[0]) in locker.calls
+
+
+def test_a_channel_released_with_nothing_held_is_unlocked_at_once(locker):
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    sender.send(filled(4))
+    item = receiver.recv(timeout=5)
+    del item
+    locker.finish()
+    lending()
+    assert locker.count("unregister") == 0  # the channel is still open
+    sender.close()
+    receiver.close()
+    assert locker.count("unregister") == 1
+
+
+def test_a_forked_child_never_calls_the_locker(channel, locker):
+    """The child inherits the lent buffer (it gets its own copy of the bytes) and the
+    parent's locker object, but the device context is the parent's: nothing in the child
+    may register, fence or unregister."""
+    sender, receiver = channel
+    sender.send(filled(5))
+    item = receiver.recv(timeout=5)
+    calls_before = list(locker.calls)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: read and drop the inherited buffer, release the channel
+        ok = False
+        try:
+            ok = item[0] == 5 and _lend._locker is None
+            del item
+            receiver.release()
+            gc.collect()
+            ok = ok and locker.calls == calls_before and locker.issued == 0
+        finally:
+            os.write(write_end, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write_end)
+    verdict = os.read(read_end, 1)
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    assert verdict == b"1"
+    assert item[0] == 5
+
+
+def test_without_a_locker_a_dropped_buffer_goes_back_at_once():
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    try:
+        sender.send(filled(6))
+        item = receiver.recv(timeout=5)
+        assert slots_lent(receiver) == 1
+        del item
+        gc.collect()
+        assert slots_lent(receiver) == 0
+        assert lending().awaiting_device == 0
+    finally:
+        sender.close()
+        receiver.close()
