@@ -145,6 +145,8 @@ def explain_text(plan: Plan) -> str:
             lines.append(f"  {labels[index]:<{width}}  {inputs}{shown_tags}".rstrip())
             lines += [f"    ==> {queue}" for queue in _queue_text(plan, index)]
     lines.append("")
+    if plan.delivery is not None:
+        lines += _wrapped("", f"Items reach the loop {plan.delivery}.")
     sharding = _sharding_summary(plan)
     if sharding is not None:
         lines += _wrapped("", sharding)

@@ -42,6 +42,8 @@ class Plan(NamedTuple):
             ``sharding_filter``.
         warnings: footguns found, such as no sharding point; the reading service issues
             them as ``UserWarning`` and ``explain()`` shows them.
+        delivery: how items reach the loop when the service does more than hand them
+            over (``pin_memory``, ``device``); set by the reading service, None otherwise.
     """
 
     graph: Graph
@@ -51,6 +53,7 @@ class Plan(NamedTuple):
     worker_outputs: tuple[int, ...]
     sharding_points: tuple[int, ...]
     warnings: tuple[str, ...]
+    delivery: str | None = None
 
     @property
     def uses_processes(self) -> bool:

@@ -64,6 +64,14 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         backend: where the worker and dispatch segments run: None for processes of this
             host; ``mprs_plus.RayBackend(...)`` for Ray actors on a cluster's nodes (the main
             segment stays in this process; items, order, seeds and checkpoints are the same).
+        pin_memory: True page-locks every tensor of every item, as torch's DataLoader does:
+            large ones where they lie (the lend areas are registered with CUDA), small ones
+            copied into pinned memory, so ``.to("cuda", non_blocking=True)`` runs at the
+            bus's speed. Without an accelerator: a warning, and items as they are.
+        device: with ``pin_memory=True``, e.g. ``"cuda"``: items reach the loop already on
+            that device, copied on the service's own stream ahead of the loop (the loop's
+            current stream waits for each copy on the device).
+        device_prefetch: items copied to ``device`` ahead of the loop (default 2).
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
@@ -182,6 +190,8 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         for message in warnings_for(self._plan, self.options):
             warnings.warn(message, UserWarning, stacklevel=3)
         self._feeding = _open_feeding(self.options)
+        if self._feeding is not None:
+            self._plan = self._plan._replace(delivery=self._feeding.delivery)
         self._runtime = open_runtime(datapipe, self._plan, self.options)
         main = self._runtime.start()
         self._family.started(self._runtime.figures)

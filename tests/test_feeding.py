@@ -155,11 +155,13 @@ def test_a_fed_service_delivers_every_item_in_order_and_reports_it(fake_device):
     try:
         epochs = [[moved[1] for moved in loader] for _ in range(2)]
         stats = service.stats()
+        explained = loader.reading_service.plan.explain()
     finally:
         loader.shutdown()
     assert epochs == [list(range(20))] * 2
     assert stats.device is not None and stats.device.items == 40 and stats.device.device == "cuda"
     assert "to cuda: 40 items" in stats.summary()
+    assert "Items reach the loop on cuda" in explained
 
 
 def test_a_checkpoint_with_items_copied_ahead_resumes_with_exactly_the_rest(fake_device):

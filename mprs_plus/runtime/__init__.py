@@ -16,6 +16,7 @@ Rooms by process: a module's folder says where its code runs.
       stats.py       the main process's view of the statistics table
       restore.py     checkpoint capture and restore
       diagnose.py    what in a segment cannot be pickled
+      feeding.py     pin_memory / device=: page-locked lend areas, copies ahead on a side stream
     child/     a dispatch or worker process only
       worker.py      the worker process: one replica of the worker segment
       dispatch.py    the dispatch process: deals items round-robin to the workers

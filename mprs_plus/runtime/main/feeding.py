@@ -250,6 +250,16 @@ class Feeding:
         self._mover: Any = None
         self._mover_factory = mover_factory or CudaMover
 
+    @property
+    def delivery(self) -> str:
+        """How items reach the loop, for ``Plan.explain()``."""
+        if self._device is None:
+            return "page-locked (pin_memory=True): lent tensors are pinned where they lie, others copied into pinned memory"
+        return (
+            f"on {self._device}: every tensor copied there on the service's own stream, up to {self.ahead} "
+            "items ahead of the loop, from page-locked memory"
+        )
+
     def wrap(self, main: Any) -> FedPipe:
         return main if isinstance(main, FedPipe) else FedPipe(main, self)
 

@@ -1,0 +1,124 @@
+"""pin_memory=True and device= on a real CUDA device: pinned where they lie, equal to what
+the workers made while the workers reuse extents at full speed, and nothing left behind.
+Skipped without CUDA (the release rule itself is tested without a device, through fakes:
+tests/transport/test_transport_page_locking.py and tests/test_feeding.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from mprs_plus import MultiProcessingReadingService
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MIB = 1 << 20
+
+
+def patterned(index: int, nbytes: int = 4 * MIB) -> torch.Tensor:
+    """Item ``index``: bytes that differ from every other item's at almost every position."""
+    return (torch.arange(nbytes, dtype=torch.int64) * 7 + index * 13).remainder(251).to(torch.uint8)
+
+
+def make_pipe(count: int, nbytes: int):
+    return IterableWrapper(range(count)).sharding_filter().map(lambda_free_pattern(nbytes))
+
+
+class lambda_free_pattern:
+    """A picklable ``index -> (index, tensor)``: spawn-safe without dill."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self, index: int) -> tuple[int, torch.Tensor]:
+        return index, patterned(index, self.nbytes)
+
+
+def small_item(index: int) -> dict:
+    return {"index": index, "x": torch.full((16,), index, dtype=torch.int32)}
+
+
+def test_every_tensor_arrives_pinned_and_pin_memory_then_costs_nothing():
+    service = MultiProcessingReadingService(2, pin_memory=True)
+    loader = DataLoader2(make_pipe(16, 1 * MIB), reading_service=service)
+    try:
+        for index, tensor in loader:
+            assert tensor.is_pinned()
+            assert tensor.pin_memory().data_ptr() == tensor.data_ptr()  # already pinned: no copy
+            assert torch.equal(tensor, patterned(index, 1 * MIB))
+    finally:
+        loader.shutdown()
+
+
+def test_small_tensors_are_pinned_too():
+    service = MultiProcessingReadingService(2, pin_memory=True)
+    loader = DataLoader2(IterableWrapper(range(8)).sharding_filter().map(small_item), reading_service=service)
+    try:
+        items = list(loader)
+    finally:
+        loader.shutdown()
+    assert sorted(item["index"] for item in items) == list(range(8))
+    assert all(item["x"].is_pinned() for item in items)
+
+
+@pytest.mark.parametrize("mode", ["loop_copies", "device"])
+def test_no_item_is_corrupted_while_workers_reuse_extents_at_full_speed(mode):
+    """The loop drops each host tensor right after its non-blocking copy; workers refill
+    extents as fast as they can. Every item on the GPU must equal what its worker made."""
+    count, nbytes = 96, 4 * MIB
+    device = "cuda" if mode == "device" else None
+    service = MultiProcessingReadingService(4, pin_memory=True, device=device)
+    loader = DataLoader2(make_pipe(count, nbytes), reading_service=service)
+    on_gpu: dict[int, torch.Tensor] = {}
+    try:
+        for index, tensor in loader:
+            if mode == "loop_copies":
+                tensor = tensor.to("cuda", non_blocking=True)
+            on_gpu[index] = tensor
+            del tensor
+        torch.cuda.synchronize()
+        stats = service.stats()
+    finally:
+        loader.shutdown()
+    assert sorted(on_gpu) == list(range(count))
+    bad = [i for i, t in on_gpu.items() if not torch.equal(t.cpu(), patterned(i, nbytes))]
+    assert bad == []
+    if mode == "device":
+        assert stats.device is not None and stats.device.bytes_to_device == count * nbytes
+
+
+def test_a_child_forked_after_registration_reads_the_lent_bytes():
+    service = MultiProcessingReadingService(1, pin_memory=True)
+    loader = DataLoader2(make_pipe(2, 1 * MIB), reading_service=service)
+    try:
+        index, tensor = next(iter(loader))
+        assert tensor.is_pinned()
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child reads the inherited (registered) buffer; no CUDA call here
+            try:
+                os.write(write_end, str(int(tensor.to(torch.int64).sum())).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as answer:
+            total = int(answer.read() or b"-1")
+        os.waitpid(pid, 0)
+        assert total == int(patterned(index, 1 * MIB).to(torch.int64).sum())
+    finally:
+        loader.shutdown()
+
+
+def test_shutdown_with_copies_in_flight_returns():
+    service = MultiProcessingReadingService(2, pin_memory=True, device="cuda", device_prefetch=4)
+    loader = DataLoader2(make_pipe(64, 8 * MIB), reading_service=service)
+    iterator = iter(loader)
+    next(iterator)
+    loader.shutdown()  # copies enqueued ahead are simply dropped; nothing waits on them
