@@ -32,6 +32,7 @@ class ProcessStats:
     queued: int  # items waiting in this process's output channel(s), where known
     rescues: int = 0  # lost wake-ups the transport's watchdog made up for (0 unless there is a bug)
     node: str = ""  # the cluster node it runs on, with a backend that places children on nodes
+    messages_out: int = 0  # messages written to its output channels (each carries a batch of items)
 
     @property
     def busy_fraction(self) -> float:
@@ -69,6 +70,7 @@ def make_process_stats(role: Segment, index: int, pid: int, rows: list[dict[str,
         elapsed_s=elapsed,
         queued=int(total("queued")),
         rescues=int(total("rescues")),
+        messages_out=int(total("messages_out")),
     )
 
 
@@ -84,6 +86,29 @@ class SegmentStats:
     input_wait_fraction: float
     output_wait_fraction: float
     bytes_out: int
+    messages_out: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceFeed:
+    """What ``pin_memory=True`` (and ``device=``) did in the main process."""
+
+    device: str  # where items were moved; "" when they were only page-locked
+    items: int  # items handed to the loop
+    bytes_to_device: int  # tensor bytes copied to the device by the service
+    pinned_copies: int  # tensors that were not page-locked and were copied into such memory
+    # Items handed out while their copy to the device still ran (the loop's stream waits
+    # for it on the device): many mean the copies, not the workers, pace the loop.
+    waited_on_copy: int
+
+    def summary(self) -> str:
+        if not self.device:
+            return f"  pinned: {self.items:,} items page-locked, {self.pinned_copies:,} tensors copied to do so"
+        return (
+            f"  to {self.device}: {self.items:,} items, {self.bytes_to_device / 1e6:,.1f} MB copied ahead of the loop; "
+            f"{self.waited_on_copy:,} handed out before their copy finished; "
+            f"{self.pinned_copies:,} tensors copied into page-locked memory first"
+        )
 
 
 @dataclass(frozen=True)
@@ -97,9 +122,14 @@ class Stats:
     # of shared memory, or copied (the user held too many already, or the worker had no
     # room left to lend); and those held now, by any service of this process (docs/stats.md).
     large_buffers: Lending = Lending(0, 0, 0, 0)
+    # With pin_memory=True: what was page-locked and moved to the device (docs/gpu.md).
+    device: DeviceFeed | None = None
 
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)
+
+    def __str__(self) -> str:
+        return self.summary()  # what print(stats) shows; repr(stats) stays the dataclass's
 
     def summary(self) -> str:
         lines = [self.bottleneck]
@@ -112,12 +142,21 @@ class Stats:
                 f"busy {s.busy_fraction:4.0%}  waiting for input {s.input_wait_fraction:4.0%}  "
                 f"waiting for space {s.output_wait_fraction:4.0%}  {s.bytes_out / 1e6:,.1f} MB sent"
             )
+        # Children on other nodes: what each sent over the network, message by message.
+        for p in placed:
+            lines.append(
+                f"  {p.role} {p.index} sent {p.items_out:,} items in {p.messages_out:,} messages"
+                f"{_per_message(p.items_out, p.messages_out)}, {p.bytes_out / 1e6:,.1f} MB: "
+                f"busy {p.busy_fraction:.0%}, waiting for space {p.output_wait_fraction:.0%}"
+            )
         large = self.large_buffers
         if large.lent or large.copied:
             lines.append(
                 f"  large buffers: {large.lent:,} handed over as views of shared memory, {large.copied:,} copied "
                 f"(too many held, or no room to lend); {large.held_buffers:,} held now, {large.held_bytes / 1e6:,.1f} MB"
             )
+        if self.device is not None:
+            lines.append(self.device.summary())
         return "\n".join(lines)
 
 
@@ -138,40 +177,86 @@ def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = Non
                 input_wait_fraction=sum(p.input_wait_fraction for p in members) / n,
                 output_wait_fraction=sum(p.output_wait_fraction for p in members) / n,
                 bytes_out=sum(p.bytes_out for p in members),
+                messages_out=sum(p.messages_out for p in members),
             )
         )
     large = large_buffers if large_buffers is not None else Lending(0, 0, 0, 0)
-    return Stats(tuple(processes), tuple(segments), bottleneck(segments), large)
+    network = any(p.node for p in processes)  # children placed on nodes talk over the network
+    verdict = bottleneck(segments, network=network, startup=_startup(processes))
+    return Stats(tuple(processes), tuple(segments), verdict, large)
 
 
-def network_verdict(stats: Stats) -> str | None:
-    """With children on other hosts: the channels (the network) are the bottleneck when the
-    workers wait to hand items on and the main process waits for them at the same time,
-    neither of them busy. None otherwise."""
-    workers, main = stats.segment("worker"), stats.segment("main")
-    if workers is None or main is None or not main.items_in:
-        return None
-    if workers.output_wait_fraction > 0.5 and main.input_wait_fraction > 0.5:
-        return (
-            f"the network is the bottleneck: workers wait {workers.output_wait_fraction:.0%} of the time to hand "
-            f"items on while the main segment waits {main.input_wait_fraction:.0%} of the time for them; send "
-            "fewer bytes per item (decode or crop on the workers, compress) or run the workers nearer"
-        )
-    return None
+def _startup(processes: list[ProcessStats]) -> tuple[float, float]:
+    """(seconds of the main process's life before its last child began to run, its life so
+    far): the waits of a short run are mostly the children starting, not their work."""
+    main = next((p for p in processes if p.role == Segment.MAIN), None)
+    children = [p.elapsed_s for p in processes if p.role != Segment.MAIN and p.elapsed_s > 0]
+    if main is None or not children or main.elapsed_s <= 0:
+        return 0.0, 0.0
+    return max(0.0, main.elapsed_s - min(children)), main.elapsed_s
 
 
-def bottleneck(segments: list[SegmentStats]) -> str:
-    """One sentence naming the stage that limits throughput, and what to do about it."""
+def _per_message(items: int, messages: int) -> str:
+    return f" ({items / messages:,.1f} items per message)" if messages else ""
+
+
+def bottleneck(
+    segments: list[SegmentStats], *, network: bool = False, startup: tuple[float, float] = (0.0, 0.0)
+) -> str:
+    """One sentence naming the stage that limits throughput, and what to do about it.
+
+    ``network``: a backend placed the children on a cluster's nodes (Ray's), so their
+    channels are the network; otherwise they are this host's transport. ``startup``: the
+    seconds the main process lived before its last child began to run, and its whole life
+    so far. The rules, in order (fractions of each process's lifetime so far):
+
+    0. the main segment waits (> 50%) and most of its life (> 50%) went by before the
+       children ran: their start, which says nothing yet of the steady state;
+    1. the dispatch process is busy (> 70%) while the workers wait for its items (> 50%);
+    2. the workers wait to hand items on (> 50%) while the main segment waits for them
+       (> 50%): the channel between them;
+    3. the workers wait to hand items on (> 50%), or the main process is busy (> 70%) and
+       seldom waits (< 30%): the main process;
+    4. the main segment waits for worker output (> 50%):
+       the workers, when they are busy (>= 50%); otherwise they are mostly idle and the
+       items are slow to cross: the channel from the dispatch process when the workers wait
+       for its items (> 50%), else the channel to the main process. Never "add workers"
+       for idle workers;
+    5. balanced.
+    """
     by_name = {s.segment: s for s in segments}
     workers, main, dispatch = by_name.get(Segment.WORKER), by_name.get(Segment.MAIN), by_name.get(Segment.DISPATCH)
     if workers is None or main is None:
         return "no statistics yet: the service has not run an epoch"
     if main.items_in == 0 and workers.items_out == 0:
         return "no items have moved yet"
+    starting, lived = startup
+    if lived > 0 and starting / lived > 0.5 and main.input_wait_fraction > 0.5:
+        how = " (Ray starts an actor for each, on its node)" if network else ""
+        return (
+            f"starting the workers took most of the time so far: {starting:.1f} s of the main process's "
+            f"{lived:.1f} s went by before they ran{how}; they start once and serve every epoch, so ask again "
+            "after a longer run to see what limits the flow of items"
+        )
     if dispatch is not None and workers.input_wait_fraction > 0.5 and dispatch.busy_fraction > 0.7:
         return (
             f"the dispatch process is the bottleneck: it is {dispatch.busy_fraction:.0%} busy while the workers "
             f"wait {workers.input_wait_fraction:.0%} of the time for items; move work after the dispatcher"
+        )
+    channel = "the network" if network else "the transport"
+    if workers.output_wait_fraction > 0.5 and main.input_wait_fraction > 0.5:
+        # Both ends wait on the channel between them: it moves the bytes too slowly.
+        if network:
+            return (
+                f"the network is the bottleneck: workers wait {workers.output_wait_fraction:.0%} of the time to hand "
+                f"items on while the main segment waits {main.input_wait_fraction:.0%} of the time for them; send "
+                "fewer bytes per item (decode or crop on the workers, compress) or run the workers nearer"
+            )
+        return (
+            f"the transport is the bottleneck: workers spend {workers.output_wait_fraction:.0%} of the time handing "
+            f"items on (serializing them, waiting for space) while the main segment waits "
+            f"{main.input_wait_fraction:.0%} of the time for them; send fewer bytes per item, as arrays or tensors "
+            "rather than many small Python objects"
         )
     if workers.output_wait_fraction > 0.5 or (main.busy_fraction > 0.7 and main.input_wait_fraction < 0.3):
         return (
@@ -181,9 +266,34 @@ def bottleneck(segments: list[SegmentStats]) -> str:
             "segment or the training step (more workers will not help)"
         )
     if main.input_wait_fraction > 0.5:
+        if workers.busy_fraction >= 0.5:
+            return (
+                f"the workers are the bottleneck: they are {workers.busy_fraction:.0%} busy and the main segment "
+                f"waits {main.input_wait_fraction:.0%} of the time on worker output; add workers"
+            )
+        # Mostly idle workers and a waiting loop: the items are slow to cross, not to make.
+        if dispatch is not None and workers.input_wait_fraction > 0.5:
+            between = "between the dispatch process and the workers" if network else "from the dispatch process"
+            return (
+                f"{channel} {between} is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy and "
+                f"wait {workers.input_wait_fraction:.0%} of the time for dispatched items, while the dispatch "
+                f"process is {dispatch.busy_fraction:.0%} busy; each item crosses at a cost of its own: dispatch "
+                "fewer, bigger items (batch them before sharding_round_robin_dispatch); more workers will not help"
+            )
+        per_message = _per_message(workers.items_out, workers.messages_out)
+        if network:
+            return (
+                f"the network is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy while the "
+                f"main segment waits {main.input_wait_fraction:.0%} of the time on their output, which crosses the "
+                f"network from the Ray actors to the training process at a cost per message{per_message}; send "
+                "fewer, bigger items (batch them in the worker segment), or use local workers; more workers will "
+                "not help"
+            )
         return (
-            f"the workers are the bottleneck: they are {workers.busy_fraction:.0%} busy and the main segment waits "
-            f"{main.input_wait_fraction:.0%} of the time on worker output; add workers"
+            f"the transport is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy while the "
+            f"main segment waits {main.input_wait_fraction:.0%} of the time on their output, which crosses to the "
+            f"main process at a cost per message{per_message}; send fewer, bigger items (batch them in the worker "
+            "segment); more workers will not help"
         )
     return (
         f"balanced: workers {workers.busy_fraction:.0%} busy, the main segment waits "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 
 import pytest
 from torchdata.dataloader2 import DataLoader2
@@ -11,7 +12,8 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.stats import SegmentStats, bottleneck
+from mprs_plus.segment import Segment
+from mprs_plus.stats import ProcessStats, SegmentStats, aggregate, bottleneck
 
 
 def run_epoch(pipe, consume=None, **options):
@@ -137,3 +139,123 @@ def test_copies_in_two_loaders_report_the_last_one_started():
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def test_workers_count_the_messages_that_carry_their_items():
+    stats = run_epoch(IterableWrapper(range(1000)).sharding_filter())
+    workers = [p for p in stats.processes if p.role == "worker"]
+    assert all(p.messages_out > 0 for p in workers)  # items travel in batches: a message carries many
+    assert stats.segment("worker").messages_out == sum(p.messages_out for p in workers)
+    pipe = IterableWrapper(range(300)).sharding_round_robin_dispatch(
+        pipelines.SHARDING_PRIORITIES.MULTIPROCESSING
+    ).map(pipelines.double)
+    assert run_epoch(pipe).segment("dispatch").messages_out > 0  # counted in the dispatch process's own row
+
+
+# Verdicts for workers that are mostly idle while the main segment waits on their output:
+# the items are slow to cross, not to make. Numbers are forced, not timed.
+IDLE = SegmentStats("worker", 2, 0, 1000, 0.16, 0.0, 0.0, 0, messages_out=40)
+WAITING_MAIN = SegmentStats("main", 1, 1000, 1000, 0.01, 0.99, 0.0, 0)
+
+
+def test_idle_workers_and_a_waiting_loop_name_the_transport_not_the_workers():
+    verdict = bottleneck([IDLE, WAITING_MAIN])
+    assert verdict.startswith("the transport is the bottleneck: the workers are only 16% busy"), verdict
+    assert "(25.0 items per message)" in verdict and "batch them in the worker segment" in verdict
+    assert "add workers" not in verdict
+
+
+def test_idle_ray_workers_and_a_waiting_loop_name_the_network():
+    verdict = bottleneck([IDLE, WAITING_MAIN], network=True)
+    assert verdict.startswith("the network is the bottleneck: the workers are only 16% busy"), verdict
+    assert "use local workers" in verdict and "add workers" not in verdict
+
+
+def test_busy_workers_are_the_bottleneck_on_a_cluster_too():
+    busy = SegmentStats("worker", 2, 0, 1000, 0.97, 0.0, 0.0, 0, messages_out=40)
+    verdict = bottleneck([busy, WAITING_MAIN], network=True)
+    assert verdict.startswith("the workers are the bottleneck: they are 97% busy"), verdict
+
+
+@pytest.mark.parametrize("network, named", [(False, "the transport"), (True, "the network")])
+def test_both_ends_waiting_on_the_channel_name_it(network, named):
+    handing_on = SegmentStats("worker", 2, 0, 1000, 0.2, 0.0, 0.75, 0)
+    verdict = bottleneck([handing_on, WAITING_MAIN], network=network)
+    assert verdict.startswith(f"{named} is the bottleneck: workers"), verdict
+
+
+def test_idle_workers_waiting_for_an_idle_dispatcher_name_its_channels():
+    dispatch = SegmentStats("dispatch", 1, 0, 1000, 0.3, 0.0, 0.1, 0)
+    waiting = SegmentStats("worker", 2, 1000, 1000, 0.1, 0.8, 0.0, 0)
+    verdict = bottleneck([dispatch, waiting, WAITING_MAIN])
+    assert verdict.startswith("the transport from the dispatch process is the bottleneck"), verdict
+    assert "sharding_round_robin_dispatch" in verdict and "add workers" not in verdict
+    verdict = bottleneck([dispatch, waiting, WAITING_MAIN], network=True)
+    assert verdict.startswith("the network between the dispatch process and the workers is the bottleneck"), verdict
+
+
+@pytest.mark.parametrize("network", [False, True])
+@pytest.mark.parametrize("dispatch_busy", [None, 0.1, 0.6])
+def test_mostly_idle_workers_are_never_told_to_add_workers(network, dispatch_busy):
+    steps = [0.0, 0.2, 0.4, 0.49]
+    for busy in steps:
+        for waiting_input in steps:
+            for waiting_output in steps:
+                for main_waits in (0.51, 0.8, 1.0):
+                    workers = SegmentStats("worker", 2, 100, 100, busy, waiting_input, waiting_output, 0, 10)
+                    main = SegmentStats("main", 1, 100, 100, 1.0 - main_waits, main_waits, 0.0, 0)
+                    segments = [workers, main]
+                    if dispatch_busy is not None:
+                        segments.insert(0, SegmentStats("dispatch", 1, 0, 100, dispatch_busy, 0.0, 0.0, 0))
+                    verdict = bottleneck(segments, network=network)
+                    assert "add workers" not in verdict, (segments, verdict)
+
+
+def test_a_run_spent_starting_the_workers_says_so():
+    verdict = bottleneck([IDLE, WAITING_MAIN], network=True, startup=(1.9, 2.0))
+    assert verdict.startswith("starting the workers took most of the time so far: 1.9 s of the main process's 2.0 s")
+    # Once the workers have run most of the main process's life, the steady state speaks.
+    assert bottleneck([IDLE, WAITING_MAIN], startup=(0.5, 2.0)).startswith("the transport is the bottleneck")
+
+
+def _process(role, index, elapsed, busy, waiting_input, items_in, items_out, messages, node=""):
+    return ProcessStats(
+        role=Segment(role),
+        index=index,
+        pid=100 + index,
+        items_in=items_in,
+        items_out=items_out,
+        busy_s=busy * elapsed,
+        waiting_input_s=waiting_input * elapsed,
+        waiting_output_s=0.0,
+        bytes_out=4000,
+        elapsed_s=elapsed,
+        queued=0,
+        node=node,
+        messages_out=messages,
+    )
+
+
+def test_children_on_nodes_get_the_network_verdict_and_a_line_each():
+    node = "10.0.0.2 (node id 8820d41f3c09)"
+    processes = [
+        _process("worker", 0, 10.0, 0.16, 0.0, 0, 500, 20, node),
+        _process("worker", 1, 10.0, 0.16, 0.0, 0, 500, 20, node),
+        _process("main", 0, 10.2, 0.01, 0.99, 1000, 1000, 0),
+    ]
+    stats = aggregate(processes)
+    assert stats.segment("worker").messages_out == 40
+    assert stats.bottleneck.startswith("the network is the bottleneck"), stats.bottleneck
+    assert "  worker 0 sent 500 items in 20 messages (25.0 items per message), 0.0 MB: busy 16%" in stats.summary()
+    local = aggregate([replace(p, node="") for p in processes])
+    assert local.bottleneck.startswith("the transport is the bottleneck") and "worker 0 sent" not in local.summary()
+    # The same figures, but the workers ran only the last 0.2 s of the main process's 10.2 s.
+    late = aggregate([replace(p, elapsed_s=0.2) if p.role == "worker" else p for p in processes])
+    assert late.bottleneck.startswith("starting the workers took most of the time so far: 10.0 s"), late.bottleneck
+
+
+def test_print_shows_the_summary_and_repr_stays_a_repr():
+    stats = aggregate([_process("worker", 0, 1.0, 0.9, 0.0, 0, 10, 2), _process("main", 0, 1.0, 0.1, 0.9, 10, 10, 0)])
+    assert str(stats) == stats.summary() and f"{stats}" == stats.summary()
+    assert stats.summary().splitlines()[0] == stats.bottleneck
+    assert repr(stats).startswith("Stats(processes=(ProcessStats(")

@@ -16,6 +16,7 @@ Fields, per process:
     wait_output   seconds handing items to the next process: serializing them and
                   waiting for space in its channel (long when the next process is slow)
     bytes_out     bytes written to channels
+    messages_out  messages written to channels (a message carries a batch of items)
     queued        messages written to this process's output channels and not yet read
     rescues       wake-ups on those channels that the transport's watchdog stood in for
                   (either end; always 0 unless the transport has a bug)
@@ -36,8 +37,21 @@ from typing import Any
 
 from ..transport import Sender
 
-FIELDS = ("items_in", "items_out", "busy", "wait_input", "wait_output", "bytes_out", "queued", "started", "rescues")
-_ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED, _RESCUES = range(len(FIELDS))
+FIELDS = (
+    "items_in",
+    "items_out",
+    "busy",
+    "wait_input",
+    "wait_output",
+    "bytes_out",
+    "queued",
+    "started",
+    "rescues",
+    "messages_out",
+)
+_ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED, _RESCUES, _MESSAGES_OUT = range(
+    len(FIELDS)
+)
 
 
 class StatsTable:
@@ -100,5 +114,6 @@ class StatsWriter:
         if self.channels:
             traffic = [channel.traffic() for channel in self.channels]
             table[base + _BYTES_OUT] = sum(t.bytes for t in traffic)
+            table[base + _MESSAGES_OUT] = sum(t.messages for t in traffic)
             table[base + _QUEUED] = sum(t.queued_messages for t in traffic)
             table[base + _RESCUES] = sum(t.rescues for t in traffic)

@@ -42,7 +42,7 @@ class StatsView:
 
     def snapshot(self) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict."""
-        from ...stats import aggregate, make_process_stats, network_verdict
+        from ...stats import aggregate, make_process_stats
 
         table, main, topology, placement = self.table, self.main, self._topology, self._placement
         if placement is not None:
@@ -62,17 +62,22 @@ class StatsView:
             node = placement.node_of(link.process) if placement is not None and link.process is not None else None
             if node:
                 found = replace(found, node=node)
-            if link.data:  # a worker: exact and current, from this end of its channels
-                traffic = [receiver.traffic() for receiver in link.data]
-                queued = sum(t.queued_messages for t in traffic)
-                queued_to_main += queued
-                found = replace(found, bytes_out=sum(t.bytes for t in traffic), queued=queued)
+            traffic = [receiver.traffic() for receiver in link.data]  # a worker's channels to this process
+            if any(t.messages for t in traffic):
+                # Exact and current, from this end. A receiver that leaves the counting to its
+                # sender (a stream's) counts nothing: the worker's own row says it, as published.
+                found = replace(
+                    found,
+                    bytes_out=sum(t.bytes for t in traffic),
+                    messages_out=sum(t.messages for t in traffic),
+                    queued=sum(t.queued_messages for t in traffic),
+                )
+            if link.data:
+                queued_to_main += found.queued
             processes.append(found)
         # The main process's queue is the workers' channels towards it.
         mine = make_process_stats(Segment.MAIN, 0, self._pid, [table.read(topology.main_row)])
         processes.append(replace(mine, queued=queued_to_main))
         now, before = lending(), self._lending_before
-        found = aggregate(processes, now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied))
-        if not any(p.node for p in found.processes):
-            return found
-        return replace(found, bottleneck=network_verdict(found) or found.bottleneck)
+        # Children placed on nodes (p.node): the verdict names the network for their channels.
+        return aggregate(processes, now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied))
