@@ -187,3 +187,55 @@ def test_a_checkpoint_with_items_copied_ahead_resumes_with_exactly_the_rest(fake
     finally:
         restored.shutdown()
     assert rest == list(range(7, 30))
+
+
+class EventuallyPassing:
+    """A page-locker whose fences pass on the ``after``-th look (never, for None)."""
+
+    def __init__(self, after: int | None) -> None:
+        self.after, self.looks = after, 0
+
+    def register(self, address, nbytes):
+        return True
+
+    def unregister(self, address):
+        pass
+
+    def fence(self):
+        return object()
+
+    def passed(self, token):
+        self.looks += 1
+        return self.after is not None and self.looks >= self.after
+
+    def allocate(self, nbytes):
+        return bytearray(nbytes)
+
+
+@pytest.mark.parametrize("after", [5, None])
+def test_closing_a_feed_waits_for_copies_in_flight_but_never_past_its_bound(monkeypatch, after):
+    import multiprocessing
+
+    import numpy as np
+
+    from mprs_plus.transport import _lend, lending, open_channel
+
+    if not hasattr(_lend, "lock_pages_with") or open_channel.__module__.endswith("pipe"):
+        pytest.skip("lend areas are the shared-memory transport's")
+    locker = EventuallyPassing(after)
+    monkeypatch.setattr(feeding, "SETTLE", 0.2)
+    _lend.lock_pages_with(locker)
+    sender, receiver = open_channel(multiprocessing.get_context("fork"), capacity_items=8, capacity_bytes=1 << 20)
+    try:
+        sender.send(np.ones(256 << 10, dtype=np.uint8))
+        item = receiver.recv(timeout=5)
+        del item  # a copy 'reads' it until the fence passes
+        assert lending().awaiting_device == 1
+        Feeding(None, 0).close()  # bounded: returns whether or not the fence passed
+        assert lending().awaiting_device == (0 if after is not None else 1)
+    finally:
+        _lend.lock_pages_with(None)
+        sender.close()
+        receiver.close()
+        locker.after = locker.looks  # let whatever still waits go back
+        assert lending().awaiting_device == 0

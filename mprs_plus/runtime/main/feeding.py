@@ -34,6 +34,7 @@ DataLoader does; ``device=`` is an error that says so.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -42,9 +43,14 @@ from typing import Any
 
 from torch.utils.data import IterDataPipe
 
+from ...transport import lending
 from ...transport._lend import lock_pages_with
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device context
+# Seconds a closing feed gives copies still in flight to finish, so that the lend areas they
+# read are unmapped with the service; past it they go back whenever lending() looks next.
+SETTLE = 1.0
+_SETTLE_POLL = 0.001
 
 
 @dataclass
@@ -271,6 +277,12 @@ class Feeding:
         return feed_ahead(main, self._mover, self.ahead, self.counters)
 
     def close(self) -> None:
+        """After the stop: give back what waits for copies that have finished by now, for at
+        most ``SETTLE`` seconds (a lend area is unmapped only once nothing of it waits),
+        then stop page-locking if no other service of this process asks for it."""
+        deadline = time.monotonic() + SETTLE
+        while lending().awaiting_device and time.monotonic() < deadline:
+            time.sleep(_SETTLE_POLL)  # a bounded poll of the device's events: nothing to wait on
         _release_locker()
 
 
