@@ -108,6 +108,10 @@ def test_map_tensors_reaches_every_tensor_and_keeps_the_structure():
     assert out["n"] == 3
 
 
+def huge_tensor(i: int) -> torch.Tensor:
+    return torch.full((1 << 20,), i, dtype=torch.float32)  # 4 MiB
+
+
 def big_tensor(i: int) -> torch.Tensor:
     return torch.full((64 << 10,), i, dtype=torch.float32)  # 256 KiB: lent
 
@@ -239,3 +243,28 @@ def test_closing_a_feed_waits_for_copies_in_flight_but_never_past_its_bound(monk
         receiver.close()
         locker.after = locker.looks  # let whatever still waits go back
         assert lending().awaiting_device == 0
+
+
+def test_fences_that_never_pass_never_stall_the_workers():
+    """A device that never finishes its copies holds every lent extent: the workers'
+    buffers must then go through the ring as copies, every item intact, no wait."""
+    from mprs_plus.transport import TRANSPORT, _lend, lending
+
+    if TRANSPORT != "shm":
+        pytest.skip("lend areas are the shared-memory transport's")
+    never = EventuallyPassing(None)
+    _lend.lock_pages_with(never)
+    lent_before, copied_before = lending().lent, lending().copied
+    service = MultiProcessingReadingService(2, worker_prefetch_cnt=2, main_prefetch_cnt=2)
+    # 4 MiB items, 40 per worker: past the held bound of a channel (HOLD_FACTOR x its ring).
+    loader = DataLoader2(IterableWrapper(range(80)).sharding_filter().map(huge_tensor), reading_service=service)
+    try:
+        got = [int(t[0]) for t in loader if bool((t == t[0]).all())]  # dropped at once, fence never passes
+    finally:
+        loader.shutdown()
+        _lend.lock_pages_with(None)
+        never.after = never.looks  # what still waits goes back
+    assert got == list(range(80))
+    assert lending().copied - copied_before > 0  # the held bound was reached: copies, not a wait
+    assert lending().lent - lent_before > 0
+    assert lending().awaiting_device == 0
