@@ -3,9 +3,10 @@
     Sender.send(obj) --pickle 5--> [ data pipe ] --> Receiver.recv() -> obj
                      <-- one byte per message read -- [ credit pipe ]
 
-A message is one ``send_bytes`` frame, ``[u64 nbuf][nbuf x u64 length][pickle][buffers]``,
-pickled as the rings pickle (``serialize.py``: registered reducers, large buffers out of
-band, written after the stream); an empty frame is the end-of-stream marker. The receiver writes one byte to the credit pipe for every message
+A message is one ``send_bytes`` frame, ``[u64 nbuf][nbuf x u64 length][pickle][buffers]``
+(``_frame.py``, shared with the stream transport), pickled as the rings pickle
+(``serialize.py``: registered reducers, large buffers out of band, written after the
+stream); an empty frame is the end-of-stream marker. The receiver writes one byte to the credit pipe for every message
 it has read, so the sender knows how many messages and bytes are still in flight and
 waits while ``capacity_items`` messages or ``capacity_bytes`` bytes are (a message larger
 than ``capacity_bytes`` goes alone): the same backpressure as the shared-memory rings, not
@@ -30,9 +31,7 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not on Windows
     fcntl = None  # type: ignore[assignment]
-import pickle
 import select
-import struct
 import time
 import weakref
 from collections import deque
@@ -40,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from . import _frame
 from ._memory import PAGE
 from ._ring import MIN_RING
 from ._wakeup import asleep
@@ -113,9 +113,8 @@ class PipeSender(_Endpoint):
         before the first byte: ``TimeoutError`` then, and nothing was written."""
         conn = self._live()
         encoder = self._encoder
-        stream, buffers = encoder.encode(obj)
+        head, stream, buffers = _frame.encode(encoder, obj)
         try:
-            head = struct.pack(f"<Q{len(buffers)}Q", len(buffers), *(b.nbytes for b in buffers))
             data = b"".join([head, stream, *buffers])
         finally:
             encoder.release()
@@ -262,15 +261,7 @@ class PipeReceiver(_Endpoint):
                 raise TimeoutError(f"no message within {timeout} s")
             if conn not in ready and not conn.poll(0):
                 raise ChannelBroken("the sending process is gone")
-        data = memoryview(self._take())
-        (nbuf,) = struct.unpack_from("<Q", data)
-        lengths = struct.unpack_from(f"<{nbuf}Q", data, 8)
-        stream_end = len(data) - sum(lengths)
-        at, buffers = stream_end, []
-        for length in lengths:
-            buffers.append(bytearray(data[at : at + length]))  # writable, as the rings give them
-            at += length
-        return pickle.loads(data[8 + 8 * nbuf : stream_end], buffers=buffers)
+        return _frame.decode(memoryview(self._take()))
 
     def skip(self) -> bool:
         """Discard the next message without unpickling it; False, without blocking, when
