@@ -6,6 +6,7 @@ is a clear error or a clean end, with no actor left behind."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import os
 import signal
@@ -138,6 +139,9 @@ def test_the_seed_pipeline_runs_its_workers_on_both_nodes(cluster):
     workers = [p for p in stats.processes if p.role == "worker"]
     assert sum(p.items_out for p in workers) == 8 and stats.segment("dispatch").items_out == 8
     assert all("node id" in p.node for p in workers) and "on nodes: dispatch 0: " in stats.summary()
+    # What each actor sent over the network, message by message, a line each.
+    assert all(p.messages_out > 0 for p in workers) and stats.segment("dispatch").messages_out > 0, str(stats)
+    assert "  worker 1 sent " in str(stats) and " messages" in str(stats)
     stages = [stamps for _, stamps in got]
     assert all(s["post"] == os.getpid() for s in stages)
     assert len({s["worker"] for s in stages}) == 2 and os.getpid() not in {s["worker"] for s in stages}
@@ -410,208 +414,225 @@ def test_ray_started_for_the_service_is_stopped_at_shutdown():
     assert mprs_plus.RayBackend(address=None).address is None
 
 
-def test_items_cross_a_ray_channel_writable_and_equal():
-    """What a pull carries: the transport's pickling, large buffers out of band; the
-    receiver gets writable copies, as from the shared-memory transport."""
+CHATTY_MODULE = textwrap.dedent(
+    """
+    import warnings
+
+    def speak(x):
+        if x < 2:  # the first item of each of the two workers
+            print(f"worker says {x}", flush=True)
+            warnings.warn(f"worker warns {x}")
+        return x
+    """
+)
+
+QUIET_DRIVER = textwrap.dedent(
+    """
+    import sys, warnings
+    # This process's own banner is not the actors': hide it, so that any banner seen is theirs.
+    warnings.filterwarnings("ignore", message=r"\\s*#+\\s*WARNING!", category=UserWarning)
+    import mprs_plus
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    import chatty
+
+    address, path = sys.argv[1], sys.argv[2]
+    runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    backend = mprs_plus.RayBackend(address=address, num_cpus_per_worker=0, runtime_env=runtime_env)
+    service = mprs_plus.MultiProcessingReadingService(2, backend=backend)
+    loader = DataLoader2(IterableWrapper(range(6)).sharding_filter().map(chatty.speak), reading_service=service)
+    assert list(loader) == list(range(6))
+    print("epoch done", flush=True)
+    sys.stdin.readline()  # the actors' output reaches this process through Ray: until the test has read it
+    loader.shutdown()
+    print("ok", flush=True)
+    """
+)
+
+
+def test_actors_print_only_what_the_pipeline_prints(cluster, tmp_path):
+    """torchdata's deprecation banner, which a local worker does not repeat, stays out of the
+    actors' output that Ray forwards; the worker's own prints and warnings reach the driver."""
+    (tmp_path / "chatty.py").write_text(CHATTY_MODULE)
+    path = os.pathsep.join([str(tmp_path), ROOT])
+    env = dict(os.environ, PYTHONPATH=path, RAY_DEDUP_LOGS="0")  # every actor's lines, none folded
+    driver = subprocess.Popen(
+        [sys.executable, "-c", QUIET_DRIVER, cluster.address, path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    expected = {"worker says 0", "worker says 1", "worker warns 0", "worker warns 1"}
+    seen: list[str] = []
+    try:
+        # An actor writes the banner when it imports torchdata, before it runs any item; Ray
+        # forwards each actor's stderr in order: once its warning is here, its banner would be.
+        for line in driver.stdout:
+            seen.append(line)
+            if all(any(marker in text for text in seen) for marker in expected):
+                break
+        with contextlib.suppress(BrokenPipeError):  # the driver ended early: its output says why
+            driver.stdin.write("\n")
+        rest, _ = driver.communicate(timeout=DRIVER_TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(30)
+    output = "".join(seen) + rest
+    assert "ok" in output.splitlines(), output[-3000:]
+    assert all(marker in output for marker in expected), output[-3000:]
+    assert "deprecated" not in output, output[-3000:]
+
+
+def _array_and_tensor(item):
     import numpy
     import torch
 
-    from mprs_plus.backends.ray.channel import ChannelSpec, RayReceiver, _pack
+    return numpy.full(100_000, item, dtype=numpy.int64), torch.full((50_000,), float(item))
 
-    item = {"array": numpy.arange(100_000, dtype=numpy.int64), "tensor": torch.arange(50_000.0), "tiny": [1, "a"]}
-    receiver = RayReceiver(ChannelSpec("test", 4, False))
-    receiver._buffer.append(_pack(None, item))
-    receiver._ended = True  # no sender actor here: nothing more to pull
-    got = receiver._take()
-    assert numpy.array_equal(got["array"], item["array"]) and torch.equal(got["tensor"], item["tensor"])
-    assert got["tiny"] == [1, "a"] and got["array"].flags.writeable
-    got["tensor"] += 1  # writable: no warning, no error
+
+def test_items_cross_the_data_streams_writable_and_equal(cluster):
+    """Large buffers out of band, received into memory of the training process: writable
+    arrays and tensors, as from the shared-memory transport."""
+    pipe = IterableWrapper(range(6)).sharding_filter().map(_array_and_tensor)
+    got = _run(pipe, RayBackend(num_cpus_per_worker=0))
+    for i, (array, tensor) in enumerate(got):
+        assert array.shape == (100_000,) and (array == i).all() and array.flags.writeable
+        assert tensor.shape == (50_000,) and bool((tensor == i).all())
+        tensor += 1  # writable: no warning, no error
 
 
 def test_ray_endpoints_implement_the_declared_channel_protocols():
-    """The runtime calls nothing but ``transport.Sender``/``Receiver`` on the Ray channel's
-    ends; one receiver waits its own way, several by ``transport.wait_together``."""
-    from mprs_plus.backends.ray.channel import open_ray_channel
-    from mprs_plus.transport import Receiver, Sender, wait_readable
+    """The runtime calls nothing but ``transport.Sender``/``Receiver`` on the Ray backend's
+    ends: control over Ray calls, data over streams."""
+    from mprs_plus.backends.ray.channel import open_ray_channel, open_stream_channel
+    from mprs_plus.transport import Receiver, Sender
+    from mprs_plus.transport.stream import new_secret
 
-    sender, receiver = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)
-    other = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)[1]
-    try:
+    for sender, receiver in (
+        open_ray_channel(capacity_items=4, capacity_bytes=1 << 20),
+        open_stream_channel(new_secret(), capacity_items=4, capacity_bytes=1 << 20),
+    ):
         assert isinstance(sender, Sender) and isinstance(receiver, Receiver)
-        for r in (receiver, other):
-            r._ended = True  # no sender actor here: the end of the stream is all there is
-        assert wait_readable([receiver, other], timeout=1.0) == [receiver, other]
-        assert receiver.wait(timeout=1.0) == [receiver]
-    finally:
         receiver.close()
-        other.close()
+        sender.close()
 
 
-def test_an_answered_pull_wakes_an_armed_waiter_and_only_an_armed_one():
-    """A pull's answer completes its future in Ray's thread; the callback must make the
-    armed wake-up pipe readable (else a waiter sleeps its whole recheck interval), must not
-    write while nobody is armed, and must not touch the pipe once the receiver is closed
-    (its descriptor numbers may belong to another file by then)."""
-    from mprs_plus.backends.ray.channel import open_ray_channel
-    from mprs_plus.transport.channel import poll_waitables
-
-    before = len(os.listdir("/proc/self/fd"))
-    receiver = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)[1]
-    fd = receiver.arm()
-    assert isinstance(fd, int)
-    assert poll_waitables([fd], 0) == []
-    receiver._answered(None)  # what Ray's thread runs when a pull's answer arrives
-    assert poll_waitables([fd], 0) == [fd]
-    receiver.disarm(True)  # the waiter woke: the wake-up is consumed
-    assert poll_waitables([fd], 0) == []
-    receiver._answered(None)  # nobody armed: nothing to wake
-    assert poll_waitables([fd], 0) == []
-    receiver.close()
-    receiver._answered(None)  # a late answer after close: no write, no error
-    assert receiver.arm() is None
-    assert len(os.listdir("/proc/self/fd")) == before
+def _data_receivers(loader):
+    return [receiver for _, receiver in loader.reading_service._runtime._supervisor.topology.data_receivers()]
 
 
-class _Clock:
-    """The channel's clock, moved by hand."""
+def _tcp_of_this_process():
+    import psutil
 
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
+    return psutil.Process().net_connections(kind="tcp")
 
 
-class _PullsByHand:
-    """A sender's actor as a receiver sees it (``host.pull.remote(...).future()``): each
-    pull's answer is a future that the test completes, or never does."""
+def test_shutdown_leaves_no_connection_or_listening_port_in_the_training_process(cluster):
+    import psutil
 
-    def __init__(self) -> None:
-        self.answers: list[concurrent.futures.Future] = []
-        self.pull = self
-
-    def remote(self, cid: str, asked: int, seq: int):
-        future = concurrent.futures.Future()
-        self.answers.append(future)
-        return types.SimpleNamespace(future=lambda: future)
-
-
-def _receiver_of(host):
-    from mprs_plus.backends.ray.channel import open_ray_channel
-
-    receiver = open_ray_channel(capacity_items=4, capacity_bytes=1 << 20)[1]
-    receiver._spec.host = host
-    return receiver
-
-
-def test_a_pull_counts_as_lost_only_past_the_bound_that_applies_to_it(monkeypatch):
-    """Until the sender's actor first answers, it may still be starting (on a loaded
-    machine that took more than a minute): its pulls wait ``FIRST_ANSWER``. Once it has
-    answered, a pull unanswered for ``LOST_PULL`` since it was asked and since that answer
-    breaks the channel, and the receiver says why."""
-    from mprs_plus.backends.ray import channel
-    from mprs_plus.transport import ChannelBroken
-
-    clock = _Clock()
-    monkeypatch.setattr(channel, "time", clock)
-    never_starts, starts = _PullsByHand(), _PullsByHand()
-    first, second = _receiver_of(never_starts), _receiver_of(starts)
+    listening = {tuple(c.laddr) for c in _tcp_of_this_process() if c.status == psutil.CONN_LISTEN}
+    loader = _loader(IterableWrapper(range(20)).sharding_filter(), RayBackend(num_cpus_per_worker=0))
     try:
-        assert not first.has_input() and len(never_starts.answers) == 2  # two pulls asked
-        assert not second.has_input()
-        clock.now += channel.LOST_PULL + 1  # no answer yet: the actors may still be starting
-        assert not first.has_input() and not second.has_input()
-        starts.answers[0].set_result(([], False))  # the second actor runs: its first answer
-        assert not second.has_input()
-        clock.now += channel.LOST_PULL - 1  # its other pull is older, but the answer is recent
-        assert not second.has_input()
-        clock.now += 2
-        assert second.has_input()
-        with pytest.raises(ChannelBroken, match="has not answered a pull for 60 s"):
-            second.recv(timeout=0)
-        clock.now += channel.FIRST_ANSWER - channel.LOST_PULL  # the first actor: past its bound
-        assert first.has_input()
-        with pytest.raises(ChannelBroken, match="has not answered its first pull within 180 s"):
-            first.recv(timeout=0)
+        assert list(loader) == list(range(20))
+        ours = {r._sock.getsockname() for r in _data_receivers(loader) if r.connected()}
+        assert len(ours) == 2  # one connection per worker, made by this process
     finally:
-        first.close()
-        second.close()
+        loader.shutdown()
+    left = [c for c in _tcp_of_this_process() if tuple(c.laddr) in ours]
+    assert left == [], f"connections left after shutdown: {left}"
+    assert {tuple(c.laddr) for c in _tcp_of_this_process() if c.status == psutil.CONN_LISTEN} <= listening
 
 
-def _actor_side_sender(capacity: int = 8):
-    """A data sender as it lives in its actor (its box in this process), for the pull's
-    own tests: ``serve_pull`` is what the actor runs for a receiver's pull."""
-    from mprs_plus.backends.ray.channel import _box, open_ray_channel
+class _WritesAFile:
+    def __init__(self, path):
+        self.path = path
 
-    sender = open_ray_channel(capacity_items=capacity, capacity_bytes=1 << 20)[0]
-    state = sender.__getstate__()
-    sender.__setstate__(state)
-    return sender, _box(state["cid"]), state["cid"]
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
-def _until_a_pull_waits(box) -> None:
-    """Until the pull's thread waits in the box (it notifies no one when it begins: looked
-    at every 10 ms, for at most 10 s)."""
-    deadline = time.monotonic() + 10
-    with box.cv:
-        while box.pullers != 1:
-            assert time.monotonic() < deadline, "the pull never began to wait"
-            box.cv.wait(0.01)
+def _until_closed(conn):
+    conn.settimeout(30)
+    with contextlib.suppress(ConnectionResetError):
+        while conn.recv(4096):
+            pass
 
 
-def _lingering_pull(limit: int, then):
-    """A pull served in a thread with one message in the box; once it waits, ``then(sender)``
-    runs; returns the answer's messages, unpickled, and whether the stream ended."""
-    from mprs_plus.backends.ray import channel
+def test_strangers_at_a_workers_door_are_refused_unread_and_the_loader_goes_on(cluster, tmp_path):
+    """Before this process connects, a worker's channel listens: a wrong secret and a
+    pickle sent at once are both closed unread (the file is never written), and the items
+    come as ever."""
+    import pickle
+    import socket
+    import struct
 
-    sender, box, cid = _actor_side_sender()
-    sender.send("first")
-    answer = []
-    pull = threading.Thread(target=lambda: answer.append(channel.serve_pull(cid, limit, 0)))
-    pull.start()
-    _until_a_pull_waits(box)
-    then(sender)
-    pull.join(10)
-    assert not pull.is_alive(), "the pull did not answer"
-    (taken, ended), = answer
-    return [channel.pickle.loads(stream) for stream, _, _ in taken], ended
-
-
-def test_a_pull_lingers_for_more_messages_and_answers_when_its_share_is_there(monkeypatch):
-    """A pull that found one message waits for more (the linger); a message sent while it
-    lingers leaves in the same answer, which comes as soon as the pull's share is there.
-    The linger is made long so that only the second message can end it."""
-    from mprs_plus.backends.ray import channel
-
-    monkeypatch.setattr(channel, "HAND_ON", 60.0)
-
-    def send_another(sender):
-        assert sender.peer_waiting(), "a lingering pull is a waiting reader: the batching should send at once"
-        sender.send("second")
-
-    assert _lingering_pull(2, send_another) == (["first", "second"], False)
+    path = str(tmp_path / "written")
+    evil = pickle.dumps(_WritesAFile(path), protocol=5)
+    evil = struct.pack("<QQ", 8 + len(evil), 0) + evil
+    loader = _loader(IterableWrapper(range(8)).sharding_filter(), RayBackend(num_cpus_per_worker=0))
+    try:
+        iterator = iter(loader)
+        receivers = _data_receivers(loader)
+        assert not any(r.connected() for r in receivers)  # nothing read yet: the workers listen
+        for receiver in receivers:
+            address = receiver._address(60.0)
+            with socket.create_connection(address, timeout=30) as wrong:
+                wrong.recv(40)
+                wrong.sendall(os.urandom(64))  # a proof made without the secret
+                _until_closed(wrong)
+            with socket.create_connection(address, timeout=30) as pickler:
+                pickler.sendall(evil)
+                _until_closed(pickler)
+        assert list(iterator) == list(range(8))
+    finally:
+        loader.shutdown()
+    assert not os.path.exists(path)
 
 
-def test_a_lingering_pull_answers_once_its_oldest_message_has_waited_the_hand_on_time(monkeypatch):
-    """Without its share, the pull answers with what it has when its oldest message has
-    waited HAND_ON: never sooner (that is the batching it buys), and with that message."""
-    from mprs_plus.backends.ray import channel
+def _exit_mid_message(item):
+    """Large items, each sent alone as soon as it is made: item 1 is 64 MiB, and a thread
+    ends the process once its sending has begun and not finished (the reader reads nothing
+    meanwhile: the kernel's buffers fill, the send waits half done)."""
+    import numpy
 
-    monkeypatch.setattr(channel, "HAND_ON", 0.05)
-    sender, box, cid = _actor_side_sender()
-    sender.send("only")
-    stamp = box.stamps[0]
-    taken, ended = channel.serve_pull(cid, 8, 0)
-    assert time.monotonic() >= stamp + 0.05
-    assert [channel.pickle.loads(stream) for stream, _, _ in taken] == ["only"] and not ended
-    assert not box.stamps and not box.queue
+    if item == 1:
+        threading.Thread(target=_exit_once_a_message_is_half_sent, daemon=True).start()
+        return numpy.zeros(64 << 20, dtype=numpy.uint8)
+    return numpy.full(1 << 18, item, dtype=numpy.uint8)
 
 
-def test_a_close_ends_a_lingering_pull_with_the_end_of_the_stream(monkeypatch):
-    from mprs_plus.backends.ray import channel
+def _exit_once_a_message_is_half_sent():
+    from mprs_plus.transport.stream import StreamSender
 
-    monkeypatch.setattr(channel, "HAND_ON", 60.0)
-    assert _lingering_pull(8, lambda sender: sender.close()) == (["first"], True)
+    code = StreamSender._write.__code__
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for frame in list(sys._current_frames().values()):
+            while frame is not None:
+                if frame.f_code is code and frame.f_locals.get("started") and frame.f_locals.get("views"):
+                    os._exit(1)
+                frame = frame.f_back
+        time.sleep(0.001)  # looking for a state of another thread: nothing to be woken by
+
+
+def test_a_stream_cut_in_the_middle_of_an_item_is_a_process_died_error(cluster):
+    pipe = IterableWrapper(range(4)).sharding_filter().map(_exit_mid_message)
+    loader = _loader(pipe, RayBackend(num_cpus_per_worker=0), num_workers=1, worker_prefetch_cnt=0, main_prefetch_cnt=0)
+    try:
+        iterator = iter(loader)
+        assert (next(iterator) == 0).all()
+        worker = _processes(loader)[0]
+        worker.join(60.0)  # ended half way through item 1, while this process read nothing
+        assert not worker.is_alive()
+        start = time.monotonic()
+        with pytest.raises(ProcessDiedError, match="mprs_plus worker 0"):
+            next(iterator)  # the bytes of item 1 that were sent, then the end of the stream
+        assert time.monotonic() - start < DEATH_BOUND
+    finally:
+        loader.shutdown()
 
 
 def test_pause_resume_limit_and_hooks_run_in_the_actors(cluster):

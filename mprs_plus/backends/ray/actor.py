@@ -1,15 +1,17 @@
 """The Ray actor that hosts one child: it runs the same child body as a local process
-(``worker_main`` / ``dispatch_main``) in one of its threads, and serves the calls of the
-channels whose fixed end it hosts (``channel.py``): pulls of its data senders, deliveries
-to its control receiver.
+(``worker_main`` / ``dispatch_main``) in one of its threads, and serves the calls of its
+channels (``channel.py``): deliveries to its control receiver, and ``listen`` for the data
+channels whose listening end it hosts (their items then travel over those connections).
 
 Defined when first needed, so that importing this module never starts Ray."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,14 @@ from . import channel
 
 class SegmentHost:
     """One child of a service, on some node of the cluster."""
+
+    def __init__(self) -> None:
+        # torchdata warns that its DataPipes are deprecated when first imported. The training
+        # process has shown that once, and a forked local worker inherits that; an actor
+        # imports torchdata afresh (unpickling its segment, after this) and Ray would show it
+        # once per actor. Only that warning: the worker's own prints and warnings still pass.
+        for module in ("torchdata.datapipes", "torchdata.dataloader2"):
+            warnings.filterwarnings("ignore", category=UserWarning, module=re.escape(module) + r"\Z")
 
     def where(self) -> dict[str, Any]:
         context = ray.get_runtime_context()
@@ -57,11 +67,13 @@ class SegmentHost:
             return time.monotonic(), []
         return time.monotonic(), [table.read(row) for row in rows]
 
-    def pull(self, cid: str, limit: int, seq: int) -> tuple[list[Any], bool]:
-        return channel.serve_pull(cid, limit, seq)
-
     def deliver(self, cid: str, seq: int, message: Any, last: bool) -> None:
         channel.serve_deliver(cid, seq, message, last)
+
+    def listen(self, specs: list[Any]) -> list[tuple[str, int]]:
+        """Listen for the peers of the data channels whose ends this child will use, on
+        this node's address as Ray reports it; the addresses, for the peers to connect."""
+        return channel.listen_here(specs)
 
 
 _remote_class: Any = None

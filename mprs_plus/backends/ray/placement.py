@@ -2,8 +2,9 @@
 
     RayPlacement.start(name, target, setup)
         actor = SegmentHost.options(num_cpus, resources, scheduling_strategy, runtime_env)
-        endpoints in ``setup`` learn their host: its data senders' receivers pull from it,
-        its control receiver is delivered to                       (``channel.py``)
+        its control receiver learns its host (deliveries go to it); the ends of data
+        channels placed first listen in it: actor.listen(specs) -> addresses, which their
+        peers connect to (in later actors, or here)                 (``channel.py``)
         actor.run(target, setup)   the child's life, as a local process's
         -> ActorProcess: the ``multiprocessing.Process`` members the supervisor uses
 
@@ -17,7 +18,8 @@ An actor that is not running ``START_TIMEOUT`` seconds after it was asked for (n
 the resources it needs, its runtime_env fails) is an error too.
 
 Every actor is owned by the training process: if it dies, even by SIGKILL, Ray ends them
-(owner death); ``close()`` kills them and waits, bounded, until Ray reports them gone.
+(owner death); ``close()`` kills them and waits, bounded, until Ray reports them gone, then
+closes every data connection of this process (it never listens: its ends connect).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from typing import Any
 import ray
 
 from ...errors import ProcessDiedError
+from ...transport.stream import StreamReceiver, StreamSender, new_secret
 from .actor import remote_class
-from .channel import PULLS_IN_FLIGHT, RayReceiver, RaySender, open_ray_channel
+from .channel import ActorAddress, RayReceiver, open_ray_channel, open_stream_channel
 
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
 _LOOK = 0.5  # seconds between two looks of a watcher at its actor
@@ -196,17 +199,27 @@ class RayPlacement:
         self.processes: list[ActorProcess] = []
         # Attached to a Ray this process initialized: the runtime_env goes with each actor.
         self._actor_env = backend.runtime_env if not self._started_ray else None
+        # The data channels: one secret for all of this service's, both ends of each (by
+        # key), and the keys whose listening end is placed already.
+        self._secret = new_secret()
+        self._streams: dict[str, tuple[StreamSender, StreamReceiver]] = {}
+        self._listening: set[str] = set()
 
     def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Any, Any]:
-        return open_ray_channel(capacity_items=capacity_items, capacity_bytes=capacity_bytes, control=control)
+        """A control channel over Ray calls, or a data channel over a stream."""
+        if control:
+            return open_ray_channel(capacity_items=capacity_items, capacity_bytes=capacity_bytes, control=True)
+        ends = open_stream_channel(self._secret, capacity_items=capacity_items, capacity_bytes=capacity_bytes)
+        self._streams[ends[0].key] = ends
+        return ends
 
     def start(self, name: str, target: Callable[[Any], None], setup: Any) -> ActorProcess:
         backend = self._backend
-        senders, receivers = _endpoints(setup)
+        receivers, streams = _endpoints(setup)
         options: dict[str, Any] = {
             "num_cpus": backend.num_cpus_per_worker,
-            # Threads: the child's own, the pulls in flight on its data senders, deliveries.
-            "max_concurrency": 4 + PULLS_IN_FLIGHT * len(senders),
+            # Threads: the child's own, control deliveries, listen, stats.
+            "max_concurrency": 4,
             "name": None,
         }
         if backend.resources:
@@ -225,11 +238,9 @@ class RayPlacement:
                 "working_dir, py_modules) only from ray.init: pass that runtime_env to ray.init(...) yourself, "
                 "or let RayBackend connect (do not call ray.init first)."
             ) from None
-        for sender in senders:
-            sender._spec.host = actor  # its receiver pulls from this actor
         for receiver in receivers:
-            if receiver._spec.control:
-                receiver._spec.host = actor  # its sender delivers to this actor
+            receiver._spec.host = actor  # its sender delivers to this actor
+        self._place_streams(actor, streams)
         where = actor.where.remote()
         # The statistics table is shared memory of this host: the actor's lanes write one of
         # their own (``SegmentHost.run``), which ``refresh_stats`` copies here.
@@ -255,6 +266,20 @@ class RayPlacement:
         process = ActorProcess(name, actor, run, where)
         self.processes.append(process)
         return process
+
+    def _place_streams(self, actor: Any, ends: Sequence[StreamSender | StreamReceiver]) -> None:
+        """The first end of a data channel to be placed listens, in its actor on that
+        actor's node; its peer (in a later actor, or here) connects to the address the
+        actor's ``listen`` call answers."""
+        listening = [end for end in ends if end.key not in self._listening]
+        if not listening:
+            return
+        answer = actor.listen.remote([end.spec for end in listening])
+        for index, end in enumerate(listening):
+            self._listening.add(end.key)
+            for peer in self._streams[end.key]:
+                if peer is not end:
+                    peer.connect_to(ActorAddress(answer, index))
 
     def node_of(self, process: Any) -> str | None:
         return process.node if isinstance(process, ActorProcess) else None
@@ -288,7 +313,7 @@ class RayPlacement:
                     table._table[row * width + i] = value + shift if i == started and value else value
 
     def death_error(self, processes: Sequence[Any]) -> Exception:
-        deadline = time.monotonic() + 2.0  # the pull can fail a moment before the watcher sees why
+        deadline = time.monotonic() + 2.0  # a stream can break a moment before the watcher sees why
         while time.monotonic() < deadline and not any(p.exitcode is not None for p in processes):
             time.sleep(0.05)
         dead = [
@@ -318,6 +343,11 @@ class RayPlacement:
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
             process.close()
+        streams, self._streams = self._streams, {}
+        for ends in streams.values():
+            for end in ends:
+                with contextlib.suppress(Exception):
+                    end.release()  # the connections of this process: none stays open
         if self._started_ray:
             self._started_ray = False
             _ours.users -= 1
@@ -359,20 +389,21 @@ def _bounded(call: Callable[[], Any], timeout: float) -> None:
     helper.join(timeout)
 
 
-def _endpoints(setup: Any) -> tuple[list[RaySender], list[RayReceiver]]:
-    """The Ray endpoints in a child's setup (top-level fields and tuples of them)."""
-    senders: list[RaySender] = []
+def _endpoints(setup: Any) -> tuple[list[RayReceiver], list[StreamSender | StreamReceiver]]:
+    """The endpoints in a child's setup (top-level fields and tuples of them): control
+    receivers, and ends of data streams."""
     receivers: list[RayReceiver] = []
+    streams: list[StreamSender | StreamReceiver] = []
 
     def visit(value: Any) -> None:
-        if isinstance(value, RaySender):
-            senders.append(value)
-        elif isinstance(value, RayReceiver):
+        if isinstance(value, RayReceiver):
             receivers.append(value)
+        elif isinstance(value, (StreamSender, StreamReceiver)):
+            streams.append(value)
         elif isinstance(value, (tuple, list)):
             for item in value:
                 visit(item)
 
     for value in setup:
         visit(value)
-    return senders, receivers
+    return receivers, streams

@@ -45,7 +45,7 @@ from ..data_messages import Kind, RemoteError
 _clock = time.perf_counter
 
 # Seconds an item may wait in a batch for later ones before it is handed on, whatever the
-# owner does (the module's rule; a Ray channel's pull lingers no longer either).
+# owner does (the module's rule).
 HAND_ON = 0.002
 LARGE_ITEM = 128 << 10  # bytes: the transport's smallest lent buffer (transport/_lend.py)
 _SCALARS = frozenset((int, float, bool, str, type(None)))
