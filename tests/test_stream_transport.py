@@ -152,6 +152,9 @@ def test_capacity_items_bounds_the_unread_messages():
     assert receiver.wait(0.05) == []
     sender.send(5, timeout=10)
     assert receiver.recv(10) == 5
+    # Each end counts what went through it: five written (4 timed out unsent), five read.
+    assert sender.traffic().messages == receiver.traffic().messages == 5
+    assert receiver.traffic().bytes == sender.traffic().bytes
     sender.close()
     with pytest.raises(EndOfStream):
         receiver.recv(10)

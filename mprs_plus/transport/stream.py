@@ -89,7 +89,7 @@ from ._wakeup import asleep
 from .channel import RECHECK_SECONDS, poll_waitables, wait_together
 from .errors import ChannelBroken, ChannelClosed, EndOfStream
 from .serialize import Encoder
-from .traffic import NO_TRAFFIC, Traffic
+from .traffic import Traffic
 
 HANDSHAKE_SECONDS = 5.0  # a connection proves the secret within this, or is dropped
 CONNECT_SECONDS = 10.0  # a connector reaches the listener within this
@@ -766,6 +766,8 @@ class StreamReceiver(_StreamEndpoint):
         self._credits = 0  # messages read and not yet credited
         self._credit_bytes = 0
         self._credit_every = max(1, self._spec.capacity_items // 4)
+        self._read_messages = 0  # what this end has read so far (``traffic``)
+        self._read_bytes = 0
         self._credit_bytes_every = max(1, self._spec.capacity_bytes // 4)
 
     # The interface ---------------------------------------------------------------------
@@ -838,8 +840,10 @@ class StreamReceiver(_StreamEndpoint):
         """Nothing to undo or drain: the wake-up is the data itself."""
 
     def traffic(self) -> Traffic:
-        """Not counted at this end: the sender's figures are the channel's."""
-        return NO_TRAFFIC
+        """Messages and bytes read so far at this end: exact and current where the reader
+        is, though the sender (in another process, on another node) may have written more;
+        what is queued is the sender's to know (0 here)."""
+        return Traffic(self._read_messages, self._read_bytes, 0, 0)
 
     def close(self) -> None:
         """Stop reading: the sender's next ``send`` (or its wait for room) breaks."""
@@ -913,6 +917,8 @@ class StreamReceiver(_StreamEndpoint):
         buffers = [self._read_into(sock, bytearray(n)) for n in sizes]
         self._credits += 1
         self._credit_bytes += _SIZE.size + size
+        self._read_messages += 1
+        self._read_bytes += _SIZE.size + size
         if self._credits >= self._credit_every or self._credit_bytes >= self._credit_bytes_every:
             self._flush_credits(sock)
         if keep:
