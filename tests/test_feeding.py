@@ -268,3 +268,24 @@ def test_fences_that_never_pass_never_stall_the_workers():
     assert lending().copied - copied_before > 0  # the held bound was reached: copies, not a wait
     assert lending().lent - lent_before > 0
     assert lending().awaiting_device == 0
+
+
+def test_graph_walks_see_the_main_segment_behind_the_feed_not_the_device():
+    from torch.utils.data.graph import traverse_dps
+
+    from mprs_plus.runtime.main.feeding import FedPipe
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("a device stream cannot be pickled")
+
+    main = IterableWrapper(range(3)).map(pipelines.identity)
+    feed = Feeding(None, 0)
+    feed._mover = Unpicklable()
+    fed = FedPipe(main, feed)
+    graph = traverse_dps(fed)
+    (inner,) = graph[id(fed)][1].values()
+    assert inner[0] is main
+    import copy
+
+    assert copy.deepcopy(fed) is fed

@@ -233,17 +233,33 @@ def pin_each(source: Any, counters: FeedCounters) -> Iterator[Any]:
 
 
 class FedPipe(IterDataPipe):
-    """The main segment as the loop gets it: pinned, or moved to the device ahead."""
+    """The main segment as the loop gets it: pinned, or moved to the device ahead.
+
+    Graph walks (torch's ``traverse_dps``, which pickles) see the main segment behind it,
+    never the feeding and its device stream; copies are the same object, as the service's
+    own reader is."""
 
     def __init__(self, main: Any, feeding: Feeding) -> None:
         self.main = main
         self._feeding = feeding
 
-    def __iter__(self) -> Iterator[Any]:
-        return self._feeding.iterate(self.main)
+    def __getstate__(self) -> dict[str, Any]:
+        return {"main": self.main}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FedPipe:
+        return self
 
     def __len__(self) -> int:
         return len(self.main)
+
+
+def _iterate_fed(pipe: FedPipe) -> Iterator[Any]:
+    return pipe._feeding.iterate(pipe.main)
+
+
+# Assigned after the class is made, as the service's reader is: torch's DataPipe metaclass
+# wraps an ``__iter__`` of the class body with per-item bookkeeping.
+FedPipe.__iter__ = _iterate_fed  # type: ignore[method-assign]
 
 
 class Feeding:
