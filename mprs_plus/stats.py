@@ -33,6 +33,9 @@ class ProcessStats:
     rescues: int = 0  # lost wake-ups the transport's watchdog made up for (0 unless there is a bug)
     node: str = ""  # the cluster node it runs on, with a backend that places children on nodes
     messages_out: int = 0  # messages written to its output channels (each carries a batch of items)
+    # Connections to its listening ports that were closed unread: they did not prove the
+    # service's secret (a Ray actor's data channels; always 0 for local processes).
+    refused_connections: int = 0
 
     @property
     def busy_fraction(self) -> float:
@@ -128,6 +131,11 @@ class Stats:
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)
 
+    @property
+    def refused_connections(self) -> int:
+        """Connections every process's listening ports closed unread, added up."""
+        return sum(p.refused_connections for p in self.processes)
+
     def __str__(self) -> str:
         return self.summary()  # what print(stats) shows; repr(stats) stays the dataclass's
 
@@ -148,6 +156,16 @@ class Stats:
                 f"  {p.role} {p.index} sent {p.items_out:,} items in {p.messages_out:,} messages"
                 f"{_per_message(p.items_out, p.messages_out)}, {p.bytes_out / 1e6:,.1f} MB: "
                 f"busy {p.busy_fraction:.0%}, waiting for space {p.output_wait_fraction:.0%}"
+            )
+        refused = self.refused_connections
+        if refused:
+            # Someone who does not hold the secret reached a port: worth a look at who.
+            whose = {Segment.DISPATCH: "dispatch process's", Segment.WORKER: "workers'", Segment.MAIN: "main's"}
+            at = {p.role for p in self.processes if p.refused_connections}
+            roles = [whose[role] for role in Segment if role in at]
+            lines.append(
+                f"  {refused:,} connection{'s' if refused != 1 else ''} refused at the {' and '.join(roles)} ports "
+                "(they did not prove the service's secret)"
             )
         large = self.large_buffers
         if large.lent or large.copied:

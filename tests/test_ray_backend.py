@@ -47,6 +47,8 @@ RUNTIME_ENV = {"env_vars": {"PYTHONPATH": os.pathsep.join([TESTS, ROOT])}}
 # may take 5 s: a raylet starved of CPU by the tests' own workers on two cores must never
 # be taken for lost (Ray would end it, and every call of this driver into it would hang).
 FAST_NODE_FAILURE = {"health_check_period_ms": 1000, "health_check_failure_threshold": 4, "health_check_timeout_ms": 5000}
+# Actors on the second node: their data channels to this process are streams.
+SECOND = {"second": 1}
 # The bound this backend states for a dead actor to become an error: Ray's node-failure
 # detection (above: about 4 s) plus a few seconds.
 DEATH_BOUND = 20.0
@@ -357,6 +359,38 @@ def test_a_node_without_the_pipelines_code_says_how_to_ship_it(cluster, own_modu
         loader.shutdown()
 
 
+def test_a_death_error_waits_for_the_watcher_to_say_why_the_stream_broke(monkeypatch):
+    """The window: an actor whose code fails to load closes its stream at once, and the
+    main process may read the break before the actor's watcher has seen why. Forced here:
+    the reason appears only once the death error has begun waiting for it."""
+    from mprs_plus.backends.ray import placement
+
+    waiting = threading.Event()
+
+    class Clock:  # the module's clock; its first sleep says the death error is waiting
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            waiting.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(placement, "time", Clock)
+    actor = types.SimpleNamespace(name="worker 0", node="node-a", pid=7, exitcode=None, reason=None)
+
+    def watcher():
+        if waiting.wait(30):
+            actor.reason = "could not load the pipeline's code on its node (No module named 'x')"
+            actor.exitcode = 1
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    error = placement.RayPlacement.death_error(None, [actor])
+    thread.join(30)
+    assert isinstance(error, ProcessDiedError)
+    assert "worker 0 (Ray actor on node-a, pid 7) could not load the pipeline's code" in str(error)
+
+
 SHIPPING_DRIVER = textwrap.dedent(
     """
     import sys
@@ -534,7 +568,8 @@ def test_shutdown_leaves_no_connection_or_listening_port_in_the_training_process
     import psutil
 
     listening = {tuple(c.laddr) for c in _tcp_of_this_process() if c.status == psutil.CONN_LISTEN}
-    loader = _loader(IterableWrapper(range(20)).sharding_filter(), RayBackend(num_cpus_per_worker=0))
+    # On the other node: the workers' items come over TCP (on this one, shared memory).
+    loader = _loader(IterableWrapper(range(20)).sharding_filter(), RayBackend(num_cpus_per_worker=0, resources=SECOND))
     try:
         assert list(loader) == list(range(20))
         ours = {r._sock.getsockname() for r in _data_receivers(loader) if r.connected()}
@@ -563,8 +598,8 @@ def _until_closed(conn):
 
 def test_strangers_at_a_workers_door_are_refused_unread_and_the_loader_goes_on(cluster, tmp_path):
     """Before this process connects, a worker's channel listens: a wrong secret and a
-    pickle sent at once are both closed unread (the file is never written), and the items
-    come as ever."""
+    pickle sent at once are both closed unread (the file is never written), the items
+    come as ever, and stats() counts both at each worker's port."""
     import pickle
     import socket
     import struct
@@ -587,9 +622,19 @@ def test_strangers_at_a_workers_door_are_refused_unread_and_the_loader_goes_on(c
                 pickler.sendall(evil)
                 _until_closed(pickler)
         assert list(iterator) == list(range(8))
+        # Counted in the actor before it closed them; stats() fetches the count with the
+        # actor's figures, each fetch bounded (an actor slow to answer keeps its last ones).
+        deadline = time.monotonic() + 60
+        stats = loader.reading_service.stats()
+        while stats.refused_connections < 4 and time.monotonic() < deadline:
+            stats = loader.reading_service.stats()
     finally:
         loader.shutdown()
     assert not os.path.exists(path)
+    workers = [p for p in stats.processes if p.role == "worker"]
+    assert [p.refused_connections for p in workers] == [2, 2], repr(stats)
+    assert stats.refused_connections == 4
+    assert "  4 connections refused at the workers' ports (they did not prove the service's secret)" in str(stats)
 
 
 def _exit_mid_message(item):
@@ -620,7 +665,8 @@ def _exit_once_a_message_is_half_sent():
 
 def test_a_stream_cut_in_the_middle_of_an_item_is_a_process_died_error(cluster):
     pipe = IterableWrapper(range(4)).sharding_filter().map(_exit_mid_message)
-    loader = _loader(pipe, RayBackend(num_cpus_per_worker=0), num_workers=1, worker_prefetch_cnt=0, main_prefetch_cnt=0)
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND)  # a stream: on the other node
+    loader = _loader(pipe, backend, num_workers=1, worker_prefetch_cnt=0, main_prefetch_cnt=0)
     try:
         iterator = iter(loader)
         assert (next(iterator) == 0).all()
@@ -656,3 +702,59 @@ def test_pause_resume_limit_and_hooks_run_in_the_actors(cluster):
     for _, counts in second:
         assert counts["worker"]["pause_fn"] == counts["worker"]["resume_fn"] == 2
         assert counts["dispatch"]["pause_fn"] == 2 and counts["dispatch"]["limit_fn(5)"] == 1
+
+
+# -- on the training process's node: shared memory -------------------------------------------
+
+
+def _on_this_node():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _megabyte(item):
+    import numpy
+
+    return numpy.full(1 << 18, item, dtype=numpy.float32)
+
+
+def _unix_names():
+    with open("/proc/net/unix") as table:
+        return table.read()
+
+
+def test_workers_on_the_trainers_node_hand_over_shared_memory_and_lend_their_arrays(cluster):
+    """Placed on this process's node (the nodes of this cluster share one address: the
+    node id decides), a worker's channel here is a shared-memory ring handed over a
+    Unix-domain socket: no TCP connection, arrays as views of its lend area."""
+    pipe = IterableWrapper(range(16)).sharding_filter().map(_megabyte)
+    loader = _loader(pipe, RayBackend(num_cpus_per_worker=0, scheduling_strategy=_on_this_node()))
+    try:
+        got = [int(array[0]) for array in loader]
+        stats = loader.reading_service.stats()
+        receivers = _data_receivers(loader)
+        assert all(r._near is not None and r._sock is None for r in receivers)
+        names = _unix_names()
+        assert not any(r.key in names for r in receivers)  # the sockets went with the hand-over
+    finally:
+        loader.shutdown()
+    assert got == list(range(16))
+    assert stats.large_buffers.lent > 0 and stats.segment("worker").items_out == 16, str(stats)
+
+
+def test_a_killed_actor_on_the_trainers_node_is_an_error_naming_the_worker(cluster):
+    backend = RayBackend(num_cpus_per_worker=0, scheduling_strategy=_on_this_node())
+    loader = _loader(_blocked_pipe(), backend, worker_prefetch_cnt=0, main_prefetch_cnt=0)
+    try:
+        iterator = iter(loader)
+        assert [next(iterator), next(iterator)] == [0, 1]
+        assert all(r._near is not None for r in _data_receivers(loader))
+        worker = _processes(loader)[0]
+        ray.kill(worker.actor)
+        start = time.monotonic()
+        with pytest.raises(ProcessDiedError, match=r"mprs_plus worker 0 \(Ray actor on .*node id"):
+            next(iterator)
+        assert time.monotonic() - start < DEATH_BOUND
+    finally:
+        loader.shutdown()

@@ -393,3 +393,137 @@ def test_a_connector_to_no_listener_is_a_broken_channel():
     with pytest.raises(ChannelBroken, match="could not connect"):
         receiver.recv(10)
     receiver.close()
+
+
+# -- a shared-memory channel handed over a Unix-domain socket (handover.py) ------------------
+
+
+def _unix_names() -> str:
+    with open("/proc/net/unix") as table:
+        return table.read()
+
+
+def _take_and_produce(spec: st.StreamSpec, names, count: int, die: bool) -> None:
+    from mprs_plus.transport import handover
+
+    names.send(handover.listen_for_sender(spec))
+    sender = handover.take_sender(spec, 30)
+    for i in range(count):
+        sender.send(i)
+    if die:
+        os.kill(os.getpid(), 9)  # no close, no exit handlers: as a killed actor
+    for i in range(ARRAYS):
+        sender.send({"array": numpy.full(300_000, i, dtype=numpy.float64), "i": i})
+    sender.close()
+
+
+def _handed_over(count: int, die: bool = False):
+    """A child of no relation to the channel (spawned, given only the spec) that listens
+    on a Unix-domain socket, takes the sending end and sends; this process's end."""
+    from mprs_plus.transport import handover
+
+    spec = _spec(items=16, size=8 << 20)
+    names, child_end = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("spawn").Process(
+        target=_take_and_produce, args=(spec, child_end, count, die), daemon=True
+    )
+    child.start()
+    child_end.close()
+    assert names.poll(60), "the child did not listen within 60 s"
+    name = names.recv()
+    names.close()
+    return child, spec, handover.hand_over(name, spec)
+
+
+def test_a_shared_memory_channel_handed_to_an_unrelated_process_carries_items_and_lends_arrays():
+    from mprs_plus.transport import lending
+
+    before = lending()
+    child, spec, receiver = _handed_over(500)
+    try:
+        assert [receiver.recv(30) for _ in range(500)] == list(range(500))
+        for i in range(ARRAYS):
+            message = receiver.recv(30)
+            assert message["i"] == i and (message["array"] == i).all()
+            del message
+        with pytest.raises(EndOfStream):
+            receiver.recv(30)
+    finally:
+        child.join(30)
+        receiver.release()
+    assert child.exitcode == 0
+    after = lending()
+    assert after.lent > before.lent  # views of the shared lend area, as from a local worker
+    assert after.lent + after.copied - before.lent - before.copied == ARRAYS
+    assert f"@mprs_plus-{spec.key}" not in _unix_names()  # no socket left, here or there
+
+
+def test_a_killed_sender_of_a_handed_over_channel_is_a_broken_channel_not_a_hang():
+    """This process kept no write end of the data pipe: the child's death is end-of-file."""
+    child, _, receiver = _handed_over(3, die=True)
+    try:
+        assert [receiver.recv(30) for _ in range(3)] == [0, 1, 2]
+        start = time.monotonic()
+        with pytest.raises(ChannelBroken):
+            receiver.recv(30)
+        assert time.monotonic() - start < 30
+    finally:
+        child.join(30)
+        receiver.release()
+    assert child.exitcode == -9
+
+
+def test_a_hand_over_without_the_secret_is_refused_and_the_peer_still_gets_in():
+    from mprs_plus.transport import handover
+
+    spec = _spec()
+    name = handover.listen_for_sender(spec)
+    stranger = st.StreamSpec(st.new_secret(), 8, 1 << 22, key=spec.key)
+    refused = st.refused_connections()
+    with pytest.raises(ChannelBroken, match="handshake"):
+        handover.hand_over(name, stranger)
+    assert st.refused_connections() == refused + 1
+    received = []
+    thread = _in_thread(lambda: received.append(handover.hand_over(name, spec)))
+    sender = handover.take_sender(spec, 30)
+    _joined(thread)
+    (receiver,) = received
+    sender.send("for the peer")
+    assert receiver.recv(10) == "for the peer"
+    sender.close()
+    with pytest.raises(EndOfStream):
+        receiver.recv(10)
+    receiver.release()
+    assert f"@mprs_plus-{spec.key}" not in _unix_names()
+
+
+def test_no_descriptor_goes_to_a_process_that_cannot_prove_the_secret():
+    """A process that took the channel's name first gets nothing: the proof is checked
+    before the memory is sent."""
+    from mprs_plus.transport import handover
+
+    spec = _spec()
+    name = "\0mprs_plus-" + spec.key
+    got: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as impostor:
+        impostor.bind(name)
+        impostor.listen(1)
+        thread = _in_thread(lambda: _pretend_and_collect(impostor, got))
+        with pytest.raises(ChannelBroken, match="did not prove"):
+            handover.hand_over(name, spec)
+        _joined(thread)
+    assert got == []
+
+
+def _pretend_and_collect(server: socket.socket, got: list[int]) -> None:
+    conn, _ = server.accept()
+    with conn:
+        conn.settimeout(10)
+        conn.sendall(st._MAGIC + os.urandom(32))
+        conn.recv(64)
+        conn.sendall(os.urandom(32))  # a proof made without the secret
+        while True:
+            data, fds, _, _ = socket.recv_fds(conn, 4096, 8)
+            got.extend(fds)
+            if not data:
+                return

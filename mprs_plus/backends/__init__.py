@@ -6,6 +6,7 @@
         Placement.death_error(processes) -> Exception         a child gone unasked, in the user's words
         Placement.node_of(process) -> str | None              where a child runs, for stats()
         Placement.refresh_stats(table, links)                 children elsewhere: copy their rows here
+        Placement.refused_connections(process) -> int         strangers its ports turned away, for stats()
         Placement.close()                                     after every child is stopped
 
 The plan, the topology, the child loop and the main-process reader are the same for every
@@ -44,6 +45,8 @@ class Placement(Protocol):
     def node_of(self, process: Any) -> str | None: ...
 
     def refresh_stats(self, table: Any, links: Sequence[Any]) -> None: ...
+
+    def refused_connections(self, process: Any) -> int: ...
 
     def close(self) -> None: ...
 

@@ -60,6 +60,9 @@ class LocalPlacement:
     def refresh_stats(self, table: Any, links: Sequence[Any]) -> None:
         pass  # the children write the shared table themselves
 
+    def refused_connections(self, process: Any) -> int:
+        return 0  # no child listens: its channels are this host's shared memory
+
     def close(self) -> None:
         pass
 

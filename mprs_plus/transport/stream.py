@@ -181,15 +181,25 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
     return data
 
 
-def connect(address: Address, spec: StreamSpec, timeout: float = CONNECT_SECONDS) -> socket.socket:
+def connect(address: Address | str, spec: StreamSpec, timeout: float = CONNECT_SECONDS) -> socket.socket:
     """A connection to the listener of ``spec``'s channel at ``address``, both sides
     proved; ``ChannelBroken`` when it cannot be made within ``timeout`` (plus the
-    handshake's bound) or the listener does not prove the secret."""
-    host, port = address
+    handshake's bound) or the listener does not prove the secret. A ``str`` address is
+    a Unix-domain socket's name (``Listener(spec, unix=True)``), for ``handover.py``."""
+    where = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
+        if isinstance(address, str):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(address)
+            except OSError:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(address, timeout=timeout)
     except OSError as exc:
-        raise ChannelBroken(f"could not connect to the other end of the channel at {host}:{port}: {exc}") from None
+        raise ChannelBroken(f"could not connect to the other end of the channel at {where!r}: {exc}") from None
     try:
         deadline = time.monotonic() + HANDSHAKE_SECONDS
         hello = _recv_exactly(sock, len(_MAGIC) + _NONCE, deadline)
@@ -202,15 +212,17 @@ def connect(address: Address, spec: StreamSpec, timeout: float = CONNECT_SECONDS
             raise ConnectionError("the other end did not prove the channel's secret")
     except (OSError, TimeoutError) as exc:
         sock.close()
-        raise ChannelBroken(f"the connection to {host}:{port} failed its handshake: {exc}") from None
+        raise ChannelBroken(f"the connection to {where!r} failed its handshake: {exc}") from None
     _tune(sock)
     return sock
 
 
 def _tune(sock: socket.socket) -> None:
     """No delay for small frames; keepalive and a bound on unacknowledged data, so that
-    a peer lost without a word breaks the channel."""
+    a peer lost without a word breaks the channel (TCP only)."""
     sock.setblocking(False)
+    if sock.family == socket.AF_UNIX:
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle, interval, count = KEEPALIVE
@@ -249,19 +261,24 @@ class Listener:
     """One channel's listening socket and its handshake thread (see the module's
     docstring). ``take`` hands over the peer's connection once it has proved itself."""
 
-    def __init__(self, spec: StreamSpec, port: int = 0) -> None:
+    def __init__(self, spec: StreamSpec, port: int = 0, unix: bool = False) -> None:
         self._spec = spec
-        family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
+        if unix:
+            # An abstract name (Linux): no file to remove, gone with the socket. Anyone on
+            # the host may connect to it: the handshake keeps them out, as on TCP.
+            family, where = socket.AF_UNIX, "\0mprs_plus-" + spec.key
+        else:
+            family, where = socket.AF_INET6 if ":" in spec.host else socket.AF_INET, (spec.host, port)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.bind((spec.host, port))
+            sock.bind(where)
             sock.listen(16)
             sock.setblocking(False)
         except OSError:
             sock.close()
             raise
         self._sock: socket.socket | None = sock
-        self.address: Address = sock.getsockname()[:2]
+        self.address: Address | str = where if unix else sock.getsockname()[:2]
         self.refused = 0
         self._peer: socket.socket | None = None
         self._lock = threading.Lock()
@@ -413,14 +430,14 @@ _listeners: dict[str, Listener] = {}
 _listeners_cv = threading.Condition(threading.Lock())
 
 
-def listen(spec: StreamSpec) -> Address:
+def listen(spec: StreamSpec, unix: bool = False) -> Address | str:
     """Listen for the peer of ``spec``'s channel in this process (the listening end will
-    be used here), on ``spec.host``; returns the address the other end connects to.
-    Idempotent per channel."""
+    be used here), on ``spec.host`` (or on a Unix-domain socket of this host: ``unix``);
+    returns the address the other end connects to. Idempotent per channel."""
     with _listeners_cv:
         listener = _listeners.get(spec.key)
         if listener is None:
-            listener = _listeners[spec.key] = Listener(spec)
+            listener = _listeners[spec.key] = Listener(spec, unix=unix)
             _listeners_cv.notify_all()
         return listener.address
 

@@ -12,7 +12,7 @@ import re
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -59,21 +59,25 @@ class SegmentHost:
             setup = setup._replace(stats=tuple(self._table.writer(row) for row in stats_rows))
         target(setup)
 
-    def stats(self, rows: tuple[int, ...]) -> tuple[float, list[dict[str, float]]]:
+    def stats(self, rows: tuple[int, ...]) -> tuple[float, list[dict[str, float]], int]:
         """This child's statistics rows, with its clock's time now (the training process's
-        clock may differ: another host)."""
+        clock may differ: another host), and the connections its listeners refused (they
+        did not prove the secret): this process hosts this one child, so all are its."""
+        from ...transport.stream import refused_connections
+
         table = getattr(self, "_table", None)
         if table is None:
-            return time.monotonic(), []
-        return time.monotonic(), [table.read(row) for row in rows]
+            return time.monotonic(), [], refused_connections()
+        return time.monotonic(), [table.read(row) for row in rows], refused_connections()
 
     def deliver(self, cid: str, seq: int, message: Any, last: bool) -> None:
         channel.serve_deliver(cid, seq, message, last)
 
-    def listen(self, specs: list[Any]) -> list[tuple[str, int]]:
+    def listen(self, specs: list[Any], senders: Sequence[bool] = ()) -> list[Any]:
         """Listen for the peers of the data channels whose ends this child will use, on
-        this node's address as Ray reports it; the addresses, for the peers to connect."""
-        return channel.listen_here(specs)
+        this node's address as Ray reports it (and, for its sending ends, on a Unix-domain
+        socket for a peer on this node); the addresses, for the peers to connect."""
+        return channel.listen_here(specs, senders)
 
 
 _remote_class: Any = None

@@ -4,6 +4,7 @@ implement the declared ``transport.Sender`` and ``transport.Receiver`` protocols
 
     data     sender (worker actor, dispatch actor) ==== one TCP connection ====> receiver
              (worker -> training process, dispatch -> worker)   transport/stream.py
+             or, both ends on one node: a shared-memory ring    transport/handover.py
     control  sender in the training process --deliver(cid, seq, msg)--> box in the child's
              actor, read by the child's listener thread    numbered, re-ordered in the box
 
@@ -16,6 +17,13 @@ other end connects to the address that call answers (``ActorAddress``), at its f
 in a later actor or in the training process, which therefore never listens. Every
 connection proves the service's secret (made per service, handed to the actors inside
 their channel specs through Ray) before anything on it is unpickled.
+
+Same node. A listening sender also listens on a Unix-domain socket, and the answer names
+its node; a receiver whose process runs on that node (by node id, never by address: the
+nodes of one machine share it) makes a shared-memory channel instead, and hands its
+sending end over that socket (``NearReceiver``, ``NearSender``). The sender takes
+whichever peer comes first, both proved. The runtime sees a ``Sender`` and a ``Receiver``
+either way; a peer that dies is end-of-file on the ring's wake-up pipe.
 
 Control stays on Ray calls: a handful of messages per epoch (a reset, pause, resume, a
 limit, the stop), whose cost (about a millisecond of the training process's CPU per
@@ -41,8 +49,8 @@ from typing import Any
 import ray
 
 from ...transport import ChannelBroken, ChannelClosed, EndOfStream, Traffic
-from ...transport.channel import poll_waitables, wait_together
-from ...transport.stream import StreamReceiver, StreamSender, StreamSpec, listen
+from ...transport.channel import RECHECK_SECONDS, poll_waitables, wait_together
+from ...transport.stream import StreamReceiver, StreamSender, StreamSpec, _drop_listener, _registered, listen
 
 SLICE = 0.02  # seconds between two looks at watched waitables while waiting on Ray
 _RECHECK = 1.0  # seconds between two looks of a control receiver with no deadline at its box
@@ -51,18 +59,51 @@ _RECHECK = 1.0  # seconds between two looks of a control receiver with no deadli
 # -- data channels: streams, found through Ray ------------------------------------------
 
 
-def open_stream_channel(secret: bytes, *, capacity_items: int, capacity_bytes: int) -> tuple[StreamSender, StreamReceiver]:
+def open_stream_channel(secret: bytes, *, capacity_items: int, capacity_bytes: int) -> tuple[NearSender, NearReceiver]:
     """A data channel over one TCP connection (``transport/stream.py``), proved by
-    ``secret``; which end listens is decided when its ends are placed (``placement.py``)."""
+    ``secret``, or over shared memory when both ends turn out to share a node; which end
+    listens is decided when its ends are placed (``placement.py``)."""
     spec = StreamSpec(secret, capacity_items, capacity_bytes)
-    return StreamSender(spec), StreamReceiver(spec)
+    return NearSender(spec), NearReceiver(spec)
 
 
-def listen_here(specs: Sequence[StreamSpec]) -> list[tuple[str, int]]:
+# Where an actor answers: (host, port) on the node's address, the node's id, and the
+# name of a Unix-domain socket where a sending end may be handed a shared-memory channel
+# instead (None where the listening end is not a sender).
+Answer = tuple[str, int, str, "str | None"]
+
+
+def listen_here(specs: Sequence[StreamSpec], senders: Sequence[bool] = ()) -> list[Answer]:
     """In an actor: listen for these channels on this node's address (as Ray reports
-    it: one interface, never all of them)."""
+    it: one interface, never all of them); for the ends that are senders, also on a
+    Unix-domain socket of this host, for a peer on this node (``NearSender``)."""
+    from ...transport.handover import listen_for_sender
+
     host = ray.util.get_node_ip_address()
-    return [listen(dataclasses.replace(spec, host=host)) for spec in specs]
+    answers: list[Answer] = []
+    for spec, sender in zip(specs, list(senders) or [False] * len(specs)):
+        # The Unix side first: a sending end that sees its TCP listener sees it too.
+        name = listen_for_sender(_near_spec(spec)) if sender else None
+        address = listen(dataclasses.replace(spec, host=host))
+        assert not isinstance(address, str)
+        answers.append((address[0], address[1], this_node(), name))
+    return answers
+
+
+def this_node() -> str:
+    """This process's Ray node id."""
+    global _node
+    if _node is None:
+        _node = ray.get_runtime_context().get_node_id()
+    return _node
+
+
+_node: str | None = None
+
+
+def _near_spec(spec: StreamSpec) -> StreamSpec:
+    """The Unix-domain socket's: its own key (one listener per key), the same secret."""
+    return dataclasses.replace(spec, key=spec.key + "-near")
 
 
 class ActorAddress:
@@ -76,14 +117,204 @@ class ActorAddress:
         self._index = index
 
     def __call__(self, timeout: float) -> tuple[str, int] | None:
+        found = self.answer(timeout)
+        return None if found is None else (found[0], found[1])
+
+    def answer(self, timeout: float) -> Answer | None:
+        """The whole answer (with the node and the Unix-domain name); None while unknown."""
         try:
             ready, _ = ray.wait([self._answer], timeout=timeout)
             if not ready:
                 return None
-            host, port = ray.get(self._answer, timeout=0)[self._index]
+            return tuple(ray.get(self._answer, timeout=0)[self._index])  # type: ignore[return-value]
         except Exception as exc:
             raise ChannelBroken(f"the actor at the other end is gone ({type(exc).__name__})") from None
-        return host, port
+
+
+class _Near:
+    """What both near ends do alike: once the shared-memory end is there, it is the channel."""
+
+    _near: Any
+
+    def traffic(self) -> Traffic:
+        return self._near.traffic() if self._near is not None else super().traffic()  # type: ignore[misc]
+
+    def watch(self, *waitables: Any) -> None:
+        super().watch(*waitables)  # type: ignore[misc]
+        if self._near is not None:
+            self._near.watch(*waitables)
+
+    def connected(self) -> bool:
+        return self._near is not None or super().connected()  # type: ignore[misc]
+
+
+class NearSender(_Near, StreamSender):
+    """A sending end that listens in its actor on TCP and, for a peer on its node, on a
+    Unix-domain socket too (``listen_here``); at its first use it takes whichever peer
+    came (each proved the secret): a TCP connection, or a shared-memory channel handed
+    over by that peer (``transport/handover.py``), which it then uses for everything.
+    Where nothing listens on the Unix side (a connecting end), it is a ``StreamSender``."""
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._near: Any = None  # the ShmSender, once handed over
+
+    def _settle(self, deadline: float | None) -> Any:
+        """The shared-memory end if the peer chose it; None for the stream (or while
+        ``deadline`` passes with no peer: the stream's own wait then says so)."""
+        if self._near is not None or self._sock is not None or self._address is not None or self._closed:
+            return self._near
+        near_key = _near_spec(self._spec).key
+        tcp = self._listener(deadline)  # listen_here made the Unix one before it, if any
+        if _registered(near_key) is None:
+            return None  # nobody offered the Unix side: the stream alone
+        from ...transport.handover import take_sender
+
+        while True:
+            unix = _registered(near_key)
+            if unix is None:
+                return None
+            left = RECHECK_SECONDS if deadline is None else min(RECHECK_SECONDS, deadline - time.monotonic())
+            hits = poll_waitables([tcp.ready_fd(), unix.ready_fd(), *self._watched], max(0.0, left))
+            if unix.ready_fd() in hits:
+                self._near = take_sender(_near_spec(self._spec), 0.0, self._watched)
+                self._near.watch(*self._watched)
+                _drop_listener(self._spec.key)
+                return self._near
+            if tcp.ready_fd() in hits:
+                _drop_listener(near_key)  # the stream it is
+                return None
+            if hits:
+                raise ChannelBroken("a watched process ended while waiting for the other end to connect")
+            if left <= 0:
+                return None
+
+    def send(self, obj: Any, timeout: float | None = None) -> None:
+        if self._closed:
+            raise ChannelClosed("send on a closed channel")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        near = self._settle(deadline)
+        if near is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return super().send(obj, left)
+        return near.send(obj, None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def peer_waiting(self) -> bool:
+        return self._near.peer_waiting() if self._near is not None else False
+
+    def close(self) -> None:
+        near, self._near = self._near, None
+        if near is not None:
+            self._closed = True
+            near.close()
+            return
+        _drop_listener(_near_spec(self._spec).key)
+        super().close()
+
+    def release(self) -> None:
+        near, self._near = self._near, None
+        if near is not None:
+            near.release()
+        _drop_listener(_near_spec(self._spec).key)
+        super().release()
+
+
+class NearReceiver(_Near, StreamReceiver):
+    """A receiving end that connects to an actor's ``NearSender``: when that actor runs
+    on this process's node (by node id: the nodes of one host share its address), it
+    opens a shared-memory channel here and hands its sending end over (a Unix-domain
+    socket, ``transport/handover.py``), then reads the channel as a local worker's
+    parent does, lend area included; otherwise it is a ``StreamReceiver``."""
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._near: Any = None  # the ShmReceiver, once handed over
+        self._armed_near = False
+
+    def _settle(self, deadline: float | None) -> Any:
+        """The shared-memory end, made now if the sender is on this node; None for the
+        stream, or while the sender's answer is not known by ``deadline``."""
+        address = self._address
+        if self._near is not None or self._sock is not None or self._closed or self._broken is not None:
+            return self._near
+        if not isinstance(address, ActorAddress):
+            return None
+        while True:
+            left = RECHECK_SECONDS if deadline is None else min(RECHECK_SECONDS, deadline - time.monotonic())
+            found = address.answer(max(0.0, left))
+            if found is not None:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            if self._watched and poll_waitables(list(self._watched), 0):
+                raise ChannelBroken("a watched process ended before the other end's address was known")
+        host, port, node, name = found
+        if name is None or node != this_node():
+            self._address = (host, port)
+            return None
+        from ...transport.handover import hand_over
+
+        try:
+            self._near = hand_over(name, _near_spec(self._spec))
+        except ChannelBroken as exc:
+            self._broken = str(exc)
+            raise
+        self._near.watch(*self._watched)
+        return self._near
+
+    def _now(self) -> Any:
+        """``_settle`` without waiting for the answer (a hand-over, once the answer is
+        there, is bounded by the handshake's bound)."""
+        try:
+            return self._settle(time.monotonic())
+        except ChannelBroken:
+            return None  # recorded: the stream's methods raise it
+
+    def recv(self, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise ChannelClosed("receive on a closed channel")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        near = self._settle(deadline)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if near is None:
+            if isinstance(self._address, ActorAddress) and self._sock is None and self._broken is None:
+                raise TimeoutError(f"no message within {timeout} s (the other end's address is not known yet)")
+            return super().recv(left)
+        return near.recv(left)
+
+    def skip(self) -> bool:
+        near = self._now()
+        return near.skip() if near is not None else super().skip()
+
+    def poll(self) -> bool:
+        near = self._now()
+        return near.poll() if near is not None else super().poll()
+
+    def has_input(self) -> bool:
+        near = self._now()
+        return near.has_input() if near is not None else super().poll()
+
+    def arm(self) -> Any:
+        near = self._near
+        self._armed_near = near is not None
+        return near.arm() if near is not None else super().arm()
+
+    def disarm(self, woken: bool, timed_out: bool = False) -> None:
+        if self._armed_near:
+            self._armed_near = False
+            self._near.disarm(woken, timed_out)
+
+    def close(self) -> None:
+        near = self._near
+        if near is not None:
+            near.close()
+        super().close()
+
+    def release(self) -> None:
+        near, self._near = self._near, None
+        if near is not None:
+            near.release()
+        super().release()
 
 
 # -- control channels: Ray calls into a box -----------------------------------------------

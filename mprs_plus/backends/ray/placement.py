@@ -4,7 +4,9 @@
         actor = SegmentHost.options(num_cpus, resources, scheduling_strategy, runtime_env)
         its control receiver learns its host (deliveries go to it); the ends of data
         channels placed first listen in it: actor.listen(specs) -> addresses, which their
-        peers connect to (in later actors, or here)                 (``channel.py``)
+        peers connect to (in later actors, or here)                 (``channel.py``);
+        a peer on the same node (by node id) hands a sending end a shared-memory
+        channel instead, over a Unix-domain socket           (``transport/handover.py``)
         actor.run(target, setup)   the child's life, as a local process's
         -> ActorProcess: the ``multiprocessing.Process`` members the supervisor uses
 
@@ -40,6 +42,9 @@ from .channel import ActorAddress, RayReceiver, open_ray_channel, open_stream_ch
 
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
 _LOOK = 0.5  # seconds between two looks of a watcher at its actor
+# Seconds a death error waits for a watcher to say why an actor's stream broke. 2 s was too
+# short beside two test suites on two cores (a failed import read as "stopped answering").
+_DEATH_REASON_WAIT = 10.0
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
 _KILL_CALL_WAIT = 2.0  # seconds one kill request may take before the stop moves on
 _STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
@@ -66,6 +71,7 @@ class ActorProcess:
         self.actor = actor
         self.exitcode: int | None = None
         self.reason = ""  # why it ended, in words, when not asked to
+        self.refused = 0  # connections its listeners refused, as of the last statistics it sent
         self._run = run
         self._where_ref = where
         self._where: dict[str, Any] | None = None
@@ -274,7 +280,8 @@ class RayPlacement:
         listening = [end for end in ends if end.key not in self._listening]
         if not listening:
             return
-        answer = actor.listen.remote([end.spec for end in listening])
+        senders = [isinstance(end, StreamSender) for end in listening]  # a peer on their node gets shm
+        answer = actor.listen.remote([end.spec for end in listening], senders)
         for index, end in enumerate(listening):
             self._listening.add(end.key)
             for peer in self._streams[end.key]:
@@ -284,10 +291,14 @@ class RayPlacement:
     def node_of(self, process: Any) -> str | None:
         return process.node if isinstance(process, ActorProcess) else None
 
+    def refused_connections(self, process: Any) -> int:
+        return process.refused if isinstance(process, ActorProcess) else 0
+
     def refresh_stats(self, table: Any, links: Sequence[Any]) -> None:
         """Copy the statistics rows of the actors of ``links`` into ``table`` (this host's),
-        their times moved to this process's clock. An actor that does not answer within
-        ``_STATS_WAIT`` keeps its last figures."""
+        their times moved to this process's clock, and the count of connections each
+        actor's listeners refused. An actor that does not answer within ``_STATS_WAIT``
+        keeps its last figures."""
         from ...runtime.stats import FIELDS
 
         asked = {}
@@ -303,9 +314,10 @@ class RayPlacement:
         for ref in ready:
             link = asked[ref]
             try:
-                then, rows = ray.get(ref, timeout=0)
+                then, rows, refused = ray.get(ref, timeout=0)
             except Exception:
                 continue  # gone meanwhile: its death is reported by the reads
+            link.process.refused = refused
             shift = time.monotonic() - then
             for row, values in zip(link.stats_rows, rows):
                 for i, name in enumerate(FIELDS):
@@ -313,7 +325,9 @@ class RayPlacement:
                     table._table[row * width + i] = value + shift if i == started and value else value
 
     def death_error(self, processes: Sequence[Any]) -> Exception:
-        deadline = time.monotonic() + 2.0  # a stream can break a moment before the watcher sees why
+        # A stream breaks a moment before the watcher (a look every _LOOK s, each a Ray call
+        # that a loaded node answers late) sees why: wait, bounded, for its reason.
+        deadline = time.monotonic() + _DEATH_REASON_WAIT
         while time.monotonic() < deadline and not any(p.exitcode is not None for p in processes):
             time.sleep(0.05)
         dead = [

@@ -59,9 +59,13 @@ class StatsView:
                 link.process.pid if link.process is not None else 0,
                 [table.read(row) for row in link.stats_rows],
             )
-            node = placement.node_of(link.process) if placement is not None and link.process is not None else None
-            if node:
-                found = replace(found, node=node)
+            if placement is not None and link.process is not None:
+                node = placement.node_of(link.process)
+                if node:
+                    found = replace(found, node=node)
+                refused = placement.refused_connections(link.process)
+                if refused:
+                    found = replace(found, refused_connections=refused)
             traffic = [receiver.traffic() for receiver in link.data]  # a worker's channels to this process
             if any(t.messages for t in traffic):
                 # Exact and current, from this end. A receiver that leaves the counting to its
