@@ -5,12 +5,15 @@
     python -m benchmarks.ray_compare --quick    each measurement once, with few items
     python benchmarks/ray_compare.py --help     the same script; --only, --contenders, ...
 
-Three workloads (tiny items, 1 MiB numpy arrays, 2 ms of CPU work per item) through three
+Three workloads (tiny items, 1 MiB numpy arrays, 2 ms of CPU work per item) through four
 contenders: ``mprs_plus-ray`` (the service with ``backend=RayBackend(...)``: its two workers
-are Ray actors), ``mprs_plus`` (two local worker processes) and ``ray-data``
-(``ray.data.range(n).map(...)``, read with ``iter_rows()``). The Ray contenders run on a
-simulated two-node cluster started once for the run (``ray.cluster_utils.Cluster``, one CPU
-per node); its start-up is reported on its own, not in any contender's figures.
+are Ray actors on the other node, their items come over streams), ``mprs_plus-ray-near``
+(the same, both actors on the training process's node: shared-memory rings),
+``mprs_plus`` (two local worker processes) and ``ray-data`` (``ray.data.range(n).map(...)``,
+read with ``iter_rows()``). The Ray contenders run on a simulated two-node cluster started
+once for the run (``ray.cluster_utils.Cluster``, one CPU per node, the Ray backend's two
+actors half a CPU each on one node); its start-up is reported on its own, not in any
+contender's figures.
 
 Every measurement streams one whole epoch from a new loader (``ray_cluster.stream_epoch``
 says why never a part of one). Reported per workload and contender: items/s in steady
@@ -19,7 +22,7 @@ time per item (every thread of it: Ray's driver threads count) and the time from
 the loader to its first item. Interleaved as the suite is (``harness.schedule``): every
 repetition runs every contender once per workload, a different one first each time.
 
-Without Ray the Ray contenders are n/a, saying why; so is ``mprs_plus-ray`` while
+Without Ray the Ray contenders are n/a, saying why; so are the ``mprs_plus-ray`` rows while
 ``mprs_plus.RayBackend`` is not importable. Speed is reported, never asserted: the exit
 status is non-zero only when the comparison itself breaks.
 """
@@ -55,7 +58,14 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.report import format_value  # noqa: E402
 from benchmarks.workloads import ray_cluster  # noqa: E402
 from benchmarks.workloads._shared import calibrate_loops  # noqa: E402
-from benchmarks.workloads.ray_cluster import CONTENDERS, RAY_BACKEND, RAY_CONTENDERS, RAY_DATA  # noqa: E402
+from benchmarks.workloads.ray_cluster import (  # noqa: E402
+    CONTENDERS,
+    RAY_BACKEND,
+    RAY_BACKENDS,
+    RAY_CONTENDERS,
+    RAY_DATA,
+    RAY_NEAR,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         reap_grace_s=3.0,
         cpu_loops=calibrate_loops(0.002),
     )
-    missing = {RAY_BACKEND: ray_cluster.ray_backend_missing(), RAY_DATA: ray_cluster.ray_missing()}
+    backend_missing = ray_cluster.ray_backend_missing()
+    missing = {RAY_BACKEND: backend_missing, RAY_NEAR: backend_missing, RAY_DATA: ray_cluster.ray_missing()}
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     cluster = None
     if any(c in contenders and not missing[c] for c in RAY_CONTENDERS):
@@ -258,7 +269,7 @@ def rows(results: harness.Results) -> list[dict[str, Any]]:
                 "first_item_ms": _scaled(median["first_item"], 1e3),
             }
             # The issue's bar: the Ray backend against Ray Data (throughput, and main CPU).
-            if contender == RAY_BACKEND:
+            if contender in RAY_BACKENDS:
                 theirs = medians[RAY_DATA]
                 row["throughput_vs_ray_data"] = _ratio(rate, theirs["throughput"])
                 row["epoch_throughput_vs_ray_data"] = _ratio(median["epoch_throughput"], theirs["epoch_throughput"])
@@ -299,7 +310,7 @@ def table(results: harness.Results) -> str:
     body = []
     for row in rows(results):
         vs = ""
-        if row["contender"] == RAY_BACKEND and row["status"] == harness.OK:
+        if row["contender"] in RAY_BACKENDS and row["status"] == harness.OK:
             keys = ("throughput_vs_ray_data", "epoch_throughput_vs_ray_data", "main_cpu_vs_ray_data")
             parts = [f"{row[k]:.3g}×" if row[k] is not None else "—" for k in keys]
             vs = ", ".join(parts)

@@ -297,7 +297,7 @@ def test_cold_start_runs_each_sample_in_a_fresh_process(tmp_path: Path) -> None:
 
 # -- the Ray comparison ----------------------------------------------------------------------
 
-RAY_CONTENDERS = {"mprs_plus-ray", "mprs_plus", "ray-data"}
+RAY_CONTENDERS = {"mprs_plus-ray", "mprs_plus-ray-near", "mprs_plus", "ray-data"}
 
 
 @pytest.mark.timeout(300)
@@ -329,6 +329,7 @@ def test_ray_comparison_quick_run_reports_every_contender(tmp_path: Path) -> Non
         "mprs_plus": None,
         "ray-data": ray_cluster.ray_missing(),
         "mprs_plus-ray": ray_cluster.ray_backend_missing(),
+        "mprs_plus-ray-near": ray_cluster.ray_backend_missing(),
     }
     for name, workload in result["workloads"].items():
         assert set(workload["contenders"]) == RAY_CONTENDERS, name
@@ -355,7 +356,8 @@ def test_ray_comparison_records_ray_as_not_applicable_when_it_is_not_installed(m
     monkeypatch.setitem(sys.modules, "ray", None)  # "import ray" now raises ImportError
     for name in [m for m in sys.modules if m.startswith("ray.")]:
         monkeypatch.delitem(sys.modules, name)
-    missing = {"mprs_plus-ray": ray_cluster.ray_backend_missing(), "ray-data": ray_cluster.ray_missing()}
+    backend_missing = ray_cluster.ray_backend_missing()
+    missing = {"mprs_plus-ray": backend_missing, "mprs_plus-ray-near": backend_missing, "ray-data": ray_cluster.ray_missing()}
     assert all("not installed" in why and "bench" in why for why in missing.values())
     settings = harness.Settings(quick=True, repetitions=1)
     tiny = ray_cluster.Case("few_ints", "few ints", "ints", items=lambda s: 2000, make_fn=lambda s: ray_cluster.identity)

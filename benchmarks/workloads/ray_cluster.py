@@ -34,11 +34,19 @@ from ._shared import burn, identity, mapped_range, numpy_array
 
 ROOT = Path(__file__).resolve().parents[2]
 
-RAY_BACKEND = "mprs_plus-ray"  # DataLoader2 + MultiProcessingReadingService(backend=RayBackend(...))
+# DataLoader2 + MultiProcessingReadingService(backend=RayBackend(...)), its workers on the
+# other node (their items come over the network's streams) or on the training process's
+# node (shared-memory rings handed over to the actors).
+RAY_BACKEND = "mprs_plus-ray"
+RAY_NEAR = "mprs_plus-ray-near"
 LOCAL = "mprs_plus"  # the same service with local worker processes
 RAY_DATA = "ray-data"  # ray.data.range(n).map(...).iter_rows()
-CONTENDERS = (RAY_BACKEND, LOCAL, RAY_DATA)
-RAY_CONTENDERS = (RAY_BACKEND, RAY_DATA)
+CONTENDERS = (RAY_BACKEND, RAY_NEAR, LOCAL, RAY_DATA)
+RAY_BACKENDS = (RAY_BACKEND, RAY_NEAR)
+RAY_CONTENDERS = (*RAY_BACKENDS, RAY_DATA)
+# Custom resources that tell the nodes apart: the head runs the training process.
+TRAINER_NODE, OTHER_NODE = "trainer_node", "other_node"
+_NODE_OF = {RAY_BACKEND: OTHER_NODE, RAY_NEAR: TRAINER_NODE}
 
 # Metrics of every workload (see ``stream_epoch``). Throughput is in items/s everywhere;
 # GB/s is derived from it where items have a size. The cluster is running before any is timed.
@@ -106,10 +114,11 @@ class LocalCluster:
         logging.getLogger("ray").setLevel(logging.WARNING)  # its start-up notes would split the table
         started = time.perf_counter()
         node = {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_mib * harness.MiB}
-        self._cluster = Cluster(initialize_head=True, head_node_args=node)
+        head = dict(node, resources={TRAINER_NODE: 1.0})
+        self._cluster = Cluster(initialize_head=True, head_node_args=head)
         try:
             for _ in range(self.nodes - 1):
-                self._cluster.add_node(**node)
+                self._cluster.add_node(**node, resources={OTHER_NODE: 1.0})
             self._cluster.wait_for_nodes()
             ray.init(address=self._cluster.address, log_to_driver=False, logging_level=logging.WARNING)
             _quiet_ray_data()
@@ -256,12 +265,16 @@ def open_ray_data(n: int, fn: Callable[[int], Any]) -> harness.Loader:
     return harness.Loader(rows, close)
 
 
-def open_ray_backend(settings: harness.Settings, pipe: Any, address: str) -> harness.Loader:
+def open_ray_backend(settings: harness.Settings, pipe: Any, address: str, node: str) -> harness.Loader:
+    """The workers all on ``node`` (a custom resource of one node): half a CPU each, so that
+    both fit on a node of one CPU, as Ray Data's two tasks fit on two."""
     from torchdata.dataloader2 import DataLoader2
 
     from mprs_plus import MultiProcessingReadingService, RayBackend
 
-    service = MultiProcessingReadingService(settings.num_workers, backend=RayBackend(address=address))
+    share = 1.0 / max(1, settings.num_workers)
+    backend = RayBackend(address=address, num_cpus_per_worker=share, resources={node: share})
+    service = MultiProcessingReadingService(settings.num_workers, backend=backend)
     loader = DataLoader2(pipe, reading_service=service)
     return harness.Loader(loader, loader.shutdown)
 
@@ -273,8 +286,8 @@ def open_contender(
         return harness.open_loader(harness.MPRS_PLUS, settings, pipe=mapped_range(n, fn))
     if cluster is None or cluster.address is None:
         raise RuntimeError(f"{contender} needs the Ray cluster, which is not running")
-    if contender == RAY_BACKEND:
-        return open_ray_backend(settings, mapped_range(n, fn), cluster.address)
+    if contender in RAY_BACKENDS:
+        return open_ray_backend(settings, mapped_range(n, fn), cluster.address, _NODE_OF[contender])
     if contender == RAY_DATA:
         return open_ray_data(n, fn)
     raise ValueError(f"unknown contender {contender!r}; choose from {CONTENDERS}")
