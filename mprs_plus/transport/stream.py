@@ -91,7 +91,10 @@ from .errors import ChannelBroken, ChannelClosed, EndOfStream
 from .serialize import Encoder
 from .traffic import Traffic
 
-HANDSHAKE_SECONDS = 5.0  # a connection proves the secret within this, or is dropped
+# A connection proves the secret within this, or is dropped. A stranger that stays silent
+# holds up nobody (handshakes run side by side), so the bound is the peer's: 5 s was too
+# short for a Ray actor's listener thread beside two test suites on two cores (load 10).
+HANDSHAKE_SECONDS = 30.0
 CONNECT_SECONDS = 10.0  # a connector reaches the listener within this
 STALL_SECONDS = 60.0  # a message begun and not continued for this long breaks the channel
 CLOSE_SECONDS = 1.0  # the longest a close waits for room for the end-of-stream marker
