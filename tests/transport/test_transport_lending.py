@@ -12,7 +12,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from transport_peers import drop_inherited_lent_buffers, send_filled, shm_only
+from transport_peers import drop_inherited_lent_buffers, filled, send_filled, shm_only
 
 import mprs_plus.runtime  # noqa: F401  registers the tensor reducers, as the service does
 from mprs_plus.transport import EndOfStream, lending, open_channel, wait_readable
@@ -31,10 +31,6 @@ def channel():
     yield sender, receiver
     sender.close()
     receiver.close()
-
-
-def filled(value: int, nbytes: int = ITEM) -> np.ndarray:
-    return np.full(nbytes, value % 251, dtype=np.uint8)
 
 
 def as_bytes(view: object) -> bytes:

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import pytest
-from transport_peers import shm_only
+from transport_peers import filled, shm_only
 
 from mprs_plus.transport import lending, open_channel
 from mprs_plus.transport import _lend
@@ -78,10 +78,6 @@ def channel(locker):
     yield sender, receiver
     sender.close()
     receiver.close()
-
-
-def filled(value: int, nbytes: int = ITEM) -> np.ndarray:
-    return np.full(nbytes, value % 251, dtype=np.uint8)
 
 
 def slots_lent(receiver) -> int:

@@ -107,14 +107,20 @@ class ExitsWhilePickling:
         os._exit(3)
 
 
+def filled(value: int, nbytes: int = 256 << 10) -> Any:
+    """A uint8 array of ``nbytes`` (by default large enough to be lent) filled with
+    ``value % 251``: an item whose every byte says which it is."""
+    import numpy
+
+    return numpy.full(nbytes, value % 251, dtype=numpy.uint8)
+
+
 def send_filled(sender: Any, count: int, nbytes: int, extra: Any = None) -> None:
     """Send ``count`` uint8 arrays of ``nbytes``, array ``i`` filled with ``i % 251``
     (with ``extra`` beside each when given), then end the stream."""
-    import numpy
-
     release_all_except([sender])
     for i in range(count):
-        array = numpy.full(nbytes, i % 251, dtype=numpy.uint8)
+        array = filled(i, nbytes)
         sender.send(array if extra is None else (extra, array))
     sender.close()
 
