@@ -385,7 +385,9 @@ def test_a_death_error_waits_for_the_watcher_to_say_why_the_stream_broke(monkeyp
 
     thread = threading.Thread(target=watcher)
     thread.start()
-    error = placement.RayPlacement.death_error(None, [actor])
+    idle = placement.RayPlacement.__new__(placement.RayPlacement)
+    idle._streams = {}  # no data channel: no landing process to ask
+    error = idle.death_error([actor])
     thread.join(30)
     assert isinstance(error, ProcessDiedError)
     assert "worker 0 (Ray actor on node-a, pid 7) could not load the pipeline's code" in str(error)
@@ -568,8 +570,10 @@ def test_shutdown_leaves_no_connection_or_listening_port_in_the_training_process
     import psutil
 
     listening = {tuple(c.laddr) for c in _tcp_of_this_process() if c.status == psutil.CONN_LISTEN}
-    # On the other node: the workers' items come over TCP (on this one, shared memory).
-    loader = _loader(IterableWrapper(range(20)).sharding_filter(), RayBackend(num_cpus_per_worker=0, resources=SECOND))
+    # On the other node, read here (no landing): the workers' items come over TCP into
+    # this process (on this node, shared memory).
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND, landing=False)
+    loader = _loader(IterableWrapper(range(20)).sharding_filter(), backend)
     try:
         assert list(loader) == list(range(20))
         ours = {r._sock.getsockname() for r in _data_receivers(loader) if r.connected()}
@@ -579,6 +583,49 @@ def test_shutdown_leaves_no_connection_or_listening_port_in_the_training_process
     left = [c for c in _tcp_of_this_process() if tuple(c.laddr) in ours]
     assert left == [], f"connections left after shutdown: {left}"
     assert {tuple(c.laddr) for c in _tcp_of_this_process() if c.status == psutil.CONN_LISTEN} <= listening
+
+
+def test_streams_from_another_node_land_in_shared_memory_and_their_processes_end_at_shutdown(cluster):
+    """By default a worker on another node streams to a landing process of this node,
+    which writes into a shared-memory ring: this process holds no connection to the
+    workers, reads their arrays from a lend area, and the landing processes end with
+    the loader."""
+    import psutil
+
+    pipe = IterableWrapper(range(16)).sharding_filter().map(_megabyte)
+    loader = _loader(pipe, RayBackend(num_cpus_per_worker=0, resources=SECOND))
+    try:
+        got = [int(array[0]) for array in loader]
+        stats = loader.reading_service.stats()
+        receivers = _data_receivers(loader)
+        assert all(r._near is not None and r._sock is None for r in receivers)
+        landings = [r._landing.process for r in receivers]
+        # Each landing process holds the one connection to its worker; this process none.
+        workers = {tuple(c.raddr) for p in landings for c in psutil.Process(p.pid).net_connections(kind="tcp")}
+        assert len(workers) == 2
+        assert not [c for c in _tcp_of_this_process() if c.raddr and tuple(c.raddr) in workers]
+    finally:
+        loader.shutdown()
+    assert got == list(range(16))
+    assert stats.large_buffers.lent > 0 and stats.segment("worker").items_out == 16, str(stats)
+    assert [p.poll() for p in landings] == [0, 0]  # ended, each cleanly, by the shutdown
+
+
+def test_a_killed_landing_process_is_an_error_that_says_so(cluster):
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND)
+    loader = _loader(_blocked_pipe(), backend, worker_prefetch_cnt=0, main_prefetch_cnt=0)
+    try:
+        iterator = iter(loader)
+        assert [next(iterator), next(iterator)] == [0, 1]
+        landings = [r._landing.process for r in _data_receivers(loader)]
+        for process in landings:
+            process.kill()
+        start = time.monotonic()
+        with pytest.raises(ProcessDiedError, match=r"landing process of this stream \(pid \d+\) ended with exit status -9"):
+            next(iterator)
+        assert time.monotonic() - start < DEATH_BOUND
+    finally:
+        loader.shutdown()
 
 
 class _WritesAFile:
@@ -663,9 +710,10 @@ def _exit_once_a_message_is_half_sent():
         time.sleep(0.001)  # looking for a state of another thread: nothing to be woken by
 
 
-def test_a_stream_cut_in_the_middle_of_an_item_is_a_process_died_error(cluster):
+@pytest.mark.parametrize("landing", [True, False], ids=["landed", "read here"])
+def test_a_stream_cut_in_the_middle_of_an_item_is_a_process_died_error(cluster, landing):
     pipe = IterableWrapper(range(4)).sharding_filter().map(_exit_mid_message)
-    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND)  # a stream: on the other node
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND, landing=landing)  # a stream: the other node
     loader = _loader(pipe, backend, num_workers=1, worker_prefetch_cnt=0, main_prefetch_cnt=0)
     try:
         iterator = iter(loader)

@@ -64,36 +64,53 @@ class ShmSender(Endpoint):
         when the receiver is gone or closed, or a watched waitable became ready."""
         if not self._open:
             raise ChannelClosed("send on a closed channel: this sender was closed or released")
-        ctl = self._ctl
-        if ctl[RECEIVER_CLOSED] or self._torn:
+        if self._ctl[RECEIVER_CLOSED] or self._torn:
             self._refuse()
         encoder = self._encoder
         stream, buffers = encoder.encode(obj)
         try:
-            # The common case inline (small, no out-of-band buffer, room, no wrap);
-            # _write_frame handles everything, this included.
-            length = len(stream)
-            frame = (HEADER + HEADER - 1 + length) & -HEADER
-            write = ctl[WRITE_POS]
-            offset = write % self._size
-            if (
-                buffers
-                or offset + frame > self._recycle_at
-                or self._size - (write - ctl[READ_POS]) < frame
-                or ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items
-            ):
-                self._write_frame(stream, buffers, None if timeout is None else time.monotonic() + timeout)
-            else:
-                words, index = self._words, offset >> 3
-                words[index] = MESSAGE
-                words[index + 1] = length
-                words[index + 2] = frame
-                offset += HEADER
-                self._data[offset : offset + length] = stream
-                ctl[WRITE_POS] = write + frame  # publishes the frame
-                ctl[ITEMS_WRITTEN] += 1
+            self._send_parts(stream, buffers, timeout)
         finally:
             encoder.release()
+
+    def send_encoded(self, stream: bytes | memoryview, buffers: list[memoryview], timeout: float | None = None) -> None:
+        """``send`` of a message pickled already: its pickle stream and out-of-band buffers,
+        as another transport received them (``landing.py`` forwards a stream's frames this
+        way, never unpickling them). The same waits, bounds and errors as ``send``."""
+        if not self._open:
+            raise ChannelClosed("send on a closed channel: this sender was closed or released")
+        if self._ctl[RECEIVER_CLOSED] or self._torn:
+            self._refuse()
+        self._send_parts(stream, buffers, timeout)
+
+    def receiver_closed(self) -> bool:
+        """The receiver has closed its end (read from shared memory, no system call)."""
+        return bool(self._ctl[RECEIVER_CLOSED])
+
+    def _send_parts(self, stream: bytes | memoryview, buffers: list[memoryview], timeout: float | None) -> None:
+        ctl = self._ctl
+        # The common case inline (small, no out-of-band buffer, room, no wrap);
+        # _write_frame handles everything, this included.
+        length = len(stream)
+        frame = (HEADER + HEADER - 1 + length) & -HEADER
+        write = ctl[WRITE_POS]
+        offset = write % self._size
+        if (
+            buffers
+            or offset + frame > self._recycle_at
+            or self._size - (write - ctl[READ_POS]) < frame
+            or ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items
+        ):
+            self._write_frame(stream, buffers, None if timeout is None else time.monotonic() + timeout)
+        else:
+            words, index = self._words, offset >> 3
+            words[index] = MESSAGE
+            words[index + 1] = length
+            words[index + 2] = frame
+            offset += HEADER
+            self._data[offset : offset + length] = stream
+            ctl[WRITE_POS] = write + frame  # publishes the frame
+            ctl[ITEMS_WRITTEN] += 1
         fence()
         if ctl[RX_SLEEPING]:
             ctl[RX_SLEEPING] = 0

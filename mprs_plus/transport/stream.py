@@ -806,6 +806,20 @@ class StreamReceiver(_StreamEndpoint):
                     raise TimeoutError(f"no message within {timeout} s")
         return self._read(sock, keep=True)
 
+    def recv_encoded(self, timeout: float | None = None) -> tuple[bytes | bytearray, list[bytearray]]:
+        """``recv`` without unpickling: the next message's pickle stream and out-of-band
+        buffers (each a ``bytearray`` of its own), for a process that forwards messages
+        to another transport (``landing.py``). The same waits and errors as ``recv``."""
+        if self._ended:
+            raise EndOfStream()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sock = self._live(deadline)
+        while not self._begun() and not self._pull(sock):
+            if not self._wait_io(sock, select.POLLIN, self._slice(deadline)):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no message within {timeout} s")
+        return self._read(sock, keep=None)
+
     def skip(self) -> bool:
         """Discard the next message without unpickling it; False, without blocking, when
         none has begun arriving (one that has is read through)."""
@@ -906,8 +920,9 @@ class StreamReceiver(_StreamEndpoint):
         self._hi += got
         return self._begun()
 
-    def _read(self, sock: socket.socket, keep: bool) -> Any:
-        """Read one message (its end-of-stream marker raises ``EndOfStream``)."""
+    def _read(self, sock: socket.socket, keep: bool | None) -> Any:
+        """Read one message (its end-of-stream marker raises ``EndOfStream``): unpickled
+        (``keep``), dropped (False), or as its pickle stream and buffers (None)."""
         self._fill(sock, _SIZE.size)
         (size,) = _SIZE.unpack_from(self._buf, self._lo)
         if size == 0:
@@ -943,7 +958,7 @@ class StreamReceiver(_StreamEndpoint):
             self._flush_credits(sock)
         if keep:
             return _frame.loads(stream, buffers)
-        return None
+        return None if keep is False else (stream, buffers)
 
     def _fill(self, sock: socket.socket, n: int) -> None:
         """At least ``n`` bytes held in the chunk buffer, reading as much as comes."""

@@ -42,6 +42,12 @@ class RayBackend:
             runtime_env to your ``ray.init`` instead.
         num_cpus: with ``address=None``, the CPUs of the Ray started here (None: all).
         log_to_driver: show the actors' stdout and stderr in this process.
+        landing: items of actors on other nodes land in this node's shared memory through a
+            small process of this node that reads their streams (one per such worker), so
+            the training process reads them as it reads a local worker's, without copying
+            each byte out of a socket. False: the training process reads the sockets
+            itself (no extra process; each byte's copy out of the kernel then costs the
+            training loop's process, about a memcpy's time).
     """
 
     address: str | None = "auto"
@@ -51,6 +57,7 @@ class RayBackend:
     runtime_env: Mapping[str, Any] | None = None
     num_cpus: int | None = None
     log_to_driver: bool = True
+    landing: bool = True
 
     def __post_init__(self) -> None:
         try:

@@ -228,8 +228,18 @@ class NearReceiver(_Near, StreamReceiver):
 
     def _setup(self) -> None:
         super()._setup()
-        self._near: Any = None  # the ShmReceiver, once handed over
+        self._near: Any = None  # the ShmReceiver, once handed over (or landed)
         self._armed_near = False
+        # Set by the placement on the ends the training process reads: a stream from another
+        # node lands in shared memory through a landing process (``transport/landing.py``).
+        self.land = False
+        self._landing: Any = None
+
+    def landing_problem(self) -> str | None:
+        """Why this end's landing process ended early (its stream broke, or it was killed);
+        None while it runs, or where there is none."""
+        landing = self._landing
+        return None if landing is None else landing.problem()
 
     def _settle(self, deadline: float | None) -> Any:
         """The shared-memory end, made now if the sender is on this node; None for the
@@ -249,6 +259,16 @@ class NearReceiver(_Near, StreamReceiver):
             if self._watched and poll_waitables(list(self._watched), 0):
                 raise ChannelBroken("a watched process ended before the other end's address was known")
         host, port, node, name = found
+        if node != this_node() and self.land:
+            from ...transport.landing import Landing
+
+            try:
+                self._landing = Landing.start((host, port), self._spec, self._watched)
+            except OSError as exc:
+                self._broken = f"could not start the landing process of a stream: {exc}"
+                raise ChannelBroken(self._broken) from None
+            self._near = self._landing.receiver
+            return self._near
         if name is None or node != this_node():
             self._address = (host, port)
             return None
@@ -308,13 +328,19 @@ class NearReceiver(_Near, StreamReceiver):
         near = self._near
         if near is not None:
             near.close()
+        self._stop_landing()
         super().close()
 
     def release(self) -> None:
         near, self._near = self._near, None
         if near is not None:
             near.release()
+        self._stop_landing()
         super().release()
+
+    def _stop_landing(self) -> None:
+        if self._landing is not None:
+            self._landing.stop()  # bounded; the problem it found stays readable
 
 
 # -- control channels: Ray calls into a box -----------------------------------------------

@@ -36,6 +36,7 @@ from typing import Any
 import ray
 
 from ...errors import ProcessDiedError
+from ...transport.landing import BROKEN
 from ...transport.stream import StreamReceiver, StreamSender, new_secret
 from .actor import remote_class
 from .channel import ActorAddress, RayReceiver, open_ray_channel, open_stream_channel
@@ -217,6 +218,9 @@ class RayPlacement:
             return open_ray_channel(capacity_items=capacity_items, capacity_bytes=capacity_bytes, control=True)
         ends = open_stream_channel(self._secret, capacity_items=capacity_items, capacity_bytes=capacity_bytes)
         self._streams[ends[0].key] = ends
+        # Read here, the receiving end lands a stream from another node (a copy sent to an
+        # actor does not: ``land`` is not pickled).
+        ends[1].land = bool(self._backend.landing)
         return ends
 
     def start(self, name: str, target: Callable[[Any], None], setup: Any) -> ActorProcess:
@@ -327,8 +331,13 @@ class RayPlacement:
     def death_error(self, processes: Sequence[Any]) -> Exception:
         # A stream breaks a moment before the watcher (a look every _LOOK s, each a Ray call
         # that a loaded node answers late) sees why: wait, bounded, for its reason.
+        # A landing process that was killed (not one whose stream broke) is the reason itself.
         deadline = time.monotonic() + _DEATH_REASON_WAIT
-        while time.monotonic() < deadline and not any(p.exitcode is not None for p in processes):
+        while (
+            time.monotonic() < deadline
+            and not any(p.exitcode is not None for p in processes)
+            and not self._landings_killed()
+        ):
             time.sleep(0.05)
         dead = [
             f"{p.name} (Ray actor on {p.node}, pid {p.pid}) {p.reason or 'ended without being asked'}"
@@ -336,11 +345,33 @@ class RayPlacement:
             if p.exitcode is not None
         ]
         if not dead:
+            landed = self._landing_problems()
+            if landed:
+                return ProcessDiedError(
+                    "the stream from a Ray actor of the reading service broke on this node: "
+                    + "; ".join(landed)
+                    + ". The reading service cannot continue: create a new DataLoader2 (and look at this "
+                    "host's memory, or at what killed that process)."
+                )
             return ProcessDiedError("a Ray actor of the reading service stopped answering its channel unexpectedly")
         return ProcessDiedError(
             "; ".join(dead) + ". The reading service cannot continue. Look at `ray status` and the node's logs "
             "(an out-of-memory kill, a lost node, a crash in native code), then create a new DataLoader2."
         )
+
+    def _landing_problems(self) -> list[str]:
+        problems = (ends[1].landing_problem() for ends in self._streams.values())
+        return [p for p in problems if p]
+
+    def _landings_killed(self) -> bool:
+        """Some landing process of this service ended by a signal or an error of its own,
+        not because its stream broke (that is the actor's end, which its watcher tells)."""
+        for _, receiver in self._streams.values():
+            landing = receiver._landing
+            code = None if landing is None else landing.process.poll()
+            if code not in (None, 0, BROKEN):
+                return True
+        return False
 
     def close(self) -> None:
         """Kill every actor still there and wait (bounded) until Ray reports it gone; stop

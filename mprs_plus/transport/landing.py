@@ -1,0 +1,242 @@
+"""A stream from another host lands in this host's shared memory: a small process of this
+host reads the socket and writes each message into a shared-memory channel, so the process
+that reads it (the training process) reads a ring and a lend area, as from a local peer,
+and never copies a byte out of a socket.
+
+    remote sender ==== TCP (stream.py, proved) ====> landing process (this host)
+                                                       recv_encoded: frames, not unpickled
+                                                       send_encoded  ----> shared-memory ring
+                                                                            + lend area
+                                                     reading process <---- ShmReceiver
+
+Why a process: the kernel's copy out of a socket costs the reader about as much CPU per
+byte as a memcpy (hundreds of microseconds per MiB), and the reader is the training loop.
+Ray's object manager moves a cluster's objects for the same reason in a process other than
+the driver. The landing process forwards frames as they are: it never unpickles one (the
+stream proved the secret before any byte of it was read; the reader unpickles, as it would
+have). It imports only this transport, so it starts in tens of milliseconds.
+
+The landing process's life, and every way it ends:
+
+    what happens                          what it does                 the reader sees
+    the stream ends (end of stream)       closes the ring, exits 0     EndOfStream
+    the stream breaks (peer died, a cut,  writes why on its status     ChannelBroken
+    a bad frame, no proof)                pipe, exits 3 without         (``problem()``: why)
+                                          closing the ring
+    the reader closes its end             sees it at its next send or  -
+                                          within ``RECHECK_SECONDS``;
+                                          exits 0
+    ``stop()`` (the reader's process       end of file on its stop      -
+    stops it, or dies: SIGKILL too)       pipe, which every wait of
+                                          it watches; exits 0
+    it is killed                          -                            ChannelBroken (end of
+                                                                        file on the ring's
+                                                                        data pipe)
+
+``stop()`` waits for it at most ``STOP_SECONDS`` and then kills it: it never outlives the
+stop. Capacities: the ring holds ``capacity_items`` / ``capacity_bytes`` as the stream
+does, so up to twice those are between the two processes (one hop each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ._memory import SharedRegion
+from ._ring import close_fds
+from ._sender import ShmSender
+from .channel import RECHECK_SECONDS, poll_waitables
+from .errors import ChannelBroken, EndOfStream
+from .shm import ShmReceiver, open_shm_channel
+from .stream import Address, StreamReceiver, StreamSpec
+
+STOP_SECONDS = 2.0  # a stop waits this long for the process to end, then kills it
+BROKEN = 3  # the exit status of a landing process whose stream broke
+_STATUS_BYTES = 4096  # the most of a reason read back
+
+
+class Landing:
+    """The reading process's side: the landing process of one stream, and the receiving
+    end of its ring. ``start`` makes both; ``receiver`` is read like any ``ShmReceiver``."""
+
+    def __init__(self, process: subprocess.Popen[bytes], receiver: ShmReceiver, stop_fd: int, status_fd: int) -> None:
+        self.process = process
+        self.receiver = receiver
+        self._stop_fd = stop_fd  # its write end: closed, the landing process ends
+        self._status_fd = status_fd  # why its stream broke, written before it exits
+        self._owner = os.getpid()
+        self._reason: str | None = None
+
+    @classmethod
+    def start(cls, address: Address, spec: StreamSpec, watched: Sequence[Any] = ()) -> Landing:
+        """A landing process that connects to the listening sender of ``spec`` at
+        ``address`` and lands its messages in a new shared-memory channel of ``spec``'s
+        capacities; ``watched`` waitables (the sender's process sentinel) end the reader's
+        waits as for any channel."""
+        sender, receiver = open_shm_channel(None, capacity_items=spec.capacity_items, capacity_bytes=spec.capacity_bytes)
+        stop_r, stop_w = os.pipe()
+        status_r, status_w = os.pipe()
+        region = sender._region
+        assert region.fd is not None
+        fds = {"memfd": region.fd, "space": sender._wait_fd, "data": sender._signal_fd, "stop": stop_r, "status": status_w}
+        config = {
+            "host": address[0],
+            "port": address[1],
+            "key": spec.key,
+            "secret": spec.secret.hex(),
+            "capacity_items": spec.capacity_items,
+            "capacity_bytes": spec.capacity_bytes,
+            "data_size": region.data_size,
+            "lend_size": region.lend_size,
+            "fds": fds,
+        }
+        process = None
+        try:
+            # The configuration (the secret with it) goes through a pipe: a command line is
+            # readable by every user of the host.
+            process = subprocess.Popen(
+                [sys.executable, "-m", __name__],
+                stdin=subprocess.PIPE,
+                pass_fds=tuple(fds.values()),
+                env=_env_finding_this_package(),
+                close_fds=True,
+            )
+            assert process.stdin is not None
+            with process.stdin:
+                process.stdin.write(json.dumps(config).encode())
+        except BaseException:
+            receiver.release()
+            close_fds([stop_w, status_r])
+            if process is not None:
+                process.kill()
+                process.wait()
+            raise
+        finally:
+            # The landing process holds them now; the sending end is its alone, so that its
+            # death is end of file on the ring's data pipe here.
+            sender.release()
+            close_fds([stop_r, status_w])
+        os.set_blocking(status_r, False)
+        receiver.watch(*watched)
+        return cls(process, receiver, stop_w, status_r)
+
+    def problem(self) -> str | None:
+        """Why the stream broke, once the landing process has said so and exited (None
+        while it runs, or when it ended for another reason)."""
+        if self._reason is None and self.process.poll() is not None:
+            self._reason = self._read_status() or (
+                f"the landing process of this stream (pid {self.process.pid}) ended with exit status "
+                f"{self.process.returncode}"
+                if self.process.returncode not in (0, None)
+                else ""
+            )
+        return self._reason or None
+
+    def stop(self) -> None:
+        """End the landing process (end of file on its stop pipe), waiting at most
+        ``STOP_SECONDS``, then kill it; never raises. In a process that did not start it
+        (a fork of the reader), only this copy's descriptors are closed."""
+        stop_fd, self._stop_fd = self._stop_fd, -1
+        if stop_fd >= 0:
+            os.close(stop_fd)
+        if os.getpid() == self._owner:
+            try:
+                self.process.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                try:
+                    self.process.wait(STOP_SECONDS)
+                except subprocess.TimeoutExpired:
+                    pass  # a process the kernel has not reaped in 2 s after SIGKILL: left to init
+            self.problem()
+        status_fd, self._status_fd = self._status_fd, -1
+        if status_fd >= 0:
+            os.close(status_fd)
+
+    def _read_status(self) -> str:
+        if self._status_fd < 0:
+            return ""
+        try:
+            return os.read(self._status_fd, _STATUS_BYTES).decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+
+
+def _env_finding_this_package() -> dict[str, str]:
+    """This environment, with the directory holding this package first on PYTHONPATH: the
+    landing process imports it by name, wherever the reader found it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+# -- the landing process ------------------------------------------------------------------
+
+
+def run(config: dict[str, Any]) -> int:
+    """The landing process's loop; its exit status."""
+    fds = config["fds"]
+    stop_fd, status_fd = fds["stop"], fds["status"]
+    spec = StreamSpec(
+        bytes.fromhex(config["secret"]),
+        config["capacity_items"],
+        config["capacity_bytes"],
+        key=config["key"],
+    )
+    region = SharedRegion(fds["memfd"], config["data_size"], config["lend_size"])
+    ring = ShmSender(region, fds["space"], fds["data"], config["capacity_items"])
+    ring.watch(stop_fd)
+    stream = StreamReceiver(spec, (config["host"], config["port"]))
+    stream.watch(stop_fd)
+
+    def stopped() -> bool:
+        return bool(poll_waitables([stop_fd], 0))
+
+    try:
+        while True:
+            try:
+                stream_bytes, buffers = stream.recv_encoded(RECHECK_SECONDS)
+            except TimeoutError:
+                if ring.receiver_closed() or stopped():
+                    return 0
+                continue
+            except EndOfStream:
+                ring.close()
+                return 0
+            except ChannelBroken as exc:
+                if stopped():
+                    return 0
+                _say(status_fd, str(exc))
+                return BROKEN
+            try:
+                ring.send_encoded(stream_bytes, [memoryview(b) for b in buffers])
+            except ChannelBroken:
+                return 0  # the reader closed its end, or is gone, or stopped this process
+    finally:
+        stream.release()
+        ring.release()
+
+
+def _say(fd: int, why: str) -> None:
+    try:
+        os.write(fd, why.encode("utf-8", "replace")[:_STATUS_BYTES])
+    except OSError:
+        pass  # the reader is gone: nobody to tell
+
+
+def main() -> int:
+    config = json.loads(sys.stdin.buffer.read())
+    try:
+        return run(config)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""A stream landed in shared memory (``transport/landing.py``): a landing process reads the
+socket and writes each frame, unread, into a ring this process reads. Items, arrays (lent,
+not copied), the end of the stream, a stream that breaks, a reader that closes, a stop
+while nothing comes, and a secret that never appears where other users can read it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy
+import psutil
+import pytest
+
+from mprs_plus.transport import ChannelBroken, EndOfStream
+from mprs_plus.transport import stream as st
+from mprs_plus.transport._lend import lending
+from mprs_plus.transport.landing import BROKEN, STOP_SECONDS, Landing
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _listening_sender(items: int = 8, size: int = 4 << 20) -> tuple[st.StreamSender, st.StreamSpec, tuple[str, int]]:
+    spec = st.StreamSpec(st.new_secret(), items, size)
+    address = st.listen(spec)
+    return st.StreamSender(spec), spec, address
+
+
+def _in_thread(body) -> threading.Thread:
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(autouse=True)
+def no_listener_left():
+    yield
+    st.close_listeners()
+
+
+def test_items_and_arrays_land_in_order_and_arrays_come_lent_then_the_stream_ends():
+    sender, spec, address = _listening_sender()
+
+    def produce() -> None:
+        for i in range(300):
+            sender.send(i)
+        for i in range(40):
+            sender.send({"i": i, "array": numpy.full(1 << 18, i, dtype=numpy.float32)})  # 1 MiB
+        sender.close()
+
+    thread = _in_thread(produce)
+    landing = Landing.start(address, spec)
+    lent_before = lending().lent
+    try:
+        receiver = landing.receiver
+        assert [receiver.recv(30) for _ in range(300)] == list(range(300))
+        for i in range(40):
+            message = receiver.recv(30)
+            assert message["i"] == i and (message["array"] == i).all()
+            del message
+        assert lending().lent - lent_before >= 20  # views of the lend area: no copy here
+        with pytest.raises(EndOfStream):
+            receiver.recv(30)
+        assert landing.process.wait(30) == 0
+        assert landing.problem() is None
+    finally:
+        landing.receiver.close()
+        landing.stop()
+        thread.join(30)
+
+
+def test_a_stream_that_breaks_mid_message_is_a_broken_channel_that_says_why():
+    sender, spec, address = _listening_sender()
+    served = threading.Event()
+
+    def send_half_then_vanish() -> None:
+        sender.send("whole")
+        sock = sender._live(time.monotonic() + 30)
+        # A frame's size promising a megabyte, then a few bytes of it, then the end.
+        sock.setblocking(True)
+        sock.sendall(st._SIZE.pack(1 << 20) + b"\0" * 100)
+        served.set()
+        sock.shutdown(socket.SHUT_RDWR)
+        sender.release()
+
+    thread = _in_thread(send_half_then_vanish)
+    landing = Landing.start(address, spec)
+    try:
+        assert landing.receiver.recv(30) == "whole"
+        with pytest.raises(ChannelBroken):
+            landing.receiver.recv(30)  # never half an item
+        assert landing.process.wait(30) == BROKEN
+        assert "closed the connection" in (landing.problem() or "") or "broke" in (landing.problem() or "")
+    finally:
+        landing.receiver.close()
+        landing.stop()
+        thread.join(30)
+    assert served.is_set()
+
+
+def test_a_reader_that_closes_ends_the_landing_process_by_itself():
+    sender, spec, address = _listening_sender(items=2, size=1 << 16)
+    thread = _in_thread(lambda: [sender.send(i, 30) for i in range(3)])
+    landing = Landing.start(address, spec)
+    try:
+        assert landing.receiver.recv(30) == 0
+        thread.join(30)
+        landing.receiver.close()  # with messages still to land: the next send sees it
+        assert landing.process.wait(30) == 0
+    finally:
+        landing.stop()
+        sender.release()
+
+
+def test_stop_ends_a_landing_process_that_waits_for_a_silent_peer_within_its_bound():
+    sender, spec, address = _listening_sender()
+    thread = _in_thread(lambda: sender.send("only"))
+    landing = Landing.start(address, spec)
+    try:
+        assert landing.receiver.recv(30) == "only"
+        thread.join(30)
+        started = time.monotonic()
+        landing.stop()  # the peer sends nothing more: the landing process waits on it
+        assert time.monotonic() - started < STOP_SECONDS + 1
+        assert landing.process.returncode == 0
+    finally:
+        landing.receiver.close()
+        landing.stop()
+        sender.release()
+
+
+def test_a_landing_process_that_cannot_prove_the_secret_is_refused_and_says_so():
+    sender, spec, address = _listening_sender()
+    wrong = st.StreamSpec(st.new_secret(), spec.capacity_items, spec.capacity_bytes, key=spec.key)
+    before = st.refused_connections()
+    landing = Landing.start(address, wrong)
+    try:
+        with pytest.raises(ChannelBroken):
+            landing.receiver.recv(30)
+        assert landing.process.wait(30) == BROKEN
+        assert "handshake" in (landing.problem() or "")
+        deadline = time.monotonic() + 30
+        while st.refused_connections() == before and time.monotonic() < deadline:
+            time.sleep(0.01)  # the listener's thread counts it after closing the connection
+        assert st.refused_connections() == before + 1
+    finally:
+        landing.receiver.close()
+        landing.stop()
+        sender.release()
+
+
+def test_the_secret_travels_through_a_pipe_never_on_the_command_line():
+    sender, spec, address = _listening_sender()
+    thread = _in_thread(lambda: sender.send("x"))
+    landing = Landing.start(address, spec)
+    try:
+        command = " ".join(psutil.Process(landing.process.pid).cmdline())
+        assert "mprs_plus.transport.landing" in command
+        assert spec.secret.hex() not in command
+        assert landing.receiver.recv(30) == "x"
+    finally:
+        landing.receiver.close()
+        landing.stop()
+        thread.join(30)
+        sender.release()
