@@ -44,6 +44,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +72,20 @@ class Landing:
         self._status_fd = status_fd  # why its stream broke, written before it exits
         self._owner = os.getpid()
         self._reason: str | None = None
+        _running.add(self)
+
+    def _forget(self) -> None:
+        """In a forked child of the reader: close this copy's pipe ends, so that the
+        landing process still ends when the reader stops it (the child's copy of the stop
+        pipe would otherwise keep it open)."""
+        for name in ("_stop_fd", "_status_fd"):
+            fd = getattr(self, name)
+            setattr(self, name, -1)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     @classmethod
     def start(cls, address: Address, spec: StreamSpec, watched: Sequence[Any] = ()) -> Landing:
@@ -167,6 +182,17 @@ class Landing:
             return ""
 
 
+_running: weakref.WeakSet[Landing] = weakref.WeakSet()
+
+
+def _forget_all_in_child() -> None:
+    for landing in list(_running):
+        landing._forget()
+
+
+os.register_at_fork(after_in_child=_forget_all_in_child)
+
+
 def _env_finding_this_package() -> dict[str, str]:
     """This environment, with the directory holding this package first on PYTHONPATH: the
     landing process imports it by name, wherever the reader found it."""
@@ -198,10 +224,12 @@ def run(config: dict[str, Any]) -> int:
     def stopped() -> bool:
         return bool(poll_waitables([stop_fd], 0))
 
+    scratch = _Scratch()
     try:
         while True:
+            scratch.reuse()  # the last message's buffers are in the ring now
             try:
-                stream_bytes, buffers = stream.recv_encoded(RECHECK_SECONDS)
+                stream_bytes, buffers = stream.recv_encoded(RECHECK_SECONDS, scratch.take)
             except TimeoutError:
                 if ring.receiver_closed() or stopped():
                     return 0
@@ -221,6 +249,36 @@ def run(config: dict[str, Any]) -> int:
     finally:
         stream.release()
         ring.release()
+
+
+class _Scratch:
+    """The landing process's receive buffers, used again for the next messages: a fresh
+    megabyte costs the kernel a page fault per page, more than receiving into it."""
+
+    KEEP = 64 << 20  # bytes of buffers kept for reuse, at most
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[bytearray]] = {}
+        self._used: list[bytearray] = []
+        self._kept = 0  # bytes in ``_free``
+
+    def take(self, nbytes: int) -> bytearray:
+        found = self._free.get(nbytes)
+        if found:
+            buffer = found.pop()
+            self._kept -= nbytes
+        else:
+            buffer = bytearray(nbytes)
+        self._used.append(buffer)
+        return buffer
+
+    def reuse(self) -> None:
+        """Every buffer taken since the last call is free again (kept within ``KEEP``)."""
+        for buffer in self._used:
+            if self._kept + len(buffer) <= self.KEEP:
+                self._free.setdefault(len(buffer), []).append(buffer)
+                self._kept += len(buffer)
+        self._used.clear()
 
 
 def _say(fd: int, why: str) -> None:

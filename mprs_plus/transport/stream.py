@@ -806,10 +806,14 @@ class StreamReceiver(_StreamEndpoint):
                     raise TimeoutError(f"no message within {timeout} s")
         return self._read(sock, keep=True)
 
-    def recv_encoded(self, timeout: float | None = None) -> tuple[bytes | bytearray, list[bytearray]]:
+    def recv_encoded(
+        self, timeout: float | None = None, into: Callable[[int], bytearray] = bytearray
+    ) -> tuple[bytes | bytearray, list[bytearray]]:
         """``recv`` without unpickling: the next message's pickle stream and out-of-band
-        buffers (each a ``bytearray`` of its own), for a process that forwards messages
-        to another transport (``landing.py``). The same waits and errors as ``recv``."""
+        buffers, for a process that forwards messages to another transport
+        (``landing.py``). Each buffer is received into ``into(nbytes)`` (a new
+        ``bytearray`` unless the caller reuses its own). The same waits and errors as
+        ``recv``."""
         if self._ended:
             raise EndOfStream()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -818,7 +822,7 @@ class StreamReceiver(_StreamEndpoint):
             if not self._wait_io(sock, select.POLLIN, self._slice(deadline)):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no message within {timeout} s")
-        return self._read(sock, keep=None)
+        return self._read(sock, keep=None, into=into)
 
     def skip(self) -> bool:
         """Discard the next message without unpickling it; False, without blocking, when
@@ -920,7 +924,7 @@ class StreamReceiver(_StreamEndpoint):
         self._hi += got
         return self._begun()
 
-    def _read(self, sock: socket.socket, keep: bool | None) -> Any:
+    def _read(self, sock: socket.socket, keep: bool | None, into: Callable[[int], bytearray] = bytearray) -> Any:
         """Read one message (its end-of-stream marker raises ``EndOfStream``): unpickled
         (``keep``), dropped (False), or as its pickle stream and buffers (None)."""
         self._fill(sock, _SIZE.size)
@@ -949,7 +953,7 @@ class StreamReceiver(_StreamEndpoint):
             self._lo += stream_size
         else:
             stream = self._read_into(sock, bytearray(stream_size))
-        buffers = [self._read_into(sock, bytearray(n)) for n in sizes]
+        buffers = [self._read_into(sock, into(n)) for n in sizes]
         self._credits += 1
         self._credit_bytes += _SIZE.size + size
         self._read_messages += 1

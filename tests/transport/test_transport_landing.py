@@ -155,11 +155,43 @@ def test_the_secret_travels_through_a_pipe_never_on_the_command_line():
     thread = _in_thread(lambda: sender.send("x"))
     landing = Landing.start(address, spec)
     try:
+        assert landing.receiver.recv(30) == "x"  # running, its command line settled
         command = " ".join(psutil.Process(landing.process.pid).cmdline())
         assert "mprs_plus.transport.landing" in command
         assert spec.secret.hex() not in command
-        assert landing.receiver.recv(30) == "x"
     finally:
+        landing.receiver.close()
+        landing.stop()
+        thread.join(30)
+        sender.release()
+
+
+def test_a_forked_child_of_the_reader_does_not_keep_a_landing_process_alive():
+    """The stop is end of file on a pipe: a fork of the reader closes its copy of that
+    pipe's end at once, so the reader's stop still ends the landing process."""
+    import os
+
+    sender, spec, address = _listening_sender()
+    thread = _in_thread(lambda: sender.send("x"))
+    landing = Landing.start(address, spec)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: holds the fork's copies until the parent has stopped the landing
+        try:
+            os.close(write_end)
+            os.read(read_end, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.close(read_end)
+        assert landing.receiver.recv(30) == "x"
+        started = time.monotonic()
+        landing.stop()
+        assert landing.process.returncode == 0  # it ended by itself: it was not killed
+        assert time.monotonic() - started < STOP_SECONDS
+    finally:
+        os.close(write_end)  # the child ends
+        os.waitpid(child, 0)
         landing.receiver.close()
         landing.stop()
         thread.join(30)
