@@ -796,15 +796,7 @@ class StreamReceiver(_StreamEndpoint):
         """The next message; ``timeout`` (seconds, None: forever) bounds the wait for it
         to begin. Raises ``EndOfStream``, ``ChannelBroken``, ``TimeoutError``, or whatever
         unpickling raises (the message is consumed all the same)."""
-        if self._ended:
-            raise EndOfStream()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        sock = self._live(deadline)
-        while not self._begun() and not self._pull(sock):
-            if not self._wait_io(sock, select.POLLIN, self._slice(deadline)):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no message within {timeout} s")
-        return self._read(sock, keep=True)
+        return self._read(self._await_message(timeout), keep=True)
 
     def recv_encoded(
         self, timeout: float | None = None, into: Callable[[int], bytearray] = bytearray
@@ -814,6 +806,10 @@ class StreamReceiver(_StreamEndpoint):
         (``landing.py``). Each buffer is received into ``into(nbytes)`` (a new
         ``bytearray`` unless the caller reuses its own). The same waits and errors as
         ``recv``."""
+        return self._read(self._await_message(timeout), keep=None, into=into)
+
+    def _await_message(self, timeout: float | None) -> socket.socket:
+        """The connection, once a message (or the end of the stream) has begun on it."""
         if self._ended:
             raise EndOfStream()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -822,7 +818,7 @@ class StreamReceiver(_StreamEndpoint):
             if not self._wait_io(sock, select.POLLIN, self._slice(deadline)):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no message within {timeout} s")
-        return self._read(sock, keep=None, into=into)
+        return sock
 
     def skip(self) -> bool:
         """Discard the next message without unpickling it; False, without blocking, when

@@ -5,9 +5,11 @@ while nothing comes, and a secret that never appears where other users can read 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy
 import psutil
@@ -25,6 +27,17 @@ def _listening_sender(items: int = 8, size: int = 4 << 20) -> tuple[st.StreamSen
     spec = st.StreamSpec(st.new_secret(), items, size)
     address = st.listen(spec)
     return st.StreamSender(spec), spec, address
+
+
+@contextlib.contextmanager
+def _landed(address: tuple[str, int], spec: st.StreamSpec) -> Iterator[Landing]:
+    """A landing process for the sender at ``address``; closed and stopped afterwards."""
+    landing = Landing.start(address, spec)
+    try:
+        yield landing
+    finally:
+        landing.receiver.close()
+        landing.stop()
 
 
 def _in_thread(body) -> threading.Thread:
@@ -50,23 +63,21 @@ def test_items_and_arrays_land_in_order_and_arrays_come_lent_then_the_stream_end
         sender.close()
 
     thread = _in_thread(produce)
-    landing = Landing.start(address, spec)
     lent_before = lending().lent
     try:
-        receiver = landing.receiver
-        assert [receiver.recv(30) for _ in range(300)] == list(range(300))
-        for i in range(40):
-            message = receiver.recv(30)
-            assert message["i"] == i and (message["array"] == i).all()
-            del message
-        assert lending().lent - lent_before >= 20  # views of the lend area: no copy here
-        with pytest.raises(EndOfStream):
-            receiver.recv(30)
-        assert landing.process.wait(30) == 0
-        assert landing.problem() is None
+        with _landed(address, spec) as landing:
+            receiver = landing.receiver
+            assert [receiver.recv(30) for _ in range(300)] == list(range(300))
+            for i in range(40):
+                message = receiver.recv(30)
+                assert message["i"] == i and (message["array"] == i).all()
+                del message
+            assert lending().lent - lent_before >= 20  # views of the lend area: no copy here
+            with pytest.raises(EndOfStream):
+                receiver.recv(30)
+            assert landing.process.wait(30) == 0
+            assert landing.problem() is None
     finally:
-        landing.receiver.close()
-        landing.stop()
         thread.join(30)
 
 
@@ -85,16 +96,14 @@ def test_a_stream_that_breaks_mid_message_is_a_broken_channel_that_says_why():
         sender.release()
 
     thread = _in_thread(send_half_then_vanish)
-    landing = Landing.start(address, spec)
     try:
-        assert landing.receiver.recv(30) == "whole"
-        with pytest.raises(ChannelBroken):
-            landing.receiver.recv(30)  # never half an item
-        assert landing.process.wait(30) == BROKEN
-        assert "closed the connection" in (landing.problem() or "") or "broke" in (landing.problem() or "")
+        with _landed(address, spec) as landing:
+            assert landing.receiver.recv(30) == "whole"
+            with pytest.raises(ChannelBroken):
+                landing.receiver.recv(30)  # never half an item
+            assert landing.process.wait(30) == BROKEN
+            assert "closed the connection" in (landing.problem() or "") or "broke" in (landing.problem() or "")
     finally:
-        landing.receiver.close()
-        landing.stop()
         thread.join(30)
     assert served.is_set()
 
@@ -102,31 +111,28 @@ def test_a_stream_that_breaks_mid_message_is_a_broken_channel_that_says_why():
 def test_a_reader_that_closes_ends_the_landing_process_by_itself():
     sender, spec, address = _listening_sender(items=2, size=1 << 16)
     thread = _in_thread(lambda: [sender.send(i, 30) for i in range(3)])
-    landing = Landing.start(address, spec)
     try:
-        assert landing.receiver.recv(30) == 0
-        thread.join(30)
-        landing.receiver.close()  # with messages still to land: the next send sees it
-        assert landing.process.wait(30) == 0
+        with _landed(address, spec) as landing:
+            assert landing.receiver.recv(30) == 0
+            thread.join(30)
+            landing.receiver.close()  # with messages still to land: the next send sees it
+            assert landing.process.wait(30) == 0
     finally:
-        landing.stop()
         sender.release()
 
 
 def test_stop_ends_a_landing_process_that_waits_for_a_silent_peer_within_its_bound():
     sender, spec, address = _listening_sender()
     thread = _in_thread(lambda: sender.send("only"))
-    landing = Landing.start(address, spec)
     try:
-        assert landing.receiver.recv(30) == "only"
-        thread.join(30)
-        started = time.monotonic()
-        landing.stop()  # the peer sends nothing more: the landing process waits on it
-        assert time.monotonic() - started < STOP_SECONDS + 1
-        assert landing.process.returncode == 0
+        with _landed(address, spec) as landing:
+            assert landing.receiver.recv(30) == "only"
+            thread.join(30)
+            started = time.monotonic()
+            landing.stop()  # the peer sends nothing more: the landing process waits on it
+            assert time.monotonic() - started < STOP_SECONDS + 1
+            assert landing.process.returncode == 0
     finally:
-        landing.receiver.close()
-        landing.stop()
         sender.release()
 
 
@@ -134,34 +140,30 @@ def test_a_landing_process_that_cannot_prove_the_secret_is_refused_and_says_so()
     sender, spec, address = _listening_sender()
     wrong = st.StreamSpec(st.new_secret(), spec.capacity_items, spec.capacity_bytes, key=spec.key)
     before = st.refused_connections()
-    landing = Landing.start(address, wrong)
     try:
-        with pytest.raises(ChannelBroken):
-            landing.receiver.recv(30)
-        assert landing.process.wait(30) == BROKEN
-        assert "handshake" in (landing.problem() or "")
-        deadline = time.monotonic() + 30
-        while st.refused_connections() == before and time.monotonic() < deadline:
-            time.sleep(0.01)  # the listener's thread counts it after closing the connection
-        assert st.refused_connections() == before + 1
+        with _landed(address, wrong) as landing:
+            with pytest.raises(ChannelBroken):
+                landing.receiver.recv(30)
+            assert landing.process.wait(30) == BROKEN
+            assert "handshake" in (landing.problem() or "")
+            deadline = time.monotonic() + 30
+            while st.refused_connections() == before and time.monotonic() < deadline:
+                time.sleep(0.01)  # the listener's thread counts it after closing the connection
+            assert st.refused_connections() == before + 1
     finally:
-        landing.receiver.close()
-        landing.stop()
         sender.release()
 
 
 def test_the_secret_travels_through_a_pipe_never_on_the_command_line():
     sender, spec, address = _listening_sender()
     thread = _in_thread(lambda: sender.send("x"))
-    landing = Landing.start(address, spec)
     try:
-        assert landing.receiver.recv(30) == "x"  # running, its command line settled
-        command = " ".join(psutil.Process(landing.process.pid).cmdline())
-        assert "mprs_plus.transport.landing" in command
-        assert spec.secret.hex() not in command
+        with _landed(address, spec) as landing:
+            assert landing.receiver.recv(30) == "x"  # running, its command line settled
+            command = " ".join(psutil.Process(landing.process.pid).cmdline())
+            assert "mprs_plus.transport.landing" in command
+            assert spec.secret.hex() not in command
     finally:
-        landing.receiver.close()
-        landing.stop()
         thread.join(30)
         sender.release()
 
