@@ -152,13 +152,18 @@ class Landing:
             )
         return self._reason or None
 
-    def stop(self) -> None:
-        """End the landing process (end of file on its stop pipe), waiting at most
-        ``STOP_SECONDS``, then kill it; never raises. In a process that did not start it
-        (a fork of the reader), only this copy's descriptors are closed."""
+    def request_stop(self) -> None:
+        """Tell the landing process to end (end of file on its stop pipe), without
+        waiting: a reader with many streams asks them all, then waits for each."""
         stop_fd, self._stop_fd = self._stop_fd, -1
         if stop_fd >= 0:
             os.close(stop_fd)
+
+    def stop(self) -> None:
+        """``request_stop``, then wait at most ``STOP_SECONDS`` for the landing process
+        to end, then kill it; never raises. In a process that did not start it (a fork of
+        the reader), only this copy's descriptors are closed."""
+        self.request_stop()
         if os.getpid() == self._owner:
             try:
                 self.process.wait(STOP_SECONDS)

@@ -50,7 +50,15 @@ import ray
 
 from ...transport import ChannelBroken, ChannelClosed, EndOfStream, Traffic
 from ...transport.channel import RECHECK_SECONDS, poll_waitables, wait_together
-from ...transport.stream import StreamReceiver, StreamSender, StreamSpec, _drop_listener, _registered, listen
+from ...transport.stream import (
+    StreamReceiver,
+    StreamSender,
+    StreamSpec,
+    _drop_listener,
+    _registered,
+    _StreamEndpoint,
+    listen,
+)
 
 SLICE = 0.02  # seconds between two looks at watched waitables while waiting on Ray
 _RECHECK = 1.0  # seconds between two looks of a control receiver with no deadline at its box
@@ -328,7 +336,12 @@ class NearReceiver(_Near, StreamReceiver):
         near = self._near
         if near is not None:
             near.close()
-        self._stop_landing()
+        if self._landing is not None:
+            # Asked now, waited for by ``release`` (the placement's, at its close): the
+            # landing processes of every worker end side by side, not one after another.
+            self._landing.request_stop()
+            _StreamEndpoint.release(self)  # this end's own socket or listener, if any
+            return
         super().close()
 
     def release(self) -> None:

@@ -389,6 +389,9 @@ class RayPlacement:
             process.join(max(0.0, deadline - time.monotonic()))
             process.close()
         streams, self._streams = self._streams, {}
+        for _, receiver in streams.values():
+            if receiver._landing is not None:
+                receiver._landing.request_stop()  # all at once; each release below waits for its own
         for ends in streams.values():
             for end in ends:
                 with contextlib.suppress(Exception):
