@@ -209,7 +209,10 @@ def _blocked_pipe():
 
 
 def test_a_killed_actor_is_an_error_naming_the_worker_and_its_node(cluster):
-    loader = _loader(_blocked_pipe(), RayBackend(num_cpus_per_worker=0), worker_prefetch_cnt=0, main_prefetch_cnt=0)
+    # On the other node: its stream lands here through a landing process, which sees the
+    # break first; the error still names the actor, once its watcher has seen why.
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND)
+    loader = _loader(_blocked_pipe(), backend, worker_prefetch_cnt=0, main_prefetch_cnt=0)
     try:
         iterator = iter(loader)
         assert [next(iterator), next(iterator)] == [0, 1]
