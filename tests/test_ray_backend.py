@@ -809,3 +809,44 @@ def test_a_killed_actor_on_the_trainers_node_is_an_error_naming_the_worker(clust
         assert time.monotonic() - start < DEATH_BOUND
     finally:
         loader.shutdown()
+
+
+def test_a_receiver_whose_senders_answer_comes_while_it_polls_still_settles_its_end(monkeypatch):
+    """The window: the answer of the sender's actor (where it listens) arrives between the
+    receiver's look at it (none yet) and the stream's own look. The stream then connected
+    straight over TCP, skipping the hand-over or landing the receiver would have chosen.
+    Forced: the first look at the answer says "not yet", every later look has it."""
+    from mprs_plus.backends.ray import channel
+    from mprs_plus.transport import stream as st
+
+    spec = st.StreamSpec(st.new_secret(), 4, 1 << 20)
+    address = st.listen(spec)  # a listening sender in this process stands for the actor's
+    sender = st.StreamSender(spec)
+
+    class LateAnswer(channel.ActorAddress):
+        def __init__(self):
+            self.looks = 0
+
+        def answer(self, timeout):
+            self.looks += 1
+            return None if self.looks == 1 else (address[0], address[1], "another node", None)
+
+        def __call__(self, timeout):
+            return address  # what the stream's own look would find
+
+    monkeypatch.setattr(channel, "_node", "this node")
+    receiver = channel.NearReceiver(spec)
+    receiver.connect_to(LateAnswer())
+    try:
+        assert receiver.poll() is False  # not decided yet: nothing connected behind its back
+        assert receiver._sock is None
+        # Decided at the next look: another node, no landing here, so the stream it is.
+        thread = threading.Thread(target=lambda: sender.send("hello"), daemon=True)
+        thread.start()
+        assert receiver.recv(30) == "hello"
+        thread.join(30)
+        assert receiver._address == address and receiver._near is None
+    finally:
+        receiver.release()
+        sender.release()
+        st.close_listeners()

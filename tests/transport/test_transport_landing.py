@@ -198,3 +198,33 @@ def test_a_forked_child_of_the_reader_does_not_keep_a_landing_process_alive():
         landing.stop()
         thread.join(30)
         sender.release()
+
+
+def test_every_byte_lands_as_sent_through_lent_ring_and_oversized_frames_with_reused_buffers():
+    """Sizes that take every path of the ring (below the lend threshold, lent, larger than
+    the whole ring) in a mixed order, each item's bytes a pattern of its own: the landing
+    process reuses its receive buffers from message to message, so an item reused too
+    early would show here as another item's bytes."""
+    sizes = [64 << 10, 200 << 10, 3 << 20, 1 << 20, 5, 64 << 10, 3 << 20, 200 << 10] * 6
+    sender, spec, address = _listening_sender(items=4, size=1 << 20)
+
+    def pattern(i: int, n: int) -> numpy.ndarray:
+        return ((numpy.arange(n, dtype=numpy.uint32) * 7 + i) % 251).astype(numpy.uint8)
+
+    def produce() -> None:
+        for i, n in enumerate(sizes):
+            sender.send((i, pattern(i, n)), 30)
+        sender.close()
+
+    thread = _in_thread(produce)
+    try:
+        with _landed(address, spec) as landing:
+            for i, n in enumerate(sizes):
+                index, array = landing.receiver.recv(30)
+                assert index == i and array.nbytes == n
+                assert numpy.array_equal(array, pattern(i, n)), f"item {i} ({n} bytes) differs"
+                del array
+            with pytest.raises(EndOfStream):
+                landing.receiver.recv(30)
+    finally:
+        thread.join(30)

@@ -305,22 +305,35 @@ class NearReceiver(_Near, StreamReceiver):
         near = self._settle(deadline)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if near is None:
-            if isinstance(self._address, ActorAddress) and self._sock is None and self._broken is None:
+            if self._undecided():
                 raise TimeoutError(f"no message within {timeout} s (the other end's address is not known yet)")
             return super().recv(left)
         return near.recv(left)
 
+    def _undecided(self) -> bool:
+        """Which end this is (shared memory, landed, or the stream read here) is not known
+        yet: the answer of the sender's actor has not come. The stream's own methods must
+        not run then: one that found the answer a moment later would connect straight to
+        the sender over TCP, skipping the hand-over or the landing that ``_settle`` chooses."""
+        return isinstance(self._address, ActorAddress) and self._sock is None and self._broken is None
+
     def skip(self) -> bool:
         near = self._now()
-        return near.skip() if near is not None else super().skip()
+        if near is not None:
+            return near.skip()
+        return False if self._undecided() and not self._closed else super().skip()
 
     def poll(self) -> bool:
         near = self._now()
-        return near.poll() if near is not None else super().poll()
+        if near is not None:
+            return near.poll()
+        return False if self._undecided() and not self._closed else super().poll()
 
     def has_input(self) -> bool:
         near = self._now()
-        return near.has_input() if near is not None else super().poll()
+        if near is not None:
+            return near.has_input()
+        return False if self._undecided() and not self._closed else super().poll()
 
     def arm(self) -> Any:
         near = self._near
