@@ -631,6 +631,24 @@ def test_a_killed_landing_process_is_an_error_that_says_so(cluster):
         loader.shutdown()
 
 
+def test_a_landing_process_that_cannot_start_is_an_error_that_says_why(cluster, monkeypatch):
+    from mprs_plus.transport import landing
+
+    def cannot(*args, **kwargs):
+        raise OSError("no interpreter to run it")
+
+    monkeypatch.setattr(landing.Landing, "start", cannot)
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND)
+    loader = _loader(IterableWrapper(range(4)).sharding_filter(), backend)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ProcessDiedError, match=r"could not start the landing process.*no interpreter.*landing=False"):
+            list(loader)
+        assert time.monotonic() - start < DEATH_BOUND
+    finally:
+        loader.shutdown()
+
+
 class _WritesAFile:
     def __init__(self, path):
         self.path = path

@@ -242,12 +242,25 @@ class NearReceiver(_Near, StreamReceiver):
         # node lands in shared memory through a landing process (``transport/landing.py``).
         self.land = False
         self._landing: Any = None
+        self._landing_failed: str | None = None  # why it could not start
 
     def landing_problem(self) -> str | None:
-        """Why this end's landing process ended early (its stream broke, or it was killed);
-        None while it runs, or where there is none."""
+        """Why this end's landing process ended early (its stream broke, or it was killed)
+        or could not start; None while it runs, or where there is none."""
         landing = self._landing
-        return None if landing is None else landing.problem()
+        if landing is None:
+            return self._landing_failed
+        return landing.problem()
+
+    def landing_failed(self) -> bool:
+        """This end's landing process could not start, or ended by a signal or an error of
+        its own: not because its stream broke (that is the sender's end, said elsewhere)."""
+        landing = self._landing
+        if landing is None:
+            return self._landing_failed is not None
+        from ...transport.landing import BROKEN
+
+        return landing.process.poll() not in (None, 0, BROKEN)
 
     def _settle(self, deadline: float | None) -> Any:
         """The shared-memory end, made now if the sender is on this node; None for the
@@ -273,7 +286,7 @@ class NearReceiver(_Near, StreamReceiver):
             try:
                 self._landing = Landing.start((host, port), self._spec, self._watched)
             except OSError as exc:
-                self._broken = f"could not start the landing process of a stream: {exc}"
+                self._broken = self._landing_failed = f"could not start the landing process of a stream ({exc})"
                 raise ChannelBroken(self._broken) from None
             self._near = self._landing.receiver
             return self._near

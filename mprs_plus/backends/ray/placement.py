@@ -36,7 +36,6 @@ from typing import Any
 import ray
 
 from ...errors import ProcessDiedError
-from ...transport.landing import BROKEN
 from ...transport.stream import StreamReceiver, StreamSender, new_secret
 from .actor import remote_class
 from .channel import ActorAddress, RayReceiver, open_ray_channel, open_stream_channel
@@ -348,10 +347,11 @@ class RayPlacement:
             landed = self._landing_problems()
             if landed:
                 return ProcessDiedError(
-                    "the stream from a Ray actor of the reading service broke on this node: "
+                    "the stream from a Ray actor of the reading service failed on this node: "
                     + "; ".join(landed)
                     + ". The reading service cannot continue: create a new DataLoader2 (and look at this "
-                    "host's memory, or at what killed that process)."
+                    "host's memory, or at what stopped that process; RayBackend(landing=False) reads the streams "
+                    "in the training process instead)."
                 )
             return ProcessDiedError("a Ray actor of the reading service stopped answering its channel unexpectedly")
         return ProcessDiedError(
@@ -364,14 +364,9 @@ class RayPlacement:
         return [p for p in problems if p]
 
     def _landings_killed(self) -> bool:
-        """Some landing process of this service ended by a signal or an error of its own,
-        not because its stream broke (that is the actor's end, which its watcher tells)."""
-        for _, receiver in self._streams.values():
-            landing = receiver._landing
-            code = None if landing is None else landing.process.poll()
-            if code not in (None, 0, BROKEN):
-                return True
-        return False
+        """Some landing process of this service could not start, or ended by a signal or
+        an error of its own: the reason is here, no actor's watcher will tell more."""
+        return any(receiver.landing_failed() for _, receiver in self._streams.values())
 
     def close(self) -> None:
         """Kill every actor still there and wait (bounded) until Ray reports it gone; stop
