@@ -649,6 +649,34 @@ def test_a_landing_process_that_cannot_start_is_an_error_that_says_why(cluster, 
         loader.shutdown()
 
 
+def test_listen_interface_names_where_the_workers_listen(cluster):
+    """Both nodes of this cluster are this host: "lo" exists on each, so the workers
+    listen on 127.0.0.1 and the landing processes connect there."""
+    import psutil
+
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND, listen_interface="lo")
+    loader = _loader(IterableWrapper(range(8)).sharding_filter(), backend)
+    try:
+        assert list(loader) == list(range(8))  # every worker's channel is settled after its items
+        landings = [r._landing.process for r in _data_receivers(loader)]
+        peers = {c.raddr.ip for p in landings for c in psutil.Process(p.pid).net_connections(kind="tcp") if c.raddr}
+    finally:
+        loader.shutdown()
+    assert len(landings) == 2 and peers == {"127.0.0.1"}
+
+
+def test_a_listen_interface_that_a_node_lacks_is_an_error_that_names_it(cluster):
+    backend = RayBackend(num_cpus_per_worker=0, resources=SECOND, listen_interface="nope0")
+    loader = _loader(IterableWrapper(range(4)).sharding_filter(), backend)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ProcessDiedError, match=r"no network interface 'nope0' .*its interfaces: .*lo"):
+            list(loader)
+        assert time.monotonic() - start < DEATH_BOUND
+    finally:
+        loader.shutdown()
+
+
 class _WritesAFile:
     def __init__(self, path):
         self.path = path
@@ -868,3 +896,9 @@ def test_a_receiver_whose_senders_answer_comes_while_it_polls_still_settles_its_
         receiver.release()
         sender.release()
         st.close_listeners()
+
+
+@pytest.mark.parametrize("bad", [3, "", b"eth0"])
+def test_a_listen_interface_that_is_not_a_name_is_refused_when_the_backend_is_made(bad):
+    with pytest.raises(TypeError, match="listen_interface must be an interface's name"):
+        RayBackend(listen_interface=bad)

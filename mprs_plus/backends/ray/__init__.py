@@ -48,6 +48,9 @@ class RayBackend:
             each byte out of a socket. False: the training process reads the sockets
             itself (no extra process; each byte's copy out of the kernel then costs the
             training loop's process, about a memcpy's time).
+        listen_interface: the network interface (e.g. ``"eth1"``) on which every actor
+            listens for its peers' connections, on each node its IPv4 address; None: the
+            address Ray uses for the node. A node without it is an error saying so.
     """
 
     address: str | None = "auto"
@@ -58,6 +61,7 @@ class RayBackend:
     num_cpus: int | None = None
     log_to_driver: bool = True
     landing: bool = True
+    listen_interface: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -68,6 +72,8 @@ class RayBackend:
             raise ImportError(_INSTALL)
         if self.address is not None and not isinstance(self.address, str):
             raise TypeError(f"address must be a string such as 'auto', or None; got {type(self.address).__name__}")
+        if self.listen_interface is not None and (not isinstance(self.listen_interface, str) or not self.listen_interface):
+            raise TypeError(f"listen_interface must be an interface's name such as 'eth1', or None; got {self.listen_interface!r}")
         cpus = self.num_cpus_per_worker
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
             raise ValueError(f"num_cpus_per_worker must be a number >= 0, got {cpus!r}")

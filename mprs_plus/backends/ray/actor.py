@@ -73,11 +73,12 @@ class SegmentHost:
     def deliver(self, cid: str, seq: int, message: Any, last: bool) -> None:
         channel.serve_deliver(cid, seq, message, last)
 
-    def listen(self, specs: list[Any], senders: Sequence[bool] = ()) -> list[Any]:
+    def listen(self, specs: list[Any], senders: Sequence[bool] = (), interface: str | None = None) -> list[Any]:
         """Listen for the peers of the data channels whose ends this child will use, on
-        this node's address as Ray reports it (and, for its sending ends, on a Unix-domain
-        socket for a peer on this node); the addresses, for the peers to connect."""
-        return channel.listen_here(specs, senders)
+        this node's address as Ray reports it or that of the network ``interface`` named
+        (and, for its sending ends, on a Unix-domain socket for a peer on this node); the
+        addresses, for the peers to connect."""
+        return channel.listen_here(specs, senders, interface)
 
 
 _remote_class: Any = None

@@ -81,13 +81,16 @@ def open_stream_channel(secret: bytes, *, capacity_items: int, capacity_bytes: i
 Answer = tuple[str, int, str, "str | None"]
 
 
-def listen_here(specs: Sequence[StreamSpec], senders: Sequence[bool] = ()) -> list[Answer]:
+def listen_here(
+    specs: Sequence[StreamSpec], senders: Sequence[bool] = (), interface: str | None = None
+) -> list[Answer]:
     """In an actor: listen for these channels on this node's address (as Ray reports
-    it: one interface, never all of them); for the ends that are senders, also on a
-    Unix-domain socket of this host, for a peer on this node (``NearSender``)."""
+    it, or the address of the network ``interface`` named: one interface, never all of
+    them); for the ends that are senders, also on a Unix-domain socket of this host, for
+    a peer on this node (``NearSender``). ``ValueError`` for an interface this node lacks."""
     from ...transport.handover import listen_for_sender
 
-    host = ray.util.get_node_ip_address()
+    host = ray.util.get_node_ip_address() if interface is None else interface_address(interface)
     answers: list[Answer] = []
     for spec, sender in zip(specs, list(senders) or [False] * len(specs)):
         # The Unix side first: a sending end that sees its TCP listener sees it too.
@@ -96,6 +99,33 @@ def listen_here(specs: Sequence[StreamSpec], senders: Sequence[bool] = ()) -> li
         assert not isinstance(address, str)
         answers.append((address[0], address[1], this_node(), name))
     return answers
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of this host's network interface ``name`` (``psutil`` reads the
+    system's table); ``ValueError`` saying which interfaces there are when it has none."""
+    import socket
+
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    for address in interfaces.get(name, ()):
+        if address.family == socket.AF_INET:
+            return str(address.address)
+    known = ", ".join(sorted(n for n, addrs in interfaces.items() if any(a.family == socket.AF_INET for a in addrs)))
+    raise ValueError(
+        f"RayBackend(listen_interface={name!r}): the node {ray.util.get_node_ip_address()} has no network interface "
+        f"{name!r} with an IPv4 address (its interfaces: {known}). Name one that every node has, or None for the "
+        "address Ray uses for the node."
+    )
+
+
+_NO_LANDING = "could not start the landing process of a stream"
+
+
+class ListenFailed(ChannelBroken):
+    """The actor at the other end could not listen where it was told to (a setting of the
+    service, not a fault of the actor): the reason is the user's to read at once."""
 
 
 def this_node() -> str:
@@ -136,6 +166,9 @@ class ActorAddress:
                 return None
             return tuple(ray.get(self._answer, timeout=0)[self._index])  # type: ignore[return-value]
         except Exception as exc:
+            cause = getattr(exc, "cause", None)  # what the actor's call raised, under Ray's wrapper
+            if isinstance(cause, ValueError):
+                raise ListenFailed(str(cause)) from None
             raise ChannelBroken(f"the actor at the other end is gone ({type(exc).__name__})") from None
 
 
@@ -242,22 +275,28 @@ class NearReceiver(_Near, StreamReceiver):
         # node lands in shared memory through a landing process (``transport/landing.py``).
         self.land = False
         self._landing: Any = None
-        self._landing_failed: str | None = None  # why it could not start
+        self._failed_here: str | None = None  # why it could not be set up here
 
-    def landing_problem(self) -> str | None:
-        """Why this end's landing process ended early (its stream broke, or it was killed)
-        or could not start; None while it runs, or where there is none."""
+    def problem_here(self) -> str | None:
+        """Why this end failed in this process: its landing process ended early (its
+        stream broke, or it was killed) or could not start, or the sender could not listen
+        where the service said; None otherwise."""
+        landing = self._landing
+        problem = self._failed_here if landing is None else landing.problem()
+        if problem and (landing is not None and self.failed_here() or problem.startswith(_NO_LANDING)):
+            problem += (
+                " (look at this host's memory, or at what stopped that process; RayBackend(landing=False) reads "
+                "the streams in the training process instead)"
+            )
+        return problem
+
+    def failed_here(self) -> bool:
+        """This end failed for a reason of this process or of the service's settings (its
+        landing process could not start or was killed; the sender could not listen): not
+        because its stream broke (that is the sender's end, which its watcher tells)."""
         landing = self._landing
         if landing is None:
-            return self._landing_failed
-        return landing.problem()
-
-    def landing_failed(self) -> bool:
-        """This end's landing process could not start, or ended by a signal or an error of
-        its own: not because its stream broke (that is the sender's end, said elsewhere)."""
-        landing = self._landing
-        if landing is None:
-            return self._landing_failed is not None
+            return self._failed_here is not None
         from ...transport.landing import BROKEN
 
         return landing.process.poll() not in (None, 0, BROKEN)
@@ -272,7 +311,11 @@ class NearReceiver(_Near, StreamReceiver):
             return None
         while True:
             left = RECHECK_SECONDS if deadline is None else min(RECHECK_SECONDS, deadline - time.monotonic())
-            found = address.answer(max(0.0, left))
+            try:
+                found = address.answer(max(0.0, left))
+            except ListenFailed as exc:
+                self._broken = self._failed_here = str(exc)
+                raise
             if found is not None:
                 break
             if deadline is not None and time.monotonic() >= deadline:
@@ -286,7 +329,7 @@ class NearReceiver(_Near, StreamReceiver):
             try:
                 self._landing = Landing.start((host, port), self._spec, self._watched)
             except OSError as exc:
-                self._broken = self._landing_failed = f"could not start the landing process of a stream ({exc})"
+                self._broken = self._failed_here = f"{_NO_LANDING} ({exc})"
                 raise ChannelBroken(self._broken) from None
             self._near = self._landing.receiver
             return self._near

@@ -284,7 +284,7 @@ class RayPlacement:
         if not listening:
             return
         senders = [isinstance(end, StreamSender) for end in listening]  # a peer on their node gets shm
-        answer = actor.listen.remote([end.spec for end in listening], senders)
+        answer = actor.listen.remote([end.spec for end in listening], senders, self._backend.listen_interface)
         for index, end in enumerate(listening):
             self._listening.add(end.key)
             for peer in self._streams[end.key]:
@@ -344,14 +344,12 @@ class RayPlacement:
             if p.exitcode is not None
         ]
         if not dead:
-            landed = self._landing_problems()
-            if landed:
+            failed = self._problems_here()
+            if failed:
                 return ProcessDiedError(
-                    "the stream from a Ray actor of the reading service failed on this node: "
-                    + "; ".join(landed)
-                    + ". The reading service cannot continue: create a new DataLoader2 (and look at this "
-                    "host's memory, or at what stopped that process; RayBackend(landing=False) reads the streams "
-                    "in the training process instead)."
+                    "a data channel from a Ray actor of the reading service failed in the training process: "
+                    + "; ".join(failed)
+                    + ". The reading service cannot continue: create a new DataLoader2."
                 )
             return ProcessDiedError("a Ray actor of the reading service stopped answering its channel unexpectedly")
         return ProcessDiedError(
@@ -359,14 +357,14 @@ class RayPlacement:
             "(an out-of-memory kill, a lost node, a crash in native code), then create a new DataLoader2."
         )
 
-    def _landing_problems(self) -> list[str]:
-        problems = (ends[1].landing_problem() for ends in self._streams.values())
+    def _problems_here(self) -> list[str]:
+        problems = (ends[1].problem_here() for ends in self._streams.values())
         return [p for p in problems if p]
 
     def _landings_killed(self) -> bool:
         """Some landing process of this service could not start, or ended by a signal or
         an error of its own: the reason is here, no actor's watcher will tell more."""
-        return any(receiver.landing_failed() for _, receiver in self._streams.values())
+        return any(receiver.failed_here() for _, receiver in self._streams.values())
 
     def close(self) -> None:
         """Kill every actor still there and wait (bounded) until Ray reports it gone; stop
