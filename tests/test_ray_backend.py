@@ -203,6 +203,15 @@ def test_an_exception_in_a_worker_reads_as_locally_and_names_the_node(cluster):
     assert ", node " in text and "bad sample 5" in text
 
 
+def _raises_within_the_bound(call, match: str | None) -> ProcessDiedError:
+    """``call()`` raises a ``ProcessDiedError`` matching ``match`` within ``DEATH_BOUND``."""
+    start = time.monotonic()
+    with pytest.raises(ProcessDiedError, match=match) as caught:
+        call()
+    assert time.monotonic() - start < DEATH_BOUND
+    return caught.value
+
+
 def _blocked_pipe():
     """Items 0 and 1 come at once, then worker 0 blocks on its next item (2)."""
     return IterableWrapper(range(6)).sharding_filter().map(functools.partial(pipelines.block_on, bad=2))
@@ -218,15 +227,12 @@ def test_a_killed_actor_is_an_error_naming_the_worker_and_its_node(cluster):
         assert [next(iterator), next(iterator)] == [0, 1]
         worker = _processes(loader)[0]
         ray.kill(worker.actor)
-        start = time.monotonic()
-        with pytest.raises(ProcessDiedError) as caught:
-            next(iterator)
-        assert time.monotonic() - start < DEATH_BOUND
+        error = _raises_within_the_bound(lambda: next(iterator), None)
     finally:
         loader.shutdown()
-    message = str(caught.value)
+    message = str(error)
     assert "mprs_plus worker 0 (Ray actor on " in message and "node id" in message
-    assert "create a new DataLoader2" in message and "ray" not in type(caught.value).__module__
+    assert "create a new DataLoader2" in message and "ray" not in type(error).__module__
 
 
 def test_a_removed_node_is_an_error_within_the_bound(cluster):
@@ -237,10 +243,7 @@ def test_a_removed_node_is_an_error_within_the_bound(cluster):
         iterator = iter(loader)
         assert [next(iterator), next(iterator)] == [0, 1]
         cluster.remove_node(doomed, allow_graceful=False)
-        start = time.monotonic()
-        with pytest.raises(ProcessDiedError, match=r"mprs_plus worker \d \(Ray actor on .*node id"):
-            next(iterator)
-        assert time.monotonic() - start < DEATH_BOUND
+        _raises_within_the_bound(lambda: next(iterator), r"mprs_plus worker \d \(Ray actor on .*node id")
     finally:
         loader.shutdown()
         # The next test's actors must not be placed on the node before Ray declares it dead.
@@ -623,10 +626,7 @@ def test_a_killed_landing_process_is_an_error_that_says_so(cluster):
         landings = [r._landing.process for r in _data_receivers(loader)]
         for process in landings:
             process.kill()
-        start = time.monotonic()
-        with pytest.raises(ProcessDiedError, match=r"landing process of this stream \(pid \d+\) ended with exit status -9"):
-            next(iterator)
-        assert time.monotonic() - start < DEATH_BOUND
+        _raises_within_the_bound(lambda: next(iterator), r"landing process of this stream \(pid \d+\) ended with exit status -9")
     finally:
         loader.shutdown()
 
@@ -641,10 +641,7 @@ def test_a_landing_process_that_cannot_start_is_an_error_that_says_why(cluster, 
     backend = RayBackend(num_cpus_per_worker=0, resources=SECOND)
     loader = _loader(IterableWrapper(range(4)).sharding_filter(), backend)
     try:
-        start = time.monotonic()
-        with pytest.raises(ProcessDiedError, match=r"could not start the landing process.*no interpreter.*landing=False"):
-            list(loader)
-        assert time.monotonic() - start < DEATH_BOUND
+        _raises_within_the_bound(lambda: list(loader), r"could not start the landing process.*no interpreter.*landing=False")
     finally:
         loader.shutdown()
 
@@ -669,10 +666,7 @@ def test_a_listen_interface_that_a_node_lacks_is_an_error_that_names_it(cluster)
     backend = RayBackend(num_cpus_per_worker=0, resources=SECOND, listen_interface="nope0")
     loader = _loader(IterableWrapper(range(4)).sharding_filter(), backend)
     try:
-        start = time.monotonic()
-        with pytest.raises(ProcessDiedError, match=r"no network interface 'nope0' .*its interfaces: .*lo"):
-            list(loader)
-        assert time.monotonic() - start < DEATH_BOUND
+        _raises_within_the_bound(lambda: list(loader), r"no network interface 'nope0' .*its interfaces: .*lo")
     finally:
         loader.shutdown()
 
@@ -770,10 +764,8 @@ def test_a_stream_cut_in_the_middle_of_an_item_is_a_process_died_error(cluster, 
         worker = _processes(loader)[0]
         worker.join(60.0)  # ended half way through item 1, while this process read nothing
         assert not worker.is_alive()
-        start = time.monotonic()
-        with pytest.raises(ProcessDiedError, match="mprs_plus worker 0"):
-            next(iterator)  # the bytes of item 1 that were sent, then the end of the stream
-        assert time.monotonic() - start < DEATH_BOUND
+        # The bytes of item 1 that were sent, then the end of the stream.
+        _raises_within_the_bound(lambda: next(iterator), "mprs_plus worker 0")
     finally:
         loader.shutdown()
 
@@ -849,10 +841,7 @@ def test_a_killed_actor_on_the_trainers_node_is_an_error_naming_the_worker(clust
         assert all(r._near is not None for r in _data_receivers(loader))
         worker = _processes(loader)[0]
         ray.kill(worker.actor)
-        start = time.monotonic()
-        with pytest.raises(ProcessDiedError, match=r"mprs_plus worker 0 \(Ray actor on .*node id"):
-            next(iterator)
-        assert time.monotonic() - start < DEATH_BOUND
+        _raises_within_the_bound(lambda: next(iterator), r"mprs_plus worker 0 \(Ray actor on .*node id")
     finally:
         loader.shutdown()
 
