@@ -399,6 +399,27 @@ def test_a_death_error_waits_for_the_watcher_to_say_why_the_stream_broke(monkeyp
     assert "worker 0 (Ray actor on node-a, pid 7) could not load the pipeline's code" in str(error)
 
 
+def test_a_channel_that_failed_here_is_the_reason_even_when_its_actor_ended_first():
+    """The window: a killed landing process closes its worker's stream, the worker's
+    actor ends because of it, and its watcher may report that end before this process
+    reads the broken ring. Forced: the actor has ended when the death error is made."""
+    from mprs_plus.backends.ray import placement
+
+    class Killed:  # the training process's end of a channel whose landing process was killed
+        def failed_here(self):
+            return True
+
+        def problem_here(self):
+            return "the landing process of this stream (pid 4711) ended with exit status -9"
+
+    service = placement.RayPlacement.__new__(placement.RayPlacement)
+    service._streams = {"key": (None, Killed())}
+    actor = types.SimpleNamespace(name="worker 1", node="node-a", pid=7, exitcode=1, reason=None)
+    error = service.death_error([actor])
+    assert isinstance(error, ProcessDiedError)
+    assert "pid 4711) ended with exit status -9" in str(error) and "worker 1" not in str(error)
+
+
 SHIPPING_DRIVER = textwrap.dedent(
     """
     import sys

@@ -338,27 +338,32 @@ class RayPlacement:
             and not self._landings_killed()
         ):
             time.sleep(0.05)
+        # A channel that failed here comes first: an actor whose stream a killed landing
+        # process closed ends too, but only because of it.
+        failed = self._problems_here(only_failed=True)
         dead = [
             f"{p.name} (Ray actor on {p.node}, pid {p.pid}) {p.reason or 'ended without being asked'}"
             for p in processes
             if p.exitcode is not None
         ]
+        if not failed and not dead:
+            failed = self._problems_here()  # a stream that broke, its actor still running
+        if failed:
+            return ProcessDiedError(
+                "a data channel from a Ray actor of the reading service failed in the training process: "
+                + "; ".join(failed)
+                + ". The reading service cannot continue: create a new DataLoader2."
+            )
         if not dead:
-            failed = self._problems_here()
-            if failed:
-                return ProcessDiedError(
-                    "a data channel from a Ray actor of the reading service failed in the training process: "
-                    + "; ".join(failed)
-                    + ". The reading service cannot continue: create a new DataLoader2."
-                )
             return ProcessDiedError("a Ray actor of the reading service stopped answering its channel unexpectedly")
         return ProcessDiedError(
             "; ".join(dead) + ". The reading service cannot continue. Look at `ray status` and the node's logs "
             "(an out-of-memory kill, a lost node, a crash in native code), then create a new DataLoader2."
         )
 
-    def _problems_here(self) -> list[str]:
-        problems = (ends[1].problem_here() for ends in self._streams.values())
+    def _problems_here(self, only_failed: bool = False) -> list[str]:
+        receivers = [ends[1] for ends in self._streams.values()]
+        problems = (r.problem_here() for r in receivers if not only_failed or r.failed_here())
         return [p for p in problems if p]
 
     def _landings_killed(self) -> bool:
