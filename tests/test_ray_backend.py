@@ -309,17 +309,22 @@ DRIVER = textwrap.dedent(
     import mprs_plus, pipelines
 
     ray.init(address=sys.argv[1], runtime_env={"env_vars": {"PYTHONPATH": sys.argv[2]}}, log_to_driver=False)
-    service = mprs_plus.MultiProcessingReadingService(2, backend=mprs_plus.RayBackend(num_cpus_per_worker=0))
+    # On the other node: each worker's stream lands in a landing process of this machine.
+    backend = mprs_plus.RayBackend(num_cpus_per_worker=0, resources={"second": 1})
+    service = mprs_plus.MultiProcessingReadingService(2, backend=backend)
     loader = DataLoader2(IterableWrapper(range(100)).sharding_filter(), reading_service=service)
     iterator = iter(loader)
-    next(iterator)
-    print("running", flush=True)
+    next(iterator), next(iterator)  # an item of each worker: both streams have landed
+    receivers = [r for _, r in loader.reading_service._runtime._supervisor.topology.data_receivers()]
+    print("running", *[r._landing.process.pid for r in receivers], flush=True)
     time.sleep(120)  # killed by the test long before
     """
 )
 
 
-def test_a_driver_killed_by_sigkill_leaves_no_actor(cluster):
+def test_a_driver_killed_by_sigkill_leaves_no_actor_and_no_landing_process(cluster):
+    import psutil
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, cluster.address, env["PYTHONPATH"]],
@@ -329,7 +334,9 @@ def test_a_driver_killed_by_sigkill_leaves_no_actor(cluster):
         env=env,
     )
     try:
-        assert driver.stdout.readline().strip() == "running"
+        said, *pids = driver.stdout.readline().split()
+        assert said == "running" and len(pids) == 2
+        landings = [psutil.Process(int(pid)) for pid in pids]
         assert _alive_actors(), "the driver's actors should be running"
         driver.kill()
         driver.wait(30)
@@ -337,6 +344,11 @@ def test_a_driver_killed_by_sigkill_leaves_no_actor(cluster):
         if driver.poll() is None:
             driver.kill()
             driver.wait(30)
+    # Their stop pipe's last writer is gone: each landing process ends by itself.
+    _, alive = psutil.wait_procs(landings, timeout=30)
+    for process in alive:
+        process.kill()
+    assert alive == [], "landing processes outlived their training process"
     _wait_until_no_actor()
     assert _alive_actors() == []
 
