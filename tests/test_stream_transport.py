@@ -84,6 +84,20 @@ def _produce(sender: st.StreamSender, count: int) -> None:
 ARRAYS = 200
 
 
+def _read_what_produce_sent(receiver, count: int, check_array=lambda array: None) -> None:
+    """``_produce``'s messages, in order, each array checked by ``check_array`` too, then
+    the end of the stream."""
+    assert [receiver.recv(30) for _ in range(count)] == list(range(count))
+    for i in range(ARRAYS):
+        message = receiver.recv(30)
+        array = message["array"]
+        assert message["i"] == i and array.shape == (300_000,) and (array == i).all()
+        check_array(array)
+        del message, array
+    with pytest.raises(EndOfStream):
+        receiver.recv(30)
+
+
 def test_messages_and_large_buffers_cross_processes_in_order_then_end_of_stream():
     """Also: a sender that closes, then exits, while its last messages are still in the
     kernel's buffers and its credits still coming, loses none of them (a socket closed
@@ -94,16 +108,12 @@ def test_messages_and_large_buffers_cross_processes_in_order_then_end_of_stream(
     receiver_spec = st.StreamSender(spec, address)  # pickled to the child: spec + address
     child = multiprocessing.get_context("spawn").Process(target=_produce, args=(receiver_spec, 500))
     child.start()
+    def owned(array):
+        assert array.flags.writeable  # received into memory this process owns
+        assert isinstance(array.base, bytearray)  # no copy of it after the kernel's
+
     try:
-        assert [receiver.recv(30) for _ in range(500)] == list(range(500))
-        for i in range(ARRAYS):
-            message = receiver.recv(30)
-            array = message["array"]
-            assert message["i"] == i and array.shape == (300_000,) and (array == i).all()
-            assert array.flags.writeable  # received into memory this process owns
-            assert isinstance(array.base, bytearray)  # no copy of it after the kernel's
-        with pytest.raises(EndOfStream):
-            receiver.recv(30)
+        _read_what_produce_sent(receiver, 500, owned)
     finally:
         child.join(30)
         receiver.close()
@@ -237,13 +247,19 @@ def test_a_listener_that_cannot_prove_the_secret_is_left_before_anything_is_read
 
 
 def _pretend_to_listen(server: socket.socket) -> None:
-    conn, _ = server.accept()
-    with conn:
-        conn.settimeout(10)
-        conn.sendall(st._MAGIC + os.urandom(32))
-        conn.recv(64)
-        conn.sendall(os.urandom(32))  # a proof made without the secret
+    with _impostor(server) as conn:
         _until_closed(conn)
+
+
+def _impostor(server: socket.socket) -> socket.socket:
+    """The next connection to ``server``, answered as a listener without the secret would:
+    a greeting, then a proof made without it."""
+    conn, _ = server.accept()
+    conn.settimeout(10)
+    conn.sendall(st._MAGIC + os.urandom(32))
+    conn.recv(64)
+    conn.sendall(os.urandom(32))
+    return conn
 
 
 class _WritesAFile:
@@ -441,13 +457,7 @@ def test_a_shared_memory_channel_handed_to_an_unrelated_process_carries_items_an
     before = lending()
     child, spec, receiver = _handed_over(500)
     try:
-        assert [receiver.recv(30) for _ in range(500)] == list(range(500))
-        for i in range(ARRAYS):
-            message = receiver.recv(30)
-            assert message["i"] == i and (message["array"] == i).all()
-            del message
-        with pytest.raises(EndOfStream):
-            receiver.recv(30)
+        _read_what_produce_sent(receiver, 500)
     finally:
         child.join(30)
         receiver.release()
@@ -516,12 +526,7 @@ def test_no_descriptor_goes_to_a_process_that_cannot_prove_the_secret():
 
 
 def _pretend_and_collect(server: socket.socket, got: list[int]) -> None:
-    conn, _ = server.accept()
-    with conn:
-        conn.settimeout(10)
-        conn.sendall(st._MAGIC + os.urandom(32))
-        conn.recv(64)
-        conn.sendall(os.urandom(32))  # a proof made without the secret
+    with _impostor(server) as conn:
         while True:
             data, fds, _, _ = socket.recv_fds(conn, 4096, 8)
             got.extend(fds)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._lend import LENT_BIT, LendArea
@@ -29,6 +29,7 @@ from ._ring import (
     TX_SLEEPING,
     WRITE_POS,
     Endpoint,
+    close_fds,
 )
 from ._wakeup import Outcome, fence, signal
 from .errors import ChannelBroken, ChannelClosed
@@ -62,10 +63,7 @@ class ShmSender(Endpoint):
 
         Raises ``ChannelClosed`` after ``close()`` / ``release()`` here, ``ChannelBroken``
         when the receiver is gone or closed, or a watched waitable became ready."""
-        if not self._open:
-            raise ChannelClosed("send on a closed channel: this sender was closed or released")
-        if self._ctl[RECEIVER_CLOSED] or self._torn:
-            self._refuse()
+        self._check_sendable()
         encoder = self._encoder
         stream, buffers = encoder.encode(obj)
         try:
@@ -77,11 +75,36 @@ class ShmSender(Endpoint):
         """``send`` of a message pickled already: its pickle stream and out-of-band buffers,
         as another transport received them (``landing.py`` forwards a stream's frames this
         way, never unpickling them). The same waits, bounds and errors as ``send``."""
+        self._check_sendable()
+        self._send_parts(stream, buffers, timeout)
+
+    def _check_sendable(self) -> None:
         if not self._open:
             raise ChannelClosed("send on a closed channel: this sender was closed or released")
         if self._ctl[RECEIVER_CLOSED] or self._torn:
             self._refuse()
-        self._send_parts(stream, buffers, timeout)
+
+    def descriptors(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """This end as a process that shares no ancestry with this one rebuilds it without
+        pickling (``handover.py``, ``landing.py``): its sizes (ring bytes, lend area bytes,
+        capacity_items) and its descriptors (the memfd, the space pipe's read end, the data
+        pipe's write end), valid while this end is open here."""
+        region = self._region
+        assert region.fd is not None
+        return (region.data_size, region.lend_size, self._capacity_items), (region.fd, self._wait_fd, self._signal_fd)
+
+    @classmethod
+    def from_descriptors(cls, sizes: Sequence[int], fds: Sequence[int]) -> ShmSender:
+        """The end that ``descriptors`` described, in the process that received them (its
+        own from now on; closed here if the end cannot be made)."""
+        data_size, lend_size, capacity_items = sizes
+        memfd, space_r, data_w = fds
+        try:
+            region = SharedRegion(memfd, data_size, lend_size)
+        except BaseException:
+            close_fds(fds)
+            raise
+        return cls(region, space_r, data_w, capacity_items)
 
     def receiver_closed(self) -> bool:
         """The receiver has closed its end (read from shared memory, no system call)."""

@@ -33,7 +33,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._memory import SharedRegion
 from ._ring import close_fds
 from ._sender import ShmSender
 from .channel import RECHECK_SECONDS, poll_waitables
@@ -62,13 +61,10 @@ def hand_over(name: str, spec: StreamSpec, timeout: float = HANDSHAKE_SECONDS) -
         capacities = {"capacity_items": spec.capacity_items, "capacity_bytes": spec.capacity_bytes}
         sender, receiver = open_shm_channel(None, **capacities)
         try:
-            # The descriptors ``ShmSender.__reduce__`` would hand to a child process.
-            region = sender._region
-            assert region.fd is not None
-            sizes = _SIZES.pack(region.data_size, region.lend_size, spec.capacity_items)
+            sizes, fds = sender.descriptors()
             sock.setblocking(True)
             sock.settimeout(timeout)
-            socket.send_fds(sock, [sizes], [region.fd, sender._wait_fd, sender._signal_fd])
+            socket.send_fds(sock, [_SIZES.pack(*sizes)], list(fds))
         except OSError as exc:
             receiver.release()
             raise ChannelBroken(f"could not hand the channel to the process at {name!r}: {exc}") from None
@@ -111,14 +107,7 @@ def _receive(sock: socket.socket, deadline: float, watched: Sequence[Any]) -> Sh
     if len(data) != _SIZES.size or len(fds) != 3 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
         close_fds(fds)
         raise ChannelBroken("the channel's hand-over was cut short (the receiving process is gone?)")
-    data_size, lend_size, capacity_items = _SIZES.unpack(data)
-    memfd, space_r, data_w = fds
-    try:
-        region = SharedRegion(memfd, data_size, lend_size)
-    except BaseException:
-        close_fds(fds)
-        raise
-    return ShmSender(region, space_r, data_w, capacity_items)
+    return ShmSender.from_descriptors(_SIZES.unpack(data), fds)
 
 
 __all__ = ["hand_over", "listen_for_sender", "take_sender"]

@@ -48,7 +48,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from ._memory import SharedRegion
 from ._ring import close_fds
 from ._sender import ShmSender
 from .channel import RECHECK_SECONDS, poll_waitables
@@ -78,14 +77,15 @@ class Landing:
         """In a forked child of the reader: close this copy's pipe ends, so that the
         landing process still ends when the reader stops it (the child's copy of the stop
         pipe would otherwise keep it open)."""
-        for name in ("_stop_fd", "_status_fd"):
-            fd = getattr(self, name)
-            setattr(self, name, -1)
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self._close("_stop_fd")
+        self._close("_status_fd")
+
+    def _close(self, name: str) -> None:
+        """Close the pipe end held in attribute ``name``, once."""
+        fd = getattr(self, name)
+        setattr(self, name, -1)
+        if fd >= 0:
+            close_fds([fd])
 
     @classmethod
     def start(cls, address: Address, spec: StreamSpec, watched: Sequence[Any] = ()) -> Landing:
@@ -96,9 +96,7 @@ class Landing:
         sender, receiver = open_shm_channel(None, capacity_items=spec.capacity_items, capacity_bytes=spec.capacity_bytes)
         stop_r, stop_w = os.pipe()
         status_r, status_w = os.pipe()
-        region = sender._region
-        assert region.fd is not None
-        fds = {"memfd": region.fd, "space": sender._wait_fd, "data": sender._signal_fd, "stop": stop_r, "status": status_w}
+        sizes, ring_fds = sender.descriptors()
         config = {
             "host": address[0],
             "port": address[1],
@@ -106,9 +104,9 @@ class Landing:
             "secret": spec.secret.hex(),
             "capacity_items": spec.capacity_items,
             "capacity_bytes": spec.capacity_bytes,
-            "data_size": region.data_size,
-            "lend_size": region.lend_size,
-            "fds": fds,
+            "ring": [sizes, ring_fds],
+            "stop": stop_r,
+            "status": status_w,
         }
         process = None
         try:
@@ -117,7 +115,7 @@ class Landing:
             process = subprocess.Popen(
                 [sys.executable, "-m", __name__],
                 stdin=subprocess.PIPE,
-                pass_fds=tuple(fds.values()),
+                pass_fds=(*ring_fds, stop_r, status_w),
                 env=_env_finding_this_package(),
                 close_fds=True,
             )
@@ -141,23 +139,19 @@ class Landing:
         return cls(process, receiver, stop_w, status_r)
 
     def problem(self) -> str | None:
-        """Why the stream broke, once the landing process has said so and exited (None
-        while it runs, or when it ended for another reason)."""
-        if self._reason is None and self.process.poll() is not None:
-            self._reason = self._read_status() or (
-                f"the landing process of this stream (pid {self.process.pid}) ended with exit status "
-                f"{self.process.returncode}"
-                if self.process.returncode not in (0, None)
-                else ""
-            )
+        """Why the landing process ended early, once it has: what it said of its broken
+        stream, else its exit status when not 0; None while it runs or after a clean end."""
+        code = self.process.poll()
+        if self._reason is None and code is not None:
+            self._reason = self._read_status()
+            if not self._reason and code != 0:
+                self._reason = f"the landing process of this stream (pid {self.process.pid}) ended with exit status {code}"
         return self._reason or None
 
     def request_stop(self) -> None:
         """Tell the landing process to end (end of file on its stop pipe), without
         waiting: a reader with many streams asks them all, then waits for each."""
-        stop_fd, self._stop_fd = self._stop_fd, -1
-        if stop_fd >= 0:
-            os.close(stop_fd)
+        self._close("_stop_fd")
 
     def stop(self) -> None:
         """``request_stop``, then wait at most ``STOP_SECONDS`` for the landing process
@@ -174,9 +168,7 @@ class Landing:
                 except subprocess.TimeoutExpired:
                     pass  # a process the kernel has not reaped in 2 s after SIGKILL: left to init
             self.problem()
-        status_fd, self._status_fd = self._status_fd, -1
-        if status_fd >= 0:
-            os.close(status_fd)
+        self._close("_status_fd")
 
     def _read_status(self) -> str:
         if self._status_fd < 0:
@@ -212,16 +204,14 @@ def _env_finding_this_package() -> dict[str, str]:
 
 def run(config: dict[str, Any]) -> int:
     """The landing process's loop; its exit status."""
-    fds = config["fds"]
-    stop_fd, status_fd = fds["stop"], fds["status"]
+    stop_fd, status_fd = config["stop"], config["status"]
     spec = StreamSpec(
         bytes.fromhex(config["secret"]),
         config["capacity_items"],
         config["capacity_bytes"],
         key=config["key"],
     )
-    region = SharedRegion(fds["memfd"], config["data_size"], config["lend_size"])
-    ring = ShmSender(region, fds["space"], fds["data"], config["capacity_items"])
+    ring = ShmSender.from_descriptors(*config["ring"])
     ring.watch(stop_fd)
     stream = StreamReceiver(spec, (config["host"], config["port"]))
     stream.watch(stop_fd)

@@ -120,7 +120,11 @@ def interface_address(name: str) -> str:
     )
 
 
-_NO_LANDING = "could not start the landing process of a stream"
+# What to do when a landing process could not start or was killed.
+_LANDING_ADVICE = (
+    " (look at this host's memory, or at what stopped that process; RayBackend(landing=False) reads "
+    "the streams in the training process instead)"
+)
 
 
 class ListenFailed(ChannelBroken):
@@ -282,13 +286,10 @@ class NearReceiver(_Near, StreamReceiver):
         stream broke, or it was killed) or could not start, or the sender could not listen
         where the service said; None otherwise."""
         landing = self._landing
-        problem = self._failed_here if landing is None else landing.problem()
-        if problem and (landing is not None and self.failed_here() or problem.startswith(_NO_LANDING)):
-            problem += (
-                " (look at this host's memory, or at what stopped that process; RayBackend(landing=False) reads "
-                "the streams in the training process instead)"
-            )
-        return problem
+        if landing is None:
+            return self._failed_here
+        problem = landing.problem()
+        return problem + _LANDING_ADVICE if problem and self.failed_here() else problem
 
     def failed_here(self) -> bool:
         """This end failed for a reason of this process or of the service's settings (its
@@ -329,7 +330,7 @@ class NearReceiver(_Near, StreamReceiver):
             try:
                 self._landing = Landing.start((host, port), self._spec, self._watched)
             except OSError as exc:
-                self._broken = self._failed_here = f"{_NO_LANDING} ({exc})"
+                self._broken = self._failed_here = f"could not start the landing process of a stream ({exc}){_LANDING_ADVICE}"
                 raise ChannelBroken(self._broken) from None
             self._near = self._landing.receiver
             return self._near
@@ -374,22 +375,23 @@ class NearReceiver(_Near, StreamReceiver):
         return isinstance(self._address, ActorAddress) and self._sock is None and self._broken is None
 
     def skip(self) -> bool:
-        near = self._now()
-        if near is not None:
-            return near.skip()
-        return False if self._undecided() and not self._closed else super().skip()
+        return self._look("skip")
 
     def poll(self) -> bool:
-        near = self._now()
-        if near is not None:
-            return near.poll()
-        return False if self._undecided() and not self._closed else super().poll()
+        return self._look("poll")
 
     def has_input(self) -> bool:
+        return self._look("has_input")
+
+    def _look(self, name: str) -> bool:
+        """``skip``, ``poll`` or ``has_input`` (none of them waits) of whichever end this
+        is; False while that is not decided (a closed end still raises as the stream's)."""
         near = self._now()
         if near is not None:
-            return near.has_input()
-        return False if self._undecided() and not self._closed else super().poll()
+            return getattr(near, name)()
+        if self._undecided() and not self._closed:
+            return False
+        return getattr(super(), name)()
 
     def arm(self) -> Any:
         near = self._near

@@ -335,7 +335,7 @@ class RayPlacement:
         while (
             time.monotonic() < deadline
             and not any(p.exitcode is not None for p in processes)
-            and not self._landings_killed()
+            and not self._failed_here()
         ):
             time.sleep(0.05)
         # A channel that failed here comes first: an actor whose stream a killed landing
@@ -366,9 +366,10 @@ class RayPlacement:
         problems = (r.problem_here() for r in receivers if not only_failed or r.failed_here())
         return [p for p in problems if p]
 
-    def _landings_killed(self) -> bool:
-        """Some landing process of this service could not start, or ended by a signal or
-        an error of its own: the reason is here, no actor's watcher will tell more."""
+    def _failed_here(self) -> bool:
+        """Some data channel of this service failed in this process (a landing process
+        that could not start or was killed, a listen the actor could not make): the reason
+        is here, no actor's watcher will tell more."""
         return any(receiver.failed_here() for _, receiver in self._streams.values())
 
     def close(self) -> None:
@@ -388,8 +389,8 @@ class RayPlacement:
             process.close()
         streams, self._streams = self._streams, {}
         for _, receiver in streams.values():
-            if receiver._landing is not None:
-                receiver._landing.request_stop()  # all at once; each release below waits for its own
+            with contextlib.suppress(Exception):
+                receiver.close()  # asks its landing process to end: all at once, each release waits
         for ends in streams.values():
             for end in ends:
                 with contextlib.suppress(Exception):
