@@ -92,18 +92,61 @@ def map_tensors(item: Any, fn: Callable[[Any], Any]) -> Any:
     return walk(item)
 
 
-class CudaPageLocker:
-    """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator."""
+class CudaCalls:
+    """The CUDA calls of the feeding, in one place: torch's here, a test's fake of the same
+    methods elsewhere (``tests/test_gpu_seams.py``), so that which device, stream and call
+    each step uses is checked without a device."""
 
     def __init__(self) -> None:
         import torch
 
         self._torch = torch
-        self._cudart = torch.cuda.cudart()
+        self._cuda = torch.cuda
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> tuple[int, str]:
+        """``cudaHostRegister``: its error code (0: registered) and that error's text."""
+        cudart = self._cuda.cudart()
+        return _status(cudart, cudart.cudaHostRegister(address, nbytes, flags))
+
+    def host_unregister(self, address: int) -> tuple[int, str]:
+        cudart = self._cuda.cudart()
+        return _status(cudart, cudart.cudaHostUnregister(address))
+
+    def current_device(self) -> int:
+        return int(self._cuda.current_device())
+
+    def new_stream(self, index: int | None) -> Any:
+        return self._cuda.Stream(index)
+
+    def stream_context(self, stream: Any) -> Any:
+        return self._cuda.stream(stream)
+
+    def current_stream(self, index: int | None) -> Any:
+        return self._cuda.current_stream(index)
+
+    def new_event(self) -> Any:
+        return self._cuda.Event()
+
+    def pinned_empty(self, nbytes: int) -> Any:
+        """A page-locked uint8 tensor of ``nbytes`` from torch's pinned allocator."""
+        torch = self._torch
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _status(cudart: Any, error: Any) -> tuple[int, str]:
+    code = int(error)
+    return code, ("" if code == 0 else str(cudart.cudaGetErrorString(error)))
+
+
+class CudaPageLocker:
+    """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator."""
+
+    def __init__(self, calls: Any = None) -> None:
+        self._calls = calls if calls is not None else CudaCalls()
         self._warned = False
 
     def register(self, address: int, nbytes: int) -> bool:
-        error = int(self._cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
+        error, _text = self._calls.host_register(address, nbytes, _HOST_REGISTER_PORTABLE)
         if error and not self._warned:
             self._warned = True
             warnings.warn(
@@ -116,10 +159,10 @@ class CudaPageLocker:
         return error == 0
 
     def unregister(self, address: int) -> None:
-        self._cudart.cudaHostUnregister(address)
+        self._calls.host_unregister(address)
 
     def fence(self) -> Any:
-        event = self._torch.cuda.Event()
+        event = self._calls.new_event()
         event.record()
         return event
 
@@ -127,30 +170,29 @@ class CudaPageLocker:
         return bool(token.query())
 
     def allocate(self, nbytes: int) -> Any:
-        torch = self._torch
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return self._calls.pinned_empty(nbytes).numpy()
 
 
 class CudaMover:
     """Copies an item's tensors to ``device`` on a stream of its own; hands them out to the
     current stream of the thread that takes them."""
 
-    def __init__(self, device: Any, counters: FeedCounters) -> None:
+    def __init__(self, device: Any, counters: FeedCounters, calls: Any = None) -> None:
         import torch
 
-        self._torch = torch
+        self._calls = calls if calls is not None else CudaCalls()
         self.device = torch.device(device)
-        self._stream = torch.cuda.Stream(self.device)
+        self._stream = self._calls.new_stream(self.device)
         self._counters = counters
 
     def side(self) -> Any:
         """A context in which the side stream is current."""
-        return self._torch.cuda.stream(self._stream)
+        return self._calls.stream_context(self._stream)
 
     def start(self, box: list[Any]) -> tuple[Any, Any]:
         """Enqueue the copies of the item in ``box`` (taken out of it, so that its last
         reference dies here, on the side stream); the moved item and its copy's event."""
-        torch, device, counters = self._torch, self.device, self._counters
+        device, counters = self.device, self._counters
 
         def move(tensor: Any) -> Any:
             if tensor.device.type != "cpu":
@@ -162,13 +204,13 @@ class CudaMover:
             return tensor.to(device, non_blocking=True)
 
         moved = map_tensors(box.pop(), move)
-        event = torch.cuda.Event()
+        event = self._calls.new_event()
         event.record(self._stream)
         return moved, event
 
     def hand_out(self, moved: Any, event: Any) -> tuple[Any, bool]:
         """The item for the current stream, and whether its copy was still running."""
-        current = self._torch.cuda.current_stream(self.device)
+        current = self._calls.current_stream(self.device)
         running = not event.query()
         current.wait_event(event)
 
