@@ -115,13 +115,13 @@ class CudaCalls:
     def current_device(self) -> int:
         return int(self._cuda.current_device())
 
-    def new_stream(self, index: int | None) -> Any:
+    def new_stream(self, index: int) -> Any:
         return self._cuda.Stream(index)
 
     def stream_context(self, stream: Any) -> Any:
         return self._cuda.stream(stream)
 
-    def current_stream(self, index: int | None) -> Any:
+    def current_stream(self, index: int) -> Any:
         return self._cuda.current_stream(index)
 
     def new_event(self) -> Any:
@@ -136,6 +136,18 @@ class CudaCalls:
 def _status(cudart: Any, error: Any) -> tuple[int, str]:
     code = int(error)
     return code, ("" if code == 0 else str(cudart.cudaGetErrorString(error)))
+
+
+def resolve_device(device: Any, calls: Any) -> Any:
+    """``device`` with its index: ``"cuda"`` is the current device now, as torch resolves it
+    in ``.to("cuda")``. Tensors are then compared by index, never with an index-less device
+    (``cuda:0 != cuda``)."""
+    import torch
+
+    resolved = torch.device(device)
+    if resolved.index is None:
+        resolved = torch.device(resolved.type, calls.current_device())
+    return resolved
 
 
 class CudaPageLocker:
@@ -178,11 +190,9 @@ class CudaMover:
     current stream of the thread that takes them."""
 
     def __init__(self, device: Any, counters: FeedCounters, calls: Any = None) -> None:
-        import torch
-
         self._calls = calls if calls is not None else CudaCalls()
-        self.device = torch.device(device)
-        self._stream = self._calls.new_stream(self.device)
+        self.device = resolve_device(device, self._calls)
+        self._stream = self._calls.new_stream(self.device.index)
         self._counters = counters
 
     def side(self) -> Any:
@@ -210,12 +220,13 @@ class CudaMover:
 
     def hand_out(self, moved: Any, event: Any) -> tuple[Any, bool]:
         """The item for the current stream, and whether its copy was still running."""
-        current = self._calls.current_stream(self.device)
+        index = self.device.index
+        current = self._calls.current_stream(index)
         running = not event.query()
         current.wait_event(event)
 
         def used_by_current(tensor: Any) -> Any:
-            if tensor.device == self.device:
+            if tensor.is_cuda and tensor.device.index == index:
                 tensor.record_stream(current)
             return tensor
 
@@ -388,4 +399,6 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
         )
         return None
     _install_locker()
-    return Feeding(device, ahead)
+    # Resolved now, when the loader's iterator is made: "cuda" is the device current then.
+    resolved = resolve_device(device, CudaCalls()) if device is not None else None
+    return Feeding(resolved, ahead)
