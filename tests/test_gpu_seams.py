@@ -248,7 +248,6 @@ def fake(monkeypatch):
     """A fake device behind the feeding's seam, as ``open_feeding`` builds it."""
     device = FakeCuda()
     monkeypatch.setattr(feeding, "CudaCalls", lambda: device)
-    monkeypatch.setattr(feeding, "_the_locker", None)  # the process's locker, made afresh for this fake
     yield device
     _lend.lock_pages_with(None)
     device.capturing_on.clear()
@@ -293,3 +292,44 @@ def test_device_cuda_without_an_index_marks_every_tensor_for_the_loops_stream(cu
     assert all(id(t) in marked for t in tensors), "a tensor handed out was not marked used by the loop's stream"
     assert all(s.device == current and s.name == "default" for s in marked.values())
     assert loop_stream.device == current
+
+
+# -- 2. a refused registration ---------------------------------------------------------------
+
+
+def test_a_refused_registration_leaves_no_cuda_error_and_warns_once_with_cudas_words():
+    fake = FakeCuda(refuse=("register",))
+    locker = CudaPageLocker(calls=fake)
+    with pytest.warns(RuntimeWarning, match="operation not supported") as caught:
+        assert locker.register(4096, 64 << 20) is False
+        assert locker.register(8192, 64 << 20) is False
+    assert len(caught) == 1
+    assert "ulimit" not in str(caught[0].message)  # registration is not bounded by it (docs/gpu.md)
+    # The loop's next kernel launch would raise CUDA's pending error of this thread.
+    assert fake.last_error() == 0
+
+
+def test_a_refused_unregistration_leaves_no_cuda_error_either():
+    fake = FakeCuda(refuse=("unregister",))
+    locker = CudaPageLocker(calls=fake)
+    assert locker.register(4096, 64 << 20) is True
+    locker.unregister(4096)
+    assert fake.devices_called("unregister") != []
+    assert fake.last_error() == 0
+
+
+@shm_only
+def test_items_arrive_intact_and_unlocked_when_the_device_refuses(fake, channel):
+    fake.refuse.add("register")
+    feed = feeding.open_feeding(True, None, 2)
+    got: list[np.ndarray] = []
+    try:
+        with pytest.warns(RuntimeWarning, match="refused"):
+            got = [lend_one(channel, value) for value in range(5)]
+        assert [int(a[0]) for a in got] == list(range(5))
+        assert all(bool((a == a[0]).all()) for a in got)
+        assert channel[1]._lent.locker is None  # lent as plain memory; the feed pins copies
+        assert fake.last_error() == 0
+    finally:
+        del got
+        feed.close()

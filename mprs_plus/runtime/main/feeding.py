@@ -103,6 +103,9 @@ class CudaCalls:
         self._torch = torch
         self._cuda = torch.cuda
 
+    def available(self) -> bool:
+        return bool(self._cuda.is_available())
+
     def host_register(self, address: int, nbytes: int, flags: int) -> tuple[int, str]:
         """``cudaHostRegister``: its error code (0: registered) and that error's text."""
         cudart = self._cuda.cudart()
@@ -114,6 +117,9 @@ class CudaCalls:
 
     def current_device(self) -> int:
         return int(self._cuda.current_device())
+
+    def set_device(self, index: int) -> None:
+        self._cuda.set_device(index)
 
     def new_stream(self, index: int) -> Any:
         return self._cuda.Stream(index)
@@ -135,7 +141,12 @@ class CudaCalls:
 
 def _status(cudart: Any, error: Any) -> tuple[int, str]:
     code = int(error)
-    return code, ("" if code == 0 else str(cudart.cudaGetErrorString(error)))
+    if code == 0:
+        return 0, ""
+    try:
+        return code, str(cudart.cudaGetErrorString(error))
+    except Exception:  # the text is for the warning only
+        return code, f"CUDA error {code}"
 
 
 def resolve_device(device: Any, calls: Any) -> Any:
@@ -151,27 +162,56 @@ def resolve_device(device: Any, calls: Any) -> Any:
 
 
 class CudaPageLocker:
-    """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator."""
+    """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator.
 
-    def __init__(self, calls: Any = None) -> None:
+    Registration runs on ``device`` (the current one when made, unless named), on a thread
+    of its own: a refused ``cudaHostRegister`` leaves CUDA's last error set in the thread
+    that called it (torch's binding does not clear it), and in the loop's thread the next
+    kernel launch would raise it as its own. The short-lived thread takes the error with it."""
+
+    def __init__(self, calls: Any = None, device: int | None = None) -> None:
         self._calls = calls if calls is not None else CudaCalls()
+        self.device = self._calls.current_device() if device is None else device
         self._warned = False
 
     def register(self, address: int, nbytes: int) -> bool:
-        error, _text = self._calls.host_register(address, nbytes, _HOST_REGISTER_PORTABLE)
+        error, text = self._on_own_thread(self._calls.host_register, address, nbytes, _HOST_REGISTER_PORTABLE)
         if error and not self._warned:
             self._warned = True
             warnings.warn(
-                f"pin_memory: the device refused to page-lock a {nbytes >> 20} MiB lend area (CUDA error "
-                f"{error}); its tensors are copied into pinned memory instead, which costs the main process "
-                "a copy per item. Too little lockable memory (ulimit -l in a container) is the usual cause.",
+                f"pin_memory: CUDA refused to page-lock a {nbytes >> 20} MiB lend area on cuda:{self.device} "
+                f"(cudaHostRegister: {text}, error {error}). Its tensors are copied into pinned memory instead, "
+                "which costs the main process a copy per item; see 'Feeding a GPU' in the docs for when "
+                "registration is refused.",
                 RuntimeWarning,
                 stacklevel=2,
             )
         return error == 0
 
     def unregister(self, address: int) -> None:
-        self._calls.host_unregister(address)
+        self._on_own_thread(self._calls.host_unregister, address)
+
+    def _on_own_thread(self, call: Callable[..., tuple[int, str]], *args: Any) -> tuple[int, str]:
+        """``call(*args)`` with this locker's device current, on a thread that ends with it."""
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                self._calls.set_device(self.device)
+                outcome.append(call(*args))
+            except BaseException as exc:  # raised in the caller's thread below
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, name="mprs_plus page-lock", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread at interpreter exit: nothing runs after it anyway
+            run()
+        else:
+            thread.join()
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     def fence(self) -> Any:
         event = self._calls.new_event()
@@ -383,9 +423,8 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
     (with a warning, as torch's DataLoader) when there is no accelerator to pin for."""
     if not pin_memory:
         return None
-    import torch
-
-    if not torch.cuda.is_available():
+    calls = CudaCalls()
+    if not calls.available():
         if device is not None:
             raise RuntimeError(
                 f"device={str(device)!r}: CUDA is not available in this process, so items cannot be moved "
@@ -400,5 +439,5 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
         return None
     _install_locker()
     # Resolved now, when the loader's iterator is made: "cuda" is the device current then.
-    resolved = resolve_device(device, CudaCalls()) if device is not None else None
+    resolved = resolve_device(device, calls) if device is not None else None
     return Feeding(resolved, ahead)
