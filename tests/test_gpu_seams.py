@@ -248,6 +248,7 @@ def fake(monkeypatch):
     """A fake device behind the feeding's seam, as ``open_feeding`` builds it."""
     device = FakeCuda()
     monkeypatch.setattr(feeding, "CudaCalls", lambda: device)
+    monkeypatch.setattr(feeding, "_the_locker", None)  # the process's locker, made afresh for this fake
     yield device
     _lend.lock_pages_with(None)
     device.capturing_on.clear()
@@ -332,4 +333,67 @@ def test_items_arrive_intact_and_unlocked_when_the_device_refuses(fake, channel)
         assert fake.last_error() == 0
     finally:
         del got
+        feed.close()
+
+
+# -- 3. the device of the items, not of the thread --------------------------------------------
+
+
+@shm_only
+def test_pin_memory_alone_registers_on_the_device_current_when_the_loader_starts(fake, channel):
+    fake.set_device(1)  # torch.cuda.set_device(rank) before iter(loader)
+    feed = feeding.open_feeding(True, None, 2)
+    try:
+        fake.set_device(0)  # whatever the thread that takes items has current later
+        item = lend_one(channel)
+        assert fake.devices_called("register") == [1]
+        del item
+    finally:
+        feed.close()
+
+
+@shm_only
+def test_an_existing_context_is_used_rather_than_a_new_one_on_the_current_device(fake, channel):
+    """A rank that moved its model to cuda:1 without set_device: no context on GPU 0."""
+    fake.contexts.add(1)
+    feed = feeding.open_feeding(True, None, 2)
+    try:
+        item = lend_one(channel)
+        assert fake.devices_called("register") == [1]
+        assert fake.contexts == {1}
+        del item
+    finally:
+        feed.close()
+
+
+@shm_only
+def test_device_given_registers_there_whatever_is_current(fake, channel):
+    feed = feeding.open_feeding(True, "cuda:1", 2)
+    try:
+        item = lend_one(channel)
+        assert fake.devices_called("register") == [1]
+        assert 0 not in fake.contexts
+        del item
+    finally:
+        feed.close()
+
+
+@shm_only
+def test_a_buffer_copied_to_another_device_goes_back_only_once_that_device_passed_it(fake, channel):
+    """pin_memory=True alone, current device 0, the loop copies to cuda:1 (its
+    ``.to(f"cuda:{rank}", non_blocking=True)``) and drops the host tensor at once."""
+    feed = feeding.open_feeding(True, None, 2)
+    try:
+        fake.contexts.update({0, 1})
+        item = lend_one(channel)
+        fake.work[1] = fake.work.get(1, 0) + 1  # the copy, enqueued on cuda:1's current stream
+        del item
+        gc.collect()
+        fake.finish(0)  # the current device is idle...
+        assert lending().awaiting_device == 1  # ...but cuda:1 may still read the extent
+        assert slots_lent(channel[1]) == 1
+        fake.finish(1)
+        assert lending().awaiting_device == 0
+        assert slots_lent(channel[1]) == 0
+    finally:
         feed.close()

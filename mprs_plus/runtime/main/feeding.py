@@ -25,10 +25,17 @@ used by that stream (``record_stream``), so the caching allocator never hands it
 out again before the loop's work on it is done. Host items are pulled and dropped while the
 side stream is current, so the lend rule's fence for their extents follows their copies.
 
-The device calls sit behind two small objects, ``CudaPageLocker`` and ``CudaMover``, so
-that the run-ahead and release rules are tested without a device (fakes of the same
-methods). Without CUDA, ``pin_memory=True`` warns and leaves items as they are, as torch's
-DataLoader does; ``device=`` is an error that says so.
+Which device: ``device=`` names it (``"cuda"`` is resolved, with its index, when the
+loader's iterator is made, as torch resolves ``.to("cuda")``); with ``pin_memory=True``
+alone it is the device current then, as torch's DataLoader pins for (``pin_device``).
+Registration runs there. Fences are recorded on the current stream of every device with a
+context, since the service does not see which device or stream the loop copies on.
+
+The device calls sit behind small objects, ``CudaPageLocker`` and ``CudaMover`` over
+``CudaCalls``, so that the run-ahead and release rules, and which device and stream each
+call uses, are tested without a device (fakes of the same methods). Without CUDA,
+``pin_memory=True`` warns and leaves items as they are, as torch's DataLoader does;
+``device=`` is an error that says so.
 """
 
 from __future__ import annotations
@@ -102,6 +109,9 @@ class CudaCalls:
 
         self._torch = torch
         self._cuda = torch.cuda
+        # Whether a device has a context already, without making one (torch's pinned
+        # allocator asks the same); a torch without it leaves the answer unknown.
+        self._has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
 
     def available(self) -> bool:
         return bool(self._cuda.is_available())
@@ -120,6 +130,16 @@ class CudaCalls:
 
     def set_device(self, index: int) -> None:
         self._cuda.set_device(index)
+
+    def device(self, index: int) -> Any:
+        """A context in which ``index`` is this thread's current device."""
+        return self._cuda.device(index)
+
+    def devices_with_context(self) -> list[int] | None:
+        """The devices this process has a context on (None: unknown)."""
+        if self._has_context is None:
+            return None
+        return [index for index in range(self._cuda.device_count()) if self._has_context(index)]
 
     def new_stream(self, index: int) -> Any:
         return self._cuda.Stream(index)
@@ -161,17 +181,34 @@ def resolve_device(device: Any, calls: Any) -> Any:
     return resolved
 
 
+def pin_device(calls: Any) -> int:
+    """The device to page-lock for when no device is named: the current one, as torch's
+    DataLoader pins for the device current when its iterator is made, unless that device
+    has no context yet and another has (a rank that moved its model to ``cuda:rank`` without
+    ``set_device``): then that one, as torch's pinned allocator does, so that no context is
+    made on a device this process never uses."""
+    current = calls.current_device()
+    with_context = calls.devices_with_context()
+    if with_context and current not in with_context:
+        return with_context[0]
+    return current
+
+
 class CudaPageLocker:
     """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator.
 
-    Registration runs on ``device`` (the current one when made, unless named), on a thread
+    Registration runs on ``device`` (named by ``device=``, else ``pin_device``), on a thread
     of its own: a refused ``cudaHostRegister`` leaves CUDA's last error set in the thread
     that called it (torch's binding does not clear it), and in the loop's thread the next
-    kernel launch would raise it as its own. The short-lived thread takes the error with it."""
+    kernel launch would raise it as its own. The short-lived thread takes the error with it.
+
+    Fences are recorded on the current stream of every device with a context (where a
+    ``.to(device, non_blocking=True)`` of the loop may have enqueued its copy)."""
 
     def __init__(self, calls: Any = None, device: int | None = None) -> None:
         self._calls = calls if calls is not None else CudaCalls()
-        self.device = self._calls.current_device() if device is None else device
+        self.device = pin_device(self._calls) if device is None else device
+        self.devices = {self.device}  # the feeds' devices: fenced when contexts are unknown
         self._warned = False
 
     def register(self, address: int, nbytes: int) -> bool:
@@ -213,16 +250,22 @@ class CudaPageLocker:
             raise outcome[0]
         return outcome[0]
 
-    def fence(self) -> Any:
-        event = self._calls.new_event()
-        event.record()
-        return event
+    def fence(self) -> list[Any]:
+        calls = self._calls
+        known = calls.devices_with_context()
+        events = []
+        for index in sorted(self.devices) if known is None else known:
+            event = calls.new_event()
+            event.record(calls.current_stream(index))
+            events.append(event)
+        return events
 
-    def passed(self, token: Any) -> bool:
-        return bool(token.query())
+    def passed(self, token: list[Any]) -> bool:
+        return all(event.query() for event in token)
 
     def allocate(self, nbytes: int) -> Any:
-        return self._calls.pinned_empty(nbytes).numpy()
+        with self._calls.device(self.device):
+            return self._calls.pinned_empty(nbytes).numpy()
 
 
 class CudaMover:
@@ -397,14 +440,22 @@ class Feeding:
 
 _lockers = 0
 _lockers_lock = threading.Lock()
+_the_locker: CudaPageLocker | None = None  # one for the process, kept across services
 
 
-def _install_locker() -> None:
-    """Page-lock lend areas in this process while some service asks for it."""
-    global _lockers
+def _install_locker(calls: Any, device: int) -> None:
+    """Page-lock lend areas in this process while some service asks for it; registration
+    runs on the device of the first service of a run of them, fences cover every device."""
+    global _lockers, _the_locker
     with _lockers_lock:
+        if _the_locker is None:
+            _the_locker = CudaPageLocker(calls, device)
+        elif _lockers == 0:
+            _the_locker.device, _the_locker.devices = device, {device}
+        else:
+            _the_locker.devices.add(device)
         if _lockers == 0:
-            lock_pages_with(CudaPageLocker())
+            lock_pages_with(_the_locker)
         _lockers += 1
 
 
@@ -437,7 +488,7 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
             stacklevel=4,
         )
         return None
-    _install_locker()
-    # Resolved now, when the loader's iterator is made: "cuda" is the device current then.
+    # Resolved now, when the loader's iterator is made, as torch's DataLoader fixes its pin device.
     resolved = resolve_device(device, calls) if device is not None else None
-    return Feeding(resolved, ahead)
+    _install_locker(calls, resolved.index if resolved is not None else pin_device(calls))
+    return Feeding(resolved, ahead, mover_factory=lambda where, counters: CudaMover(where, counters, calls))
