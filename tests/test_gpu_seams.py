@@ -397,3 +397,146 @@ def test_a_buffer_copied_to_another_device_goes_back_only_once_that_device_passe
         assert slots_lent(channel[1]) == 0
     finally:
         feed.close()
+
+
+# -- also settled: offset views, graph capture, what is left locked ---------------------------
+
+
+@shm_only
+def test_a_lent_buffer_viewed_at_an_offset_goes_back_only_after_the_views_copy(fake, channel):
+    feed = feeding.open_feeding(True, None, 2)
+    try:
+        item = lend_one(channel)
+        view = torch.from_numpy(item)[4096:]  # the copy reads from here, not from the start
+        del item
+        gc.collect()
+        assert slots_lent(channel[1]) == 1 and lending().awaiting_device == 0  # the view holds it
+        del view
+        gc.collect()
+        assert lending().awaiting_device == 1 and slots_lent(channel[1]) == 1
+        fake.finish()
+        assert lending().awaiting_device == 0 and slots_lent(channel[1]) == 0
+    finally:
+        feed.close()
+
+
+def test_a_pinned_copy_viewed_at_an_offset_is_kept_from_torchs_allocator_until_its_copy_passed():
+    """torch's pinned allocator records a copy's event only for its block's start pointer:
+    a copy from an offset view of a copied-out buffer would let the block be reused early."""
+    fake = FakeCuda()
+    locker = CudaPageLocker(calls=fake)
+    fake.contexts.add(0)
+    out = locker.allocate(ITEM)
+    (block,) = fake.pinned
+    view = torch.from_numpy(out)[4096:]
+    del out
+    gc.collect()
+    fake.work[0] = fake.work.get(0, 0) + 1  # a non-blocking copy from the view, on the current stream
+    del view
+    gc.collect()
+    assert block() is not None, "the block went back to torch's allocator while its copy may still read it"
+    fake.finish()
+    locker.allocate(16)  # the next allocation looks
+    gc.collect()
+    assert block() is None
+
+
+@shm_only
+@pytest.mark.parametrize("failure", ["capturing", "record_fails", "query_fails"])
+def test_a_fence_that_could_not_be_recorded_or_asked_never_counts_as_passed(fake, channel, failure):
+    feed = feeding.open_feeding(True, None, 2)
+    try:
+        item = lend_one(channel)
+        if failure == "capturing":
+            fake.capturing_on.add(0)
+        elif failure == "record_fails":
+            fake.fail_record = True
+        else:
+            fake.fail_query = True
+        del item
+        gc.collect()
+        fake.finish()
+        assert lending().awaiting_device == 1
+        assert slots_lent(channel[1]) == 1
+        assert fake.recorded_while_capturing == 0 and fake.queried_while_capturing == 0
+        fake.capturing_on.clear()
+        fake.fail_record = fake.fail_query = False
+        lending()  # recorded now, if it could not be before
+        fake.finish()
+        assert lending().awaiting_device == 0
+        assert slots_lent(channel[1]) == 0
+    finally:
+        feed.close()
+
+
+@shm_only
+def test_loaders_made_one_after_another_do_not_accumulate_locked_memory(fake, monkeypatch):
+    """Each loader ends with a buffer its device has not passed yet (its fence waits past
+    the close's bounded wait); once passed, the next loader's start gives the area back."""
+    monkeypatch.setattr(feeding, "SETTLE", 0.05)
+    for epoch in range(4):
+        feed = feeding.open_feeding(True, None, 2)
+        sender, receiver = open_channel(FORK, capacity_items=8, capacity_bytes=1 << 20)
+        item = lend_one((sender, receiver), epoch)
+        fake.work[0] = fake.work.get(0, 0) + 1  # a copy still running
+        del item
+        sender.close()
+        receiver.close()
+        feed.close()  # bounded: the fence has not passed
+        assert lending().awaiting_device == 1
+        locked = len(fake.devices_called("register")) - len(fake.devices_called("unregister"))
+        assert locked <= 1, f"epoch {epoch}: {locked} lend areas still locked"
+        fake.finish()  # the device passes it after the loader is gone
+    feeding.open_feeding(True, None, 2).close()
+    assert lending().awaiting_device == 0
+    assert len(fake.devices_called("register")) == len(fake.devices_called("unregister")) == 4
+
+
+class FailingLocker:
+    """A page-locker whose fences fail to be made or asked until the test says otherwise."""
+
+    def __init__(self) -> None:
+        self.fence_fails = self.passed_fails = True
+        self.done = False
+
+    def register(self, address, nbytes):
+        return True
+
+    def unregister(self, address):
+        pass
+
+    def fence(self):
+        if self.fence_fails:
+            raise RuntimeError("the device failed to record")
+        return "fence"
+
+    def passed(self, token):
+        if self.passed_fails:
+            raise RuntimeError("the device failed to answer")
+        return token == "fence" and self.done
+
+    def allocate(self, nbytes):
+        return bytearray(nbytes)
+
+
+@shm_only
+def test_the_transport_never_takes_a_failed_fence_for_a_passed_one(channel):
+    locker = FailingLocker()
+    _lend.lock_pages_with(locker)
+    try:
+        item = lend_one(channel)
+        del item
+        gc.collect()
+        assert lending().awaiting_device == 1  # its fence could not be made
+        locker.fence_fails = False
+        assert lending().awaiting_device == 1  # made now; asking it fails
+        locker.passed_fails = False
+        assert lending().awaiting_device == 1  # asked: not passed yet
+        locker.done = True
+        assert lending().awaiting_device == 0
+        assert slots_lent(channel[1]) == 0
+    finally:
+        _lend.lock_pages_with(None)
+        locker.fence_fails = locker.passed_fails = False
+        locker.done = True
+        lending()

@@ -43,8 +43,9 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +142,11 @@ class CudaCalls:
             return None
         return [index for index in range(self._cuda.device_count()) if self._has_context(index)]
 
+    def capturing(self, index: int) -> bool:
+        """Whether the current stream of device ``index`` captures a CUDA graph."""
+        with self._cuda.device(index):
+            return bool(self._cuda.is_current_stream_capturing())
+
     def new_stream(self, index: int) -> Any:
         return self._cuda.Stream(index)
 
@@ -194,6 +200,18 @@ def pin_device(calls: Any) -> int:
     return current
 
 
+class _Fence:
+    """The release fence of one dropped buffer: an event on the current stream of every
+    device a copy may have been enqueued on. ``events`` is None while it could not be
+    recorded (a graph was being captured, or the call failed): it is recorded at a later
+    look, which orders after the same work, and until then it has not passed."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, Any]] | None = None  # (device, event on its current stream)
+
+
 class CudaPageLocker:
     """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator.
 
@@ -203,13 +221,17 @@ class CudaPageLocker:
     kernel launch would raise it as its own. The short-lived thread takes the error with it.
 
     Fences are recorded on the current stream of every device with a context (where a
-    ``.to(device, non_blocking=True)`` of the loop may have enqueued its copy)."""
+    ``.to(device, non_blocking=True)`` of the loop may have enqueued its copy), never during
+    a CUDA graph capture (a record or query there would break the capture)."""
 
     def __init__(self, calls: Any = None, device: int | None = None) -> None:
         self._calls = calls if calls is not None else CudaCalls()
         self.device = pin_device(self._calls) if device is None else device
         self.devices = {self.device}  # the feeds' devices: fenced when contexts are unknown
         self._warned = False
+        # Pinned copies (``allocate``) whose last view died, kept from torch's allocator
+        # until their fence passes: (the pinned tensor, its fence).
+        self._copies_waiting: list[tuple[Any, _Fence]] = []
 
     def register(self, address: int, nbytes: int) -> bool:
         error, text = self._on_own_thread(self._calls.host_register, address, nbytes, _HOST_REGISTER_PORTABLE)
@@ -250,22 +272,65 @@ class CudaPageLocker:
             raise outcome[0]
         return outcome[0]
 
-    def fence(self) -> list[Any]:
+    def fence(self) -> _Fence:
+        fence = _Fence()
+        self._record(fence)
+        return fence
+
+    def passed(self, token: _Fence) -> bool:
+        if token.events is None:
+            self._record(token)
+            return False  # recorded only now: the work before it is still to be passed
+        try:
+            if self._capturing(index for index, _ in token.events):
+                return False
+            return all(event.query() for _, event in token.events)
+        except Exception:  # not known to have passed: asked again at the next look
+            return False
+
+    def _record(self, fence: _Fence) -> None:
         calls = self._calls
         known = calls.devices_with_context()
-        events = []
-        for index in sorted(self.devices) if known is None else known:
-            event = calls.new_event()
-            event.record(calls.current_stream(index))
-            events.append(event)
-        return events
+        devices = sorted(self.devices) if known is None else known
+        try:
+            if self._capturing(devices):
+                return
+            events = []
+            for index in devices:
+                event = calls.new_event()
+                event.record(calls.current_stream(index))
+                events.append((index, event))
+        except Exception:
+            return
+        fence.events = events
 
-    def passed(self, token: list[Any]) -> bool:
-        return all(event.query() for event in token)
+    def _capturing(self, devices: Iterable[int]) -> bool:
+        return any(self._calls.capturing(index) for index in devices)
 
     def allocate(self, nbytes: int) -> Any:
+        """Pinned memory for a buffer copied out of a lend area. torch's pinned allocator
+        keeps a block from reuse after a copy only when the copy's tensor starts at the
+        block's start; a view at an offset (a slice of the batch) is not covered. So the
+        block is held here, from the death of the last view until a fence passes."""
+        self._reap_copies()
         with self._calls.device(self.device):
-            return self._calls.pinned_empty(nbytes).numpy()
+            block = self._calls.pinned_empty(nbytes)
+        out = block.numpy()
+        weakref.finalize(out, self._copy_dropped, block).atexit = False
+        return out
+
+    def _copy_dropped(self, block: Any) -> None:
+        self._copies_waiting.append((block, self.fence()))
+
+    def _reap_copies(self) -> None:
+        # Swapped out whole: a copy dropped meanwhile (a finalizer) lands in one list or the other.
+        waiting, self._copies_waiting = self._copies_waiting, []
+        self._copies_waiting.extend(entry for entry in waiting if not self.passed(entry[1]))
+
+    @property
+    def copies_waiting(self) -> int:
+        self._reap_copies()
+        return len(self._copies_waiting)
 
 
 class CudaMover:
@@ -430,17 +495,27 @@ class Feeding:
 
     def close(self) -> None:
         """After the stop: give back what waits for copies that have finished by now, for at
-        most ``SETTLE`` seconds (a lend area is unmapped only once nothing of it waits),
-        then stop page-locking if no other service of this process asks for it."""
+        most ``SETTLE`` seconds (a lend area is unlocked and unmapped only once nothing of it
+        waits), then stop page-locking if no other service of this process asks for it.
+        What still waits then goes back at the next look: the next loader's start, or any
+        lend, copy or drop (``_lend.py``); never from a thread of ours, whose event queries
+        could break a CUDA graph another thread captures."""
         deadline = time.monotonic() + SETTLE
-        while lending().awaiting_device and time.monotonic() < deadline:
+        while _still_waiting() and time.monotonic() < deadline:
             time.sleep(_SETTLE_POLL)  # a bounded poll of the device's events: nothing to wait on
         _release_locker()
 
 
+def _still_waiting() -> bool:
+    locker = _the_locker
+    return bool(lending().awaiting_device or (locker is not None and locker.copies_waiting))
+
+
 _lockers = 0
 _lockers_lock = threading.Lock()
-_the_locker: CudaPageLocker | None = None  # one for the process, kept across services
+# One locker for the process, kept across services, so that what a closed service left
+# waiting (pinned copies, fences) is looked at again by the next one.
+_the_locker: CudaPageLocker | None = None
 
 
 def _install_locker(calls: Any, device: int) -> None:
@@ -488,6 +563,7 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
             stacklevel=4,
         )
         return None
+    lending()  # gives back what an earlier service left waiting, if its fences passed by now
     # Resolved now, when the loader's iterator is made, as torch's DataLoader fixes its pin device.
     resolved = resolve_device(device, calls) if device is not None else None
     _install_locker(calls, resolved.index if resolved is not None else pin_device(calls))
