@@ -81,9 +81,10 @@ Page-locked lend areas: a copy to a device may still read an extent the user dro
     a non-blocking copy to the device reads the worker's bytes directly. Such a copy runs
     after the call that enqueued it returned: the user may drop the last view while the
     device still reads it. So when a lent root dies in such a process, the locker is
-    asked for a *fence* (an event recorded on the current stream) and the extent goes back
+    asked for a *fence* (events recorded on the current streams) and the extent goes back
     to the sender only once the fence has *passed*: checked whenever a buffer is lent,
-    copied or dropped, and by ``lending()``, never by blocking on the device. Until then
+    copied or dropped, and by ``lending()``, never by blocking on the device. A fence the
+    locker could not make, or could not tell about, has not passed. Until then
     the extent counts against the held-bytes bound, so memory stays bounded, and the
     mapping stays mapped (a view of it is kept with the fence). The area is unlocked
     before it is unmapped: when the channel is released and nothing of it is held or
