@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run of about three minutes: the tests under the `cuda`
-# marker, the lambda refusal on this machine's Python and the small-/dev/shm test with real
-# pinning, then benchmarks/gpu_feed.py (figures and its corruption check). Run it from
+# marker (among them: batches dropped at once under slow kernels with device="cuda", and a
+# refusal of registration forced by registering an unmapped range: a warning, intact pinned
+# items, and a next kernel that runs), the lambda refusal on this machine's Python and the
+# small-/dev/shm test with real pinning, then benchmarks/gpu_feed.py (figures and its
+# corruption check). Run it from
 # anywhere in a checkout on a machine with CUDA:
 #
 #     bash benchmarks/gpu_device_check.sh

@@ -1,7 +1,9 @@
 """pin_memory=True and device= on a real CUDA device: pinned where they lie, equal to what
-the workers made while the workers reuse extents at full speed, and nothing left behind.
-Skipped without CUDA (the release rule itself is tested without a device, through fakes:
-tests/transport/test_transport_page_locking.py and tests/test_feeding.py)."""
+the workers made while the workers reuse extents at full speed, batches dropped at once
+under slow kernels never overwritten, a refused registration that disturbs nothing, and
+nothing left behind. Skipped without CUDA (the rules themselves are tested without a
+device, through fakes: tests/transport/test_transport_page_locking.py,
+tests/test_feeding.py and tests/test_gpu_seams.py)."""
 
 from __future__ import annotations
 
@@ -122,3 +124,107 @@ def test_shutdown_with_copies_in_flight_returns():
     iterator = iter(loader)
     next(iterator)
     loader.shutdown()  # copies enqueued ahead are simply dropped; nothing waits on them
+
+
+class filled_int64:
+    """A picklable ``index -> (index, tensor of index + 1)``: any byte of another item in
+    it changes the tensor's sum."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self, index: int) -> tuple[int, torch.Tensor]:
+        return index, torch.full((self.nbytes // 8,), index + 1, dtype=torch.int64)
+
+
+def test_batches_dropped_at_once_under_slow_kernels_are_never_overwritten():
+    """device="cuda" without an index: the loop's stream sleeps before each read and the
+    batch is dropped at once, while the side stream copies the next items. A block reused
+    before the loop's read would add another item's values to the total."""
+    count, nbytes = 64, 4 * MIB
+    service = MultiProcessingReadingService(4, pin_memory=True, device="cuda", device_prefetch=4)
+    loader = DataLoader2(IterableWrapper(range(count)).sharding_filter().map(filled_int64(nbytes)), reading_service=service)
+    total = torch.zeros((), dtype=torch.int64, device="cuda")
+    seen = []
+    try:
+        for index, batch in loader:
+            torch.cuda._sleep(5_000_000)  # a slow kernel on the loop's stream before the read
+            total += batch.sum()
+            seen.append(index)
+            del batch
+        got = int(total)
+    finally:
+        loader.shutdown()
+    assert sorted(seen) == list(range(count))
+    assert got == (nbytes // 8) * sum(index + 1 for index in range(count))
+
+
+def unregistrable_range(nbytes: int) -> int:
+    """The address of ``nbytes`` that were mapped and are no longer: CUDA refuses them."""
+    import mmap
+
+    import numpy as np
+
+    mapping = mmap.mmap(-1, nbytes)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    address = view.ctypes.data
+    del view
+    mapping.close()
+    return address
+
+
+def test_a_refused_registration_warns_once_and_the_next_kernel_runs():
+    from mprs_plus.runtime.main.feeding import CudaPageLocker
+
+    locker = CudaPageLocker(device=torch.cuda.current_device())
+    with pytest.warns(RuntimeWarning, match="refused") as caught:
+        assert locker.register(unregistrable_range(8 * MIB), 8 * MIB) is False
+        assert locker.register(unregistrable_range(8 * MIB), 8 * MIB) is False
+    assert len(caught) == 1
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)  # raised CUDA's pending error before
+    assert float((x * 2).sum()) == float(x.double().sum() * 2)
+
+
+def test_items_are_intact_and_pinned_when_every_registration_is_refused(monkeypatch):
+    from mprs_plus.runtime.main import feeding
+
+    register = feeding.CudaCalls.host_register
+
+    def refused(self, address, nbytes, flags):
+        return register(self, unregistrable_range(nbytes), nbytes, flags)
+
+    monkeypatch.setattr(feeding.CudaCalls, "host_register", refused)
+    monkeypatch.setattr(feeding, "_the_locker", None)  # a locker of this test's own, that has not warned yet
+    service = MultiProcessingReadingService(2, pin_memory=True)
+    loader = DataLoader2(make_pipe(16, 1 * MIB), reading_service=service)
+    try:
+        with pytest.warns(RuntimeWarning, match="refused"):
+            items = [(index, tensor) for index, tensor in loader]
+    finally:
+        loader.shutdown()
+    assert sorted(index for index, _ in items) == list(range(16))
+    assert all(tensor.is_pinned() and torch.equal(tensor, patterned(index, 1 * MIB)) for index, tensor in items)
+    x = torch.ones(1024, device="cuda")
+    assert float(x.add_(1).sum()) == 2048.0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_copies_to_another_device_than_the_current_one_are_waited_for():
+    """pin_memory=True alone, current device 0, the loop copies to cuda:1 (no set_device)
+    behind a slow kernel there and drops the host tensor at once."""
+    count, nbytes = 48, 4 * MIB
+    service = MultiProcessingReadingService(4, pin_memory=True)
+    loader = DataLoader2(make_pipe(count, nbytes), reading_service=service)
+    on_gpu: dict[int, torch.Tensor] = {}
+    try:
+        with torch.cuda.device(0):
+            for index, tensor in loader:
+                with torch.cuda.device(1):
+                    torch.cuda._sleep(5_000_000)
+                on_gpu[index] = tensor.to("cuda:1", non_blocking=True)
+                del tensor
+        torch.cuda.synchronize(1)
+    finally:
+        loader.shutdown()
+    bad = [i for i, t in on_gpu.items() if not torch.equal(t.cpu(), patterned(i, nbytes))]
+    assert sorted(on_gpu) == list(range(count)) and bad == []

@@ -81,9 +81,10 @@ Page-locked lend areas: a copy to a device may still read an extent the user dro
     a non-blocking copy to the device reads the worker's bytes directly. Such a copy runs
     after the call that enqueued it returned: the user may drop the last view while the
     device still reads it. So when a lent root dies in such a process, the locker is
-    asked for a *fence* (an event recorded on the current stream) and the extent goes back
+    asked for a *fence* (events recorded on the current streams) and the extent goes back
     to the sender only once the fence has *passed*: checked whenever a buffer is lent,
-    copied or dropped, and by ``lending()``, never by blocking on the device. Until then
+    copied or dropped, and by ``lending()``, never by blocking on the device. A fence the
+    locker could not make, or could not tell about, has not passed. Until then
     the extent counts against the held-bytes bound, so memory stays bounded, and the
     mapping stays mapped (a view of it is kept with the fence). The area is unlocked
     before it is unmapped: when the channel is released and nothing of it is held or
@@ -136,7 +137,7 @@ class PageLocker(Protocol):
         """A token for the device work enqueued so far on the current stream."""
 
     def passed(self, token: Any) -> bool:
-        """Whether that work has finished (never blocks)."""
+        """Whether that work has finished (never blocks; one that raises has not)."""
 
     def allocate(self, nbytes: int) -> Any:
         """A writable buffer of ``nbytes`` page-locked bytes, for a buffer copied out."""
@@ -337,15 +338,20 @@ def _give_back(ref: weakref.ref[Any]) -> None:
     _returned(key, views, slot, length)
 
 
+_UNRECORDED = object()  # a fence the locker failed to make: made again at the next look
+
+
 def _fence(locker: PageLocker) -> Any:
     try:
         return locker.fence()
-    except Exception:  # a device that fails now fails the user's own next call too
-        return None
+    except Exception:
+        return _UNRECORDED
 
 
 def _reap_awaiting() -> None:
-    """Give back the extents whose fences have passed (a failed fence counts as passed).
+    """Give back the extents whose fences have passed. A fence that could not be made or
+    asked has not passed: it is made again (a later fence orders after the same work) or
+    asked again at the next look.
 
     Lock-free: the list is swapped out whole (a root dropped by another thread meanwhile
     lands in one list or the other, never in neither) and what still waits goes back."""
@@ -354,10 +360,14 @@ def _reap_awaiting() -> None:
     waiting, done = [], []
     for entry in entries:
         token, locker = entry[4], entry[1].locker
+        if locker is not None and token is _UNRECORDED:
+            entry = (*entry[:4], _fence(locker), entry[5])
+            waiting.append(entry)
+            continue
         try:
-            finished = token is None or locker is None or locker.passed(token)
+            finished = locker is None or locker.passed(token)
         except Exception:
-            finished = True
+            finished = False
         (done if finished else waiting).append(entry)
     h.awaiting.extend(waiting)
     for key, views, slot, length, _token, guard in done:

@@ -25,10 +25,17 @@ used by that stream (``record_stream``), so the caching allocator never hands it
 out again before the loop's work on it is done. Host items are pulled and dropped while the
 side stream is current, so the lend rule's fence for their extents follows their copies.
 
-The device calls sit behind two small objects, ``CudaPageLocker`` and ``CudaMover``, so
-that the run-ahead and release rules are tested without a device (fakes of the same
-methods). Without CUDA, ``pin_memory=True`` warns and leaves items as they are, as torch's
-DataLoader does; ``device=`` is an error that says so.
+Which device: ``device=`` names it (``"cuda"`` is resolved, with its index, when the
+loader's iterator is made, as torch resolves ``.to("cuda")``); with ``pin_memory=True``
+alone it is the device current then, as torch's DataLoader pins for (``pin_device``).
+Registration runs there. Fences are recorded on the current stream of every device with a
+context, since the service does not see which device or stream the loop copies on.
+
+The device calls sit behind small objects, ``CudaPageLocker`` and ``CudaMover`` over
+``CudaCalls``, so that the run-ahead and release rules, and which device and stream each
+call uses, are tested without a device (fakes of the same methods). Without CUDA,
+``pin_memory=True`` warns and leaves items as they are, as torch's DataLoader does;
+``device=`` is an error that says so.
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,65 +100,257 @@ def map_tensors(item: Any, fn: Callable[[Any], Any]) -> Any:
     return walk(item)
 
 
-class CudaPageLocker:
-    """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator."""
+class CudaCalls:
+    """The CUDA calls of the feeding, in one place: torch's here, a test's fake of the same
+    methods elsewhere (``tests/test_gpu_seams.py``), so that which device, stream and call
+    each step uses is checked without a device."""
 
     def __init__(self) -> None:
         import torch
 
         self._torch = torch
-        self._cudart = torch.cuda.cudart()
+        self._cuda = torch.cuda
+        # Whether a device has a context already, without making one (torch's pinned
+        # allocator asks the same); a torch without it leaves the answer unknown.
+        self._has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+
+    def available(self) -> bool:
+        return bool(self._cuda.is_available())
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> tuple[int, str]:
+        """``cudaHostRegister``: its error code (0: registered) and that error's text."""
+        cudart = self._cuda.cudart()
+        return _status(cudart, cudart.cudaHostRegister(address, nbytes, flags))
+
+    def host_unregister(self, address: int) -> tuple[int, str]:
+        cudart = self._cuda.cudart()
+        return _status(cudart, cudart.cudaHostUnregister(address))
+
+    def current_device(self) -> int:
+        return int(self._cuda.current_device())
+
+    def set_device(self, index: int) -> None:
+        self._cuda.set_device(index)
+
+    def device(self, index: int) -> Any:
+        """A context in which ``index`` is this thread's current device."""
+        return self._cuda.device(index)
+
+    def devices_with_context(self) -> list[int] | None:
+        """The devices this process has a context on (None: unknown)."""
+        if self._has_context is None:
+            return None
+        return [index for index in range(self._cuda.device_count()) if self._has_context(index)]
+
+    def capturing(self, index: int) -> bool:
+        """Whether the current stream of device ``index`` captures a CUDA graph."""
+        with self._cuda.device(index):
+            return bool(self._cuda.is_current_stream_capturing())
+
+    def new_stream(self, index: int) -> Any:
+        return self._cuda.Stream(index)
+
+    def stream_context(self, stream: Any) -> Any:
+        return self._cuda.stream(stream)
+
+    def current_stream(self, index: int) -> Any:
+        return self._cuda.current_stream(index)
+
+    def new_event(self) -> Any:
+        return self._cuda.Event()
+
+    def pinned_empty(self, nbytes: int) -> Any:
+        """A page-locked uint8 tensor of ``nbytes`` from torch's pinned allocator."""
+        torch = self._torch
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _status(cudart: Any, error: Any) -> tuple[int, str]:
+    code = int(error)
+    if code == 0:
+        return 0, ""
+    try:
+        return code, str(cudart.cudaGetErrorString(error))
+    except Exception:  # the text is for the warning only
+        return code, f"CUDA error {code}"
+
+
+def resolve_device(device: Any, calls: Any) -> Any:
+    """``device`` with its index: ``"cuda"`` is the current device now, as torch resolves it
+    in ``.to("cuda")``. Tensors are then compared by index, never with an index-less device
+    (``cuda:0 != cuda``)."""
+    import torch
+
+    resolved = torch.device(device)
+    if resolved.index is None:
+        resolved = torch.device(resolved.type, calls.current_device())
+    return resolved
+
+
+def pin_device(calls: Any) -> int:
+    """The device to page-lock for when no device is named: the current one, as torch's
+    DataLoader pins for the device current when its iterator is made, unless that device
+    has no context yet and another has (a rank that moved its model to ``cuda:rank`` without
+    ``set_device``): then that one, as torch's pinned allocator does, so that no context is
+    made on a device this process never uses."""
+    current = calls.current_device()
+    with_context = calls.devices_with_context()
+    if with_context and current not in with_context:
+        return with_context[0]
+    return current
+
+
+class _Fence:
+    """The release fence of one dropped buffer: an event on the current stream of every
+    device a copy may have been enqueued on. ``events`` is None while it could not be
+    recorded (a graph was being captured, or the call failed): it is recorded at a later
+    look, which orders after the same work, and until then it has not passed."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, Any]] | None = None  # (device, event on its current stream)
+
+
+class CudaPageLocker:
+    """``_lend.PageLocker`` with CUDA's calls: registration, events, the pinned allocator.
+
+    Registration runs on ``device`` (named by ``device=``, else ``pin_device``), on a thread
+    of its own: a refused ``cudaHostRegister`` leaves CUDA's last error set in the thread
+    that called it (torch's binding does not clear it), and in the loop's thread the next
+    kernel launch would raise it as its own. The short-lived thread takes the error with it.
+
+    Fences are recorded on the current stream of every device with a context (where a
+    ``.to(device, non_blocking=True)`` of the loop may have enqueued its copy), never during
+    a CUDA graph capture (a record or query there would break the capture)."""
+
+    def __init__(self, calls: Any = None, device: int | None = None) -> None:
+        self._calls = calls if calls is not None else CudaCalls()
+        self.device = pin_device(self._calls) if device is None else device
+        self.devices = {self.device}  # the feeds' devices: fenced when contexts are unknown
         self._warned = False
+        # Pinned copies (``allocate``) whose last view died, kept from torch's allocator
+        # until their fence passes: (the pinned tensor, its fence).
+        self._copies_waiting: list[tuple[Any, _Fence]] = []
 
     def register(self, address: int, nbytes: int) -> bool:
-        error = int(self._cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
+        error, text = self._on_own_thread(self._calls.host_register, address, nbytes, _HOST_REGISTER_PORTABLE)
         if error and not self._warned:
             self._warned = True
             warnings.warn(
-                f"pin_memory: the device refused to page-lock a {nbytes >> 20} MiB lend area (CUDA error "
-                f"{error}); its tensors are copied into pinned memory instead, which costs the main process "
-                "a copy per item. Too little lockable memory (ulimit -l in a container) is the usual cause.",
+                f"pin_memory: CUDA refused to page-lock a {nbytes >> 20} MiB lend area on cuda:{self.device} "
+                f"(cudaHostRegister: {text}, error {error}). Its tensors are copied into pinned memory instead, "
+                "which costs the main process a copy per item; see 'Feeding a GPU' in the docs for when "
+                "registration is refused.",
                 RuntimeWarning,
                 stacklevel=2,
             )
         return error == 0
 
     def unregister(self, address: int) -> None:
-        self._cudart.cudaHostUnregister(address)
+        self._on_own_thread(self._calls.host_unregister, address)
 
-    def fence(self) -> Any:
-        event = self._torch.cuda.Event()
-        event.record()
-        return event
+    def _on_own_thread(self, call: Callable[..., tuple[int, str]], *args: Any) -> tuple[int, str]:
+        """``call(*args)`` with this locker's device current, on a thread that ends with it."""
+        outcome: list[Any] = []
 
-    def passed(self, token: Any) -> bool:
-        return bool(token.query())
+        def run() -> None:
+            try:
+                self._calls.set_device(self.device)
+                outcome.append(call(*args))
+            except BaseException as exc:  # raised in the caller's thread below
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, name="mprs_plus page-lock", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread at interpreter exit: nothing runs after it anyway
+            run()
+        else:
+            thread.join()
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def fence(self) -> _Fence:
+        fence = _Fence()
+        self._record(fence)
+        return fence
+
+    def passed(self, token: _Fence) -> bool:
+        if token.events is None:
+            self._record(token)
+            return False  # recorded only now: the work before it is still to be passed
+        try:
+            if self._capturing(index for index, _ in token.events):
+                return False
+            return all(event.query() for _, event in token.events)
+        except Exception:  # not known to have passed: asked again at the next look
+            return False
+
+    def _record(self, fence: _Fence) -> None:
+        calls = self._calls
+        known = calls.devices_with_context()
+        devices = sorted(self.devices) if known is None else known
+        try:
+            if self._capturing(devices):
+                return
+            events = []
+            for index in devices:
+                event = calls.new_event()
+                event.record(calls.current_stream(index))
+                events.append((index, event))
+        except Exception:
+            return
+        fence.events = events
+
+    def _capturing(self, devices: Iterable[int]) -> bool:
+        return any(self._calls.capturing(index) for index in devices)
 
     def allocate(self, nbytes: int) -> Any:
-        torch = self._torch
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        """Pinned memory for a buffer copied out of a lend area. torch's pinned allocator
+        keeps a block from reuse after a copy only when the copy's tensor starts at the
+        block's start; a view at an offset (a slice of the batch) is not covered. So the
+        block is held here, from the death of the last view until a fence passes."""
+        self._reap_copies()
+        with self._calls.device(self.device):
+            block = self._calls.pinned_empty(nbytes)
+        out = block.numpy()
+        weakref.finalize(out, self._copy_dropped, block).atexit = False
+        return out
+
+    def _copy_dropped(self, block: Any) -> None:
+        self._copies_waiting.append((block, self.fence()))
+
+    def _reap_copies(self) -> None:
+        # Swapped out whole: a copy dropped meanwhile (a finalizer) lands in one list or the other.
+        waiting, self._copies_waiting = self._copies_waiting, []
+        self._copies_waiting.extend(entry for entry in waiting if not self.passed(entry[1]))
+
+    @property
+    def copies_waiting(self) -> int:
+        self._reap_copies()
+        return len(self._copies_waiting)
 
 
 class CudaMover:
     """Copies an item's tensors to ``device`` on a stream of its own; hands them out to the
     current stream of the thread that takes them."""
 
-    def __init__(self, device: Any, counters: FeedCounters) -> None:
-        import torch
-
-        self._torch = torch
-        self.device = torch.device(device)
-        self._stream = torch.cuda.Stream(self.device)
+    def __init__(self, device: Any, counters: FeedCounters, calls: Any = None) -> None:
+        self._calls = calls if calls is not None else CudaCalls()
+        self.device = resolve_device(device, self._calls)
+        self._stream = self._calls.new_stream(self.device.index)
         self._counters = counters
 
     def side(self) -> Any:
         """A context in which the side stream is current."""
-        return self._torch.cuda.stream(self._stream)
+        return self._calls.stream_context(self._stream)
 
     def start(self, box: list[Any]) -> tuple[Any, Any]:
         """Enqueue the copies of the item in ``box`` (taken out of it, so that its last
         reference dies here, on the side stream); the moved item and its copy's event."""
-        torch, device, counters = self._torch, self.device, self._counters
+        device, counters = self.device, self._counters
 
         def move(tensor: Any) -> Any:
             if tensor.device.type != "cpu":
@@ -162,18 +362,19 @@ class CudaMover:
             return tensor.to(device, non_blocking=True)
 
         moved = map_tensors(box.pop(), move)
-        event = torch.cuda.Event()
+        event = self._calls.new_event()
         event.record(self._stream)
         return moved, event
 
     def hand_out(self, moved: Any, event: Any) -> tuple[Any, bool]:
         """The item for the current stream, and whether its copy was still running."""
-        current = self._torch.cuda.current_stream(self.device)
+        index = self.device.index
+        current = self._calls.current_stream(index)
         running = not event.query()
         current.wait_event(event)
 
         def used_by_current(tensor: Any) -> Any:
-            if tensor.device == self.device:
+            if tensor.is_cuda and tensor.device.index == index:
                 tensor.record_stream(current)
             return tensor
 
@@ -294,24 +495,42 @@ class Feeding:
 
     def close(self) -> None:
         """After the stop: give back what waits for copies that have finished by now, for at
-        most ``SETTLE`` seconds (a lend area is unmapped only once nothing of it waits),
-        then stop page-locking if no other service of this process asks for it."""
+        most ``SETTLE`` seconds (a lend area is unlocked and unmapped only once nothing of it
+        waits), then stop page-locking if no other service of this process asks for it.
+        What still waits then goes back at the next look: the next loader's start, or any
+        lend, copy or drop (``_lend.py``); never from a thread of ours, whose event queries
+        could break a CUDA graph another thread captures."""
         deadline = time.monotonic() + SETTLE
-        while lending().awaiting_device and time.monotonic() < deadline:
+        while _still_waiting() and time.monotonic() < deadline:
             time.sleep(_SETTLE_POLL)  # a bounded poll of the device's events: nothing to wait on
         _release_locker()
 
 
+def _still_waiting() -> bool:
+    locker = _the_locker
+    return bool(lending().awaiting_device or (locker is not None and locker.copies_waiting))
+
+
 _lockers = 0
 _lockers_lock = threading.Lock()
+# One locker for the process, kept across services, so that what a closed service left
+# waiting (pinned copies, fences) is looked at again by the next one.
+_the_locker: CudaPageLocker | None = None
 
 
-def _install_locker() -> None:
-    """Page-lock lend areas in this process while some service asks for it."""
-    global _lockers
+def _install_locker(calls: Any, device: int) -> None:
+    """Page-lock lend areas in this process while some service asks for it; registration
+    runs on the device of the first service of a run of them, fences cover every device."""
+    global _lockers, _the_locker
     with _lockers_lock:
+        if _the_locker is None:
+            _the_locker = CudaPageLocker(calls, device)
+        elif _lockers == 0:
+            _the_locker.device, _the_locker.devices = device, {device}
+        else:
+            _the_locker.devices.add(device)
         if _lockers == 0:
-            lock_pages_with(CudaPageLocker())
+            lock_pages_with(_the_locker)
         _lockers += 1
 
 
@@ -330,9 +549,8 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
     (with a warning, as torch's DataLoader) when there is no accelerator to pin for."""
     if not pin_memory:
         return None
-    import torch
-
-    if not torch.cuda.is_available():
+    calls = CudaCalls()
+    if not calls.available():
         if device is not None:
             raise RuntimeError(
                 f"device={str(device)!r}: CUDA is not available in this process, so items cannot be moved "
@@ -345,5 +563,8 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
             stacklevel=4,
         )
         return None
-    _install_locker()
-    return Feeding(device, ahead)
+    lending()  # gives back what an earlier service left waiting, if its fences passed by now
+    # Resolved now, when the loader's iterator is made, as torch's DataLoader fixes its pin device.
+    resolved = resolve_device(device, calls) if device is not None else None
+    _install_locker(calls, resolved.index if resolved is not None else pin_device(calls))
+    return Feeding(resolved, ahead, mover_factory=lambda where, counters: CudaMover(where, counters, calls))
