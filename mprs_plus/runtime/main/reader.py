@@ -31,6 +31,7 @@ from .gate import CLOSED_MESSAGE, ReadGate
 from ..mux import ChannelMux, Message
 from .cursor import ReadCursor, read_as_ready, read_in_order
 from ..stats import StatsWriter
+from .stats import clocked
 from .topology import Topology
 
 _LOG = logging.getLogger("mprs_plus")
@@ -227,6 +228,7 @@ class MainReader:
         asleep_for: Callable[[float], bool] | None = None,
     ) -> None:
         channels = MainChannels(topology, gate, death_error, timeout, stats, asleep_for)
+        self._stats = stats  # the main process's row: the time spent reading is counted there too
         self.epoch = 0
         self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait, gate.nudge)
         self._take = GatedMux(self._mux, gate)
@@ -257,7 +259,8 @@ class MainReader:
         """The current epoch's items of worker output ``branch``."""
         self._gate.check()
         items = self._read(self._take, self._channels[branch], self.epoch, self.cursors[branch])
-        return _guarded(items, self._gate, self._interrupted)
+        guarded = _guarded(items, self._gate, self._interrupted)
+        return guarded if self._stats is None else clocked(guarded, self._stats, "reading")
 
     def handed_out(self) -> int:
         """Items handed to the main segment since the service started, every output
