@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from .plan import Plan, plan
 from .runtime.main.family import Family
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
+from .user_frame import warn
 
 if TYPE_CHECKING:
     from .runtime.main.inprocess import InProcessRuntime
@@ -188,7 +188,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._plan = plan(datapipe, self.options.num_workers)
         self._checkpoints.planned(self._plan)  # a checkpoint names the graph it is about
         for message in warnings_for(self._plan, self.options):
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warn(message, UserWarning)  # at the user's line, not DataLoader2's
         self._feeding = _open_feeding(self.options)
         if self._feeding is not None:
             self._plan = self._plan._replace(delivery=self._feeding.delivery)

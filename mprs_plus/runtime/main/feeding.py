@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any
 from torch.utils.data import IterDataPipe
 
 from ...transport import lending
+from ...user_frame import warn
 from ...transport._lend import lock_pages_with
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device context
@@ -106,12 +106,11 @@ class CudaPageLocker:
         error = int(self._cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
         if error and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"pin_memory: the device refused to page-lock a {nbytes >> 20} MiB lend area (CUDA error "
                 f"{error}); its tensors are copied into pinned memory instead, which costs the main process "
                 "a copy per item. Too little lockable memory (ulimit -l in a container) is the usual cause.",
                 RuntimeWarning,
-                stacklevel=2,
             )
         return error == 0
 
@@ -338,11 +337,10 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
                 f"device={str(device)!r}: CUDA is not available in this process, so items cannot be moved "
                 "there. Leave device=None (items stay in host memory), or run where torch.cuda.is_available()."
             )
-        warnings.warn(
+        warn(
             "pin_memory=True, but no accelerator is available: items are not page-locked. "
             "Leave pin_memory=False on this machine to silence this warning.",
             UserWarning,
-            stacklevel=4,
         )
         return None
     _install_locker()
