@@ -38,10 +38,10 @@ class ProcessStats:
     # service's secret (a Ray actor's data channels; always 0 for local processes).
     refused_connections: int = 0
     # The main process only: seconds inside the main segment's next() (not in the user's
-    # loop), and inside the workers' reader (taking items out of the channels); both count
-    # the waits for input too. 0 where not measured.
+    # loop; the waits for input included), and taking messages out of the channels and
+    # rebuilding their items. 0 where not measured.
     in_service_s: float = 0.0
-    reading_s: float = 0.0
+    receiving_s: float = 0.0
     # The main process only: seconds from the service's start until the loop first asked for
     # an item, and until it first got one (its start, not its steady state); 0: not yet.
     first_ask_s: float = 0.0
@@ -60,21 +60,17 @@ class ProcessStats:
         return self.waiting_output_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
-    def receiving_s(self) -> float:
-        """The main process: seconds taking items out of the channels, not waiting for them."""
-        return max(0.0, self.reading_s - self.waiting_input_s)
-
-    @property
     def main_segment_s(self) -> float:
-        """The main process: seconds running the main segment's own DataPipes."""
-        return max(0.0, self.in_service_s - max(self.reading_s, self.waiting_input_s))
+        """The main process: seconds running the main segment's own DataPipes (what the
+        service did for the loop's next() besides waiting for items and receiving them)."""
+        return max(0.0, self.in_service_s - self.waiting_input_s - self.receiving_s)
 
     @property
     def loop_s(self) -> float:
         """The main process: seconds outside the service once the loop first asked for an
         item: the user's loop (the training step, DataLoader2's own work, the time between
         epochs)."""
-        inside = max(self.in_service_s, self.reading_s, self.waiting_input_s)
+        inside = max(self.in_service_s, self.waiting_input_s + self.receiving_s)
         return max(0.0, self.elapsed_s - self.first_ask_s - inside)
 
 
@@ -103,7 +99,7 @@ def make_process_stats(role: Segment, index: int, pid: int, rows: list[dict[str,
         rescues=int(total("rescues")),
         messages_out=int(total("messages_out")),
         in_service_s=total("in_service"),
-        reading_s=total("reading"),
+        receiving_s=total("receiving"),
         first_ask_s=total("first_ask"),
         first_item_s=total("first_item"),
     )
@@ -262,8 +258,8 @@ def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = Non
 
 def _share(members: list[ProcessStats], seconds: Callable[[ProcessStats], float]) -> float:
     """The main process's split of its time, as a fraction of its life; 0 for other roles
-    and where the split was not measured (no in_service or reading time counted)."""
-    measured = [p for p in members if p.role == Segment.MAIN and p.elapsed_s > 0 and (p.in_service_s or p.reading_s)]
+    and where the split was not measured (no in_service or receiving time counted)."""
+    measured = [p for p in members if p.role == Segment.MAIN and p.elapsed_s > 0 and (p.in_service_s or p.receiving_s)]
     return sum(seconds(p) / p.elapsed_s for p in measured) / len(measured) if measured else 0.0
 
 

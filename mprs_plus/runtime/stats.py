@@ -22,8 +22,8 @@ Fields, per process:
                   (either end; always 0 unless the transport has a bug)
     in_service    main process only: seconds inside the main segment's ``next()``, that is
                   not in the user's loop (its own DataPipes, reading, waiting included)
-    reading       main process only: seconds inside the workers' reader (taking items out
-                  of the channels, waiting included)
+    receiving     main process only: seconds taking messages out of the channels and
+                  rebuilding their items (not waiting for them)
     first_ask     main process only: seconds from the start until the loop first asked for
                   an item (the service starting, DataLoader2 setting up)
     first_item    main process only: seconds from the start until the first item reached
@@ -57,7 +57,7 @@ FIELDS = (
     "rescues",
     "messages_out",
     "in_service",
-    "reading",
+    "receiving",
     "first_ask",
     "first_item",
 )
@@ -73,7 +73,7 @@ FIELDS = (
     _RESCUES,
     _MESSAGES_OUT,
     _IN_SERVICE,
-    _READING,
+    _RECEIVING,
     _FIRST_ASK,
     _FIRST_ITEM,
 ) = range(len(FIELDS))
@@ -107,7 +107,7 @@ class StatsWriter:
         "wait_input",
         "wait_output",
         "in_service",
-        "reading",
+        "receiving",
         "first_ask",
         "first_item",
         "started_at",
@@ -124,7 +124,7 @@ class StatsWriter:
         self.wait_input = 0.0
         self.wait_output = 0.0
         self.in_service = 0.0
-        self.reading = 0.0
+        self.receiving = 0.0
         self.first_ask = 0.0
         self.first_item = 0.0
         self.started_at = 0.0
@@ -148,7 +148,7 @@ class StatsWriter:
         table[base + _WAIT_IN] = self.wait_input
         table[base + _WAIT_OUT] = self.wait_output
         table[base + _IN_SERVICE] = self.in_service
-        table[base + _READING] = self.reading
+        table[base + _RECEIVING] = self.receiving
         table[base + _FIRST_ASK] = self.first_ask
         table[base + _FIRST_ITEM] = self.first_item
         if self.channels:

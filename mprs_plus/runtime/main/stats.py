@@ -8,8 +8,8 @@ and a snapshot as ``mprs_plus.stats.Stats`` when statistics are asked for.
 The main process's own row also says where its time went, so that the verdict can tell
 the service's work from the user's loop::
 
-    the user's loop --next()--> ServiceClock (in_service) --> main segment's DataPipes
-                                   --> the workers' reader (reading) --> wait for a channel (wait_input)
+    the user's loop --next()--> ServiceClock (in_service) --> the main segment's DataPipes
+        --> the workers' reader --> wait for a channel (wait_input), take a message out (receiving)
 
 The report types load on the first snapshot, not when a service starts.
 """
@@ -98,23 +98,21 @@ class StatsView:
         return replace(aggregate(processes, lent), epochs=epochs)
 
 
-def clocked(items: Iterator[Any], writer: StatsWriter, field: str) -> Iterator[Any]:
-    """``items``, adding the seconds spent getting each one to ``writer.<field>``."""
+def _in_service(items: Iterator[Any], writer: StatsWriter) -> Iterator[Any]:
+    """``items``, adding the seconds spent getting each one to ``writer.in_service``: from
+    the loop's ``next()`` (this generator resumed) to the item found."""
     clock = time.perf_counter
     try:
-        while True:
-            started = clock()
-            try:
-                item = next(items)
-            except StopIteration:
-                return
-            finally:
-                setattr(writer, field, getattr(writer, field) + clock() - started)
+        asked = clock()
+        for item in items:
+            writer.in_service += clock() - asked
             yield item
+            asked = clock()
+        writer.in_service += clock() - asked
     finally:
         close = getattr(items, "close", None)
         if close is not None:
-            close()
+            close()  # as the loop closes this generator: the main segment's own end
 
 
 class ServiceClock(IterDataPipe):
@@ -139,18 +137,19 @@ def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
     if writer is None:
         return items
     if not writer.first_ask:
-        return _first_items(clocked(items, writer, "in_service"), writer)
-    return clocked(items, writer, "in_service")
+        # The service's first epoch: the time before is the start, not the steady state
+        # the verdict is about.
+        writer.first_ask = time.monotonic() - writer.started_at
+        return _noting_the_first_item(_in_service(items, writer), writer)
+    return _in_service(items, writer)
 
 
-def _first_items(items: Iterator[Any], writer: StatsWriter) -> Iterator[Any]:
-    """The service's first epoch: note when the loop first asked, and when it got an item
-    (the time before is the start, not the steady state the verdict is about)."""
-    writer.first_ask = time.monotonic() - writer.started_at
+def _noting_the_first_item(items: Iterator[Any], writer: StatsWriter) -> Iterator[Any]:
     for item in items:
-        if not writer.first_item:
-            writer.first_item = time.monotonic() - writer.started_at
+        writer.first_item = time.monotonic() - writer.started_at
         yield item
+        break
+    yield from items  # the rest at no cost of this generator's own
 
 
 # Assigned after the class is made: torch's DataPipe metaclass would wrap an ``__iter__``
