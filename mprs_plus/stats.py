@@ -179,8 +179,8 @@ class Stats:
     def summary(self) -> str:
         lines = [self.bottleneck]
         if self.segments:
-            over = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}" if self.epochs else "every epoch"
-            lines.append(f"  since the service started, {over} together (items are counted over all of them):")
+            over = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}" if self.epochs else "every epoch so far"
+            lines.append(f"  counts since the service started, over {over} (not per epoch):")
         placed = [p for p in self.processes if p.node]
         if placed:
             lines.append("  on nodes: " + ", ".join(f"{p.role} {p.index}: {p.node}" for p in placed))

@@ -411,4 +411,4 @@ def test_the_summary_says_its_counts_add_up_over_epochs():
     finally:
         loader.shutdown()
     assert stats.epochs == 2 and stats.segment("main").items_in == 16
-    assert "since the service started, 2 epochs together (items are counted over all of them)" in stats.summary()
+    assert "  counts since the service started, over 2 epochs (not per epoch):" in stats.summary()
