@@ -20,7 +20,7 @@ from torch.utils.data.datapipes.iter.callable import CollatorIterDataPipe
 from torchdata.datapipes.iter.util.sharding import ShardingRoundRobinDispatcherIterDataPipe
 
 from .errors import AmbiguousGraphError, PlanError
-from .graph import Edge, Graph, NoGraph, Node, discover
+from .graph import Edge, Graph, NoGraph, Node, describe, discover
 from .segment import Segment
 
 
@@ -316,11 +316,9 @@ def _declared_by_user(datapipe: Any) -> bool:
     return not module.startswith(("torch.", "torchdata."))
 
 
-def functional_call(datapipe: Any) -> str:
+def _functional_call(datapipe: Any) -> str:
     """How a pipeline names a DataPipe when it is built: ``.map(square)`` for a Mapper,
     else its class name."""
-    from .graph import describe
-
     label = describe(datapipe)
     for name, function in IterDataPipe.functions.items():
         if isinstance(function, functools.partial) and function.args and function.args[0] is type(datapipe):
@@ -330,14 +328,15 @@ def functional_call(datapipe: Any) -> str:
 
 
 def _held_in_main_warning(graph: Graph, stages: list[int], blocker: int) -> str:
-    names = ", ".join(f"#{i} {functional_call(graph.datapipes[i])}" for i in stages)
-    blocked = f"#{blocker} {functional_call(graph.datapipes[blocker])}"
+    names = ", ".join(f"#{i} {_functional_call(graph.datapipes[i])}" for i in stages)
+    blocked = f"#{blocker} {_functional_call(graph.datapipes[blocker])}"
     one = len(stages) == 1
     return (
         f"{names} run{'s' if one else ''} in the main process, next to the training loop, one item at a time: "
         f"{'it comes' if one else 'they come'} after {blocked}, which is not replicable, and everything after a "
         f"non-replicable DataPipe runs in the main process. Move {'it' if one else 'them'} before {blocked} so that "
-        "the workers run it in parallel (the main process should only do what must happen there)."
+        f"the workers run {'it' if one else 'them'} in parallel (the main process should only do what must happen "
+        "there)."
     )
 
 
