@@ -232,3 +232,19 @@ def test_the_small_items_bound_of_the_troubleshooting_page_is_the_services(num_w
     assert f"{bound:,}" in page
     options = Options(num_workers=num_workers, worker_prefetch_cnt=prefetch, main_prefetch_cnt=prefetch)
     assert (options.items_in_flight_per_worker + 2) * 64 == bound
+
+
+def test_the_readme_says_where_the_banner_comes_from_and_its_setting_silences_just_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    line = next(line for line in readme.splitlines() if "modules are deprecated" in line)
+    assert "torchdata" in line
+    setting = re.search(r"`PYTHONWARNINGS=([^`]+)`", line).group(1)
+    code = "import warnings, torchdata.datapipes, torchdata.dataloader2; warnings.warn('the program warns')"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
+    shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "modules are deprecated" in shown.stderr  # torchdata prints it...
+    quiet = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "PYTHONWARNINGS": setting}, capture_output=True, text=True, timeout=60
+    )
+    assert "modules are deprecated" not in quiet.stderr, quiet.stderr  # ...and the README's setting silences it
+    assert "the program warns" in quiet.stderr  # and nothing else
