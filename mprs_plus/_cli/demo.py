@@ -17,6 +17,7 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from ..graph import NoGraph
 from ..reading_service import MultiProcessingReadingService
+from ..segment import Segment
 
 STAGES = ("Pre Main", "Worker", "Post Main")
 
@@ -96,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     loader = DataLoader2(Wrapper(args.items), reading_service=service)
     try:
         rows = list(loader)
+        plan = loader.reading_service.plan
         print(_WHAT_IT_RUNS.format(last=args.items - 1))
-        print(loader.reading_service.plan.explain())
+        print(plan.explain())
     finally:
         loader.shutdown()
     print()
@@ -106,27 +108,44 @@ def run(args: argparse.Namespace) -> int:
     for value, pids in rows:
         print(f"{value:>4}  " + "  ".join(f"{pids[stage]:>10}" for stage in STAGES))
     print()
-    verdicts = where_each_stage_ran(rows, os.getpid(), min(args.num_workers, args.items))
+    verdicts = where_each_stage_ran(rows, os.getpid(), planned_segments(plan), min(args.num_workers, args.items))
     for line, _ in verdicts:
         print(line)
     return 0 if all(as_planned for _, as_planned in verdicts) else 1
 
 
-def where_each_stage_ran(rows: list[Any], main_pid: int, workers: int) -> list[tuple[str, bool]]:
-    """A line per stage saying where it ran and whether that is where the plan put it."""
+def planned_segments(plan: Any) -> dict[str, Segment]:
+    """The segment the plan gave each stamping stage."""
+    found = {}
+    for index, datapipe in enumerate(plan.graph.datapipes):
+        fn = getattr(datapipe, "fn", None)
+        if isinstance(fn, functools.partial) and fn.func is stamp:
+            found[fn.keywords["stage"]] = plan.segments[index]
+    return found
+
+
+def where_each_stage_ran(
+    rows: list[Any], main_pid: int, planned: dict[str, Segment], workers: int
+) -> list[tuple[str, bool]]:
+    """A line per stage saying where it ran and whether that is where the plan put it: the
+    dispatch process is one process of its own, the workers are ``workers`` processes, and
+    neither is the main process."""
     seen = {stage: sorted({pids[stage] for _, pids in rows}) for stage in STAGES}
-    pre, worker, post = (seen[stage] for stage in STAGES)
-    checks = [
-        ("Pre Main", "the dispatch process", len(pre) == 1 and main_pid not in pre and not set(pre) & set(worker)),
-        ("Worker", f"the {workers} worker processes", len(worker) == workers and main_pid not in worker),
-        ("Post Main", "the main process", post == [main_pid]),
-    ]
+    by_segment = {segment: {pid for stage in STAGES if planned[stage] is segment for pid in seen[stage]} for segment in Segment}
     found = []
-    for stage, planned, as_planned in checks:
-        pids = ", ".join(map(str, seen[stage]))
-        where = f"process{'es' if len(seen[stage]) != 1 else ''} {pids}"
-        if as_planned:
-            found.append((f"{stage} ran in {planned} ({where}), as planned.", True))
+    for stage in STAGES:
+        segment, pids = planned[stage], set(seen[stage])
+        if segment is Segment.MAIN:
+            name, as_planned = "the main process", pids == {main_pid}
+        elif segment is Segment.DISPATCH:
+            others = by_segment[Segment.WORKER] | {main_pid}
+            name, as_planned = "the dispatch process", len(pids) == 1 and not pids & others
         else:
-            found.append((f"{stage} ran in {where}: NOT where planned, which is {planned}.", False))
+            others = by_segment[Segment.DISPATCH] | {main_pid}
+            name, as_planned = f"the {workers} worker processes", len(pids) == workers and not pids & others
+        where = f"process{'es' if len(pids) != 1 else ''} {', '.join(map(str, seen[stage]))}"
+        if as_planned:
+            found.append((f"{stage} ran in {name} ({where}), as planned.", True))
+        else:
+            found.append((f"{stage} ran in {where}: NOT where planned, which is {name}.", False))
     return found
