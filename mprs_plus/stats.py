@@ -332,7 +332,7 @@ def bottleneck(
         )
     channel = "the network" if network else "the transport"
     if waits < KEEPS_UP:
-        return _main_process_sets_the_pace(main, workers, channel)
+        return _main_process_sets_the_pace(main, channel)
     if workers.output_wait_fraction > 0.5 and waits > 0.5:
         # Both ends wait on the channel between them: it moves the bytes too slowly.
         if network:
@@ -382,7 +382,7 @@ def bottleneck(
     )
 
 
-def _main_process_sets_the_pace(main: SegmentStats, workers: SegmentStats, channel: str) -> str:
+def _main_process_sets_the_pace(main: SegmentStats, channel: str) -> str:
     """The loop seldom waits for items: name the largest share of the main process's time."""
     waits = main.input_wait_fraction
     own, receiving = main.main_segment_fraction, main.receiving_fraction
@@ -405,6 +405,5 @@ def _main_process_sets_the_pace(main: SegmentStats, workers: SegmentStats, chann
     return (
         f"the pipeline keeps up: the main process waits only {waits:.0%} of the time for the workers' items, "
         f"and your loop (the training step, and DataLoader2 handing items over) takes {loop:.0%}: it sets the "
-        f"pace, and the workers wait {workers.output_wait_fraction:.0%} of the time for it to take their items. "
-        "Nothing to change in the pipeline; more workers will not help"
+        "pace. Nothing to change in the pipeline; more workers will not help"
     )
