@@ -160,9 +160,11 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         return self._plan
 
     def stats(self) -> Stats:
-        """A snapshot of what every process has done: items in and out, time busy, waiting
-        for input and handing items on, bytes moved, queue fill, and a sentence naming the
-        bottleneck (``stats().summary()``). Empty before the first epoch or without workers.
+        """A snapshot of what every process has done since the service started (all epochs
+        together): items in and out, time busy, waiting for input and handing items on,
+        bytes moved, queue fill, where the main process's time went, and a sentence naming
+        what limits throughput or saying that the pipeline keeps up (``stats().summary()``).
+        Empty before the first epoch or without workers.
 
         ``DataLoader2`` runs a copy of the service it is given; the object you created
         reports that copy's statistics (the last one started, in this process), and after

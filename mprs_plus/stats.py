@@ -1,5 +1,6 @@
 """Statistics of a running service, as the user reads them: per process, per segment,
-and a one-sentence verdict naming the bottleneck (``MultiProcessingReadingService.stats()``).
+and a one-sentence verdict naming what limits throughput, or saying that the pipeline keeps
+up (``MultiProcessingReadingService.stats()``).
 
 Plain frozen data, computed in the main process from the shared counters table
 (``runtime/stats.py``, read by ``runtime/main/stats.py``). Loaded when statistics are
