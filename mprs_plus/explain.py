@@ -106,17 +106,35 @@ def _segments_in_order(plan: Plan) -> Iterable[tuple[Segment, list[int]]]:
             yield segment, members
 
 
-def _paths_by_parent(node: Node) -> dict[int, list[str]]:
-    """Every path a parent was found at: two paths to one parent is a side reference."""
+def _paths_by_parent(plan: Plan, node: Node) -> dict[int, list[str]]:
+    """Every path a parent was found at, as the user's code names it: two paths to one
+    parent is a side reference."""
     paths: dict[int, list[str]] = {}
     for edge in node.edges:
-        paths.setdefault(edge.parent, []).append(edge.path)
+        paths.setdefault(edge.parent, []).append(_attribute_name(plan, node, edge))
     return paths
 
 
-def _inputs(node: Node) -> str:
+def _attribute_name(plan: Plan, node: Node, edge: Any) -> str:
+    """The attribute that holds the input, as in the DataPipe's code (``datapipe``). A class
+    whose ``__getstate__`` returns a tuple was walked by position (``__getstate__()[0]``),
+    which no user wrote: name the attribute holding the same object instead."""
+    if not edge.steps or edge.steps[0][0] != "state":
+        return edge.path
+    owner, parent = plan.graph.datapipes[node.index], plan.graph.datapipes[edge.parent]
+    for name, value in getattr(owner, "__dict__", {}).items():
+        if value is parent:
+            return name
+        if isinstance(value, (list, tuple)):
+            for position, member in enumerate(value):
+                if member is parent:
+                    return f"{name}[{position}]"
+    return f"input {edge.steps[0][1] + 1}"
+
+
+def _inputs(plan: Plan, node: Node) -> str:
     """``#6 (source_datapipe)``, one entry per parent."""
-    return ", ".join(f"#{parent} ({', '.join(found)})" for parent, found in _paths_by_parent(node).items())
+    return ", ".join(f"#{parent} ({', '.join(found)})" for parent, found in _paths_by_parent(plan, node).items())
 
 
 def _wrapped(prefix: str, text: str) -> list[str]:
@@ -139,7 +157,7 @@ def explain_text(plan: Plan) -> str:
             lines.append(f"  (no DataPipe of its own: #{graph.output}, the output, runs in the workers)")
         for index in members:
             node = graph.nodes[index]
-            inputs = f"<- {_inputs(node)}" if node.edges else "(source)"
+            inputs = f"<- {_inputs(plan, node)}" if node.edges else "(source)"
             tags = ", ".join(_tags(plan, index))
             shown_tags = f"  [{tags}]" if tags else ""
             lines.append(f"  {labels[index]:<{width}}  {inputs}{shown_tags}".rstrip())
@@ -209,7 +227,7 @@ def explain_dot(plan: Plan) -> str:
             lines.append('    main_reader [label="(no DataPipe of its own)", shape=plaintext, style=""];')
         lines.append("  }")
     for node in graph.nodes:
-        for parent, found in _paths_by_parent(node).items():
+        for parent, found in _paths_by_parent(plan, node).items():
             attributes = _edge_attributes(plan, parent, node.index, found, len(node.edges))
             lines.append(f"  n{parent} -> n{node.index}{attributes};")
     if plan.uses_processes and plan.segments[graph.output] is not Segment.MAIN:

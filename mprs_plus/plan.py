@@ -12,12 +12,15 @@ A reference that straddles two segments in a way the split cannot honour raises
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
+from torch.utils.data import IterDataPipe
+from torch.utils.data.datapipes.iter.callable import CollatorIterDataPipe
 from torchdata.datapipes.iter.util.sharding import ShardingRoundRobinDispatcherIterDataPipe
 
 from .errors import AmbiguousGraphError, PlanError
-from .graph import Edge, Graph, NoGraph, Node, discover
+from .graph import Edge, Graph, NoGraph, Node, describe, discover
 from .segment import Segment
 
 
@@ -68,6 +71,17 @@ class Plan(NamedTuple):
 
     def nodes_in(self, segment: Segment) -> tuple[int, ...]:
         return tuple(i for i, s in enumerate(self.segments) if s is segment)
+
+    def held_in_main(self) -> tuple[tuple[int, int], ...]:
+        """``(stage, blocker)`` pairs: each DataPipe that runs a function of the user's per
+        item (map, filter, flatmap...) in the main process only because it comes after
+        ``blocker``, a DataPipe of torchdata's that is not replicable (``fullsync()``,
+        ``pin_memory()``); placed before it, the workers would run it. After a DataPipe of
+        the user's own that says it is not replicable, the main process is where the user
+        put it, and nothing is reported."""
+        if not self.uses_processes:
+            return ()
+        return _held_in_main(self.graph, self.segments)
 
     def explain(self) -> str:
         """A text rendering: one section per process with its nodes, the queues between
@@ -270,6 +284,62 @@ def _worker_outputs(graph: Graph, segments: tuple[Segment, ...]) -> tuple[int, .
     return tuple(outputs)
 
 
+def _does_work_per_item(datapipe: Any) -> bool:
+    """Whether a DataPipe runs a function of the user's on every item: the stages a user
+    means to spread over the workers. Collating stays out: it belongs where batches end."""
+    if isinstance(datapipe, CollatorIterDataPipe):
+        return False
+    return any(callable(getattr(datapipe, name, None)) for name in ("fn", "filter_fn"))
+
+
+def _held_in_main(graph: Graph, segments: tuple[Segment, ...]) -> tuple[tuple[int, int], ...]:
+    found = []
+    for index in graph.topological():
+        dp = graph.datapipes[index]
+        if segments[index] is not Segment.MAIN or not _is_replicable(dp) or not _does_work_per_item(dp):
+            continue
+        # The nearest non-replicable DataPipe upstream: the one that keeps this stage in main.
+        blockers = [i for i in graph.ancestors(index) if not _is_replicable(graph.datapipes[i])]
+        nearest = min(blockers, key=lambda i: len(graph.ancestors(index) - graph.ancestors(i)), default=None)
+        if nearest is not None and not _declared_by_user(graph.datapipes[nearest]):
+            found.append((index, nearest))
+    return tuple(found)
+
+
+def _declared_by_user(datapipe: Any) -> bool:
+    """Whether a DataPipe's own class (the user's) says it is not replicable: where the main
+    process begins is then the user's decision, as the graph rules describe. torchdata's
+    fullsync() and pin_memory() are not replicable for reasons of their own, and what
+    follows them lands in the main process unnoticed: that is what the planner warns of."""
+    method = getattr(type(datapipe), "is_replicable", None)
+    module = getattr(method, "__module__", "") or ""
+    return not module.startswith(("torch.", "torchdata."))
+
+
+def _functional_call(datapipe: Any) -> str:
+    """How a pipeline names a DataPipe when it is built: ``.map(square)`` for a Mapper,
+    else its class name."""
+    label = describe(datapipe)
+    for name, function in IterDataPipe.functions.items():
+        if isinstance(function, functools.partial) and function.args and function.args[0] is type(datapipe):
+            inner = label[len(type(datapipe).__name__):]
+            return f".{name}{inner or '()'}"
+    return label
+
+
+def _held_in_main_warning(graph: Graph, stages: list[int], blocker: int) -> str:
+    names = ", ".join(f"#{i} {_functional_call(graph.datapipes[i])}" for i in stages)
+    blocked = f"#{blocker} {_functional_call(graph.datapipes[blocker])}"
+    one = len(stages) == 1
+    return (
+        f"{names} run{'s' if one else ''} in the main process, next to the training loop, one item at a time: "
+        f"{'it comes' if one else 'they come'} after {blocked}, which is not replicable, and everything after a "
+        f"non-replicable DataPipe runs in the main process. Move {'it' if one else 'them'} before {blocked} so that "
+        f"the workers run {'it' if one else 'them'} in parallel (the main process should only do what must happen "
+        "there)."
+    )
+
+
 def _footguns(
     graph: Graph,
     segments: tuple[Segment, ...],
@@ -308,4 +378,9 @@ def _footguns(
                     f"num_workers={num_workers} every worker yields all of its items, so each arrives "
                     f"{num_workers} times. Add .sharding_filter() after that branch's source."
                 )
+    if Segment.WORKER in segments:  # with an empty worker segment, the warning above says it all
+        by_blocker: dict[int, list[int]] = {}
+        for stage, blocker in _held_in_main(graph, segments):
+            by_blocker.setdefault(blocker, []).append(stage)
+        found += [_held_in_main_warning(graph, stages, blocker) for blocker, stages in by_blocker.items()]
     return tuple(found)

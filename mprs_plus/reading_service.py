@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from .plan import Plan, plan
 from .runtime.main.family import Family
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
+from .user_frame import warn
 
 if TYPE_CHECKING:
     from .runtime.main.inprocess import InProcessRuntime
@@ -160,9 +160,11 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         return self._plan
 
     def stats(self) -> Stats:
-        """A snapshot of what every process has done: items in and out, time busy, waiting
-        for input and handing items on, bytes moved, queue fill, and a sentence naming the
-        bottleneck (``stats().summary()``). Empty before the first epoch or without workers.
+        """A snapshot of what every process has done since the service started (all epochs
+        together): items in and out, time busy, waiting for input and handing items on,
+        bytes moved, queue fill, where the main process's time went, and a sentence naming
+        what limits throughput or saying that the pipeline keeps up (``stats().summary()``).
+        Empty before the first epoch or without workers.
 
         ``DataLoader2`` runs a copy of the service it is given; the object you created
         reports that copy's statistics (the last one started, in this process), and after
@@ -188,7 +190,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._plan = plan(datapipe, self.options.num_workers)
         self._checkpoints.planned(self._plan)  # a checkpoint names the graph it is about
         for message in warnings_for(self._plan, self.options):
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warn(message, UserWarning)  # at the user's line, not DataLoader2's
         self._feeding = _open_feeding(self.options)
         if self._feeding is not None:
             self._plan = self._plan._replace(delivery=self._feeding.delivery)

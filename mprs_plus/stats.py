@@ -1,5 +1,6 @@
 """Statistics of a running service, as the user reads them: per process, per segment,
-and a one-sentence verdict naming the bottleneck (``MultiProcessingReadingService.stats()``).
+and a one-sentence verdict naming what limits throughput, or saying that the pipeline keeps
+up (``MultiProcessingReadingService.stats()``).
 
 Plain frozen data, computed in the main process from the shared counters table
 (``runtime/stats.py``, read by ``runtime/main/stats.py``). Loaded when statistics are
@@ -9,6 +10,7 @@ asked for, or kept as a service stops; never on the path to a loader's first ite
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .segment import Segment
@@ -36,6 +38,15 @@ class ProcessStats:
     # Connections to its listening ports that were closed unread: they did not prove the
     # service's secret (a Ray actor's data channels; always 0 for local processes).
     refused_connections: int = 0
+    # The main process only: seconds inside the main segment's next() (not in the user's
+    # loop; the waits for input included), and taking messages out of the channels and
+    # rebuilding their items. 0 where not measured.
+    in_service_s: float = 0.0
+    receiving_s: float = 0.0
+    # The main process only: seconds from the service's start until the loop first asked for
+    # an item, and until it first got one (its start, not its steady state); 0: not yet.
+    first_ask_s: float = 0.0
+    first_item_s: float = 0.0
 
     @property
     def busy_fraction(self) -> float:
@@ -48,6 +59,20 @@ class ProcessStats:
     @property
     def output_wait_fraction(self) -> float:
         return self.waiting_output_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def main_segment_s(self) -> float:
+        """The main process: seconds running the main segment's own DataPipes (what the
+        service did for the loop's next() besides waiting for items and receiving them)."""
+        return max(0.0, self.in_service_s - self.waiting_input_s - self.receiving_s)
+
+    @property
+    def loop_s(self) -> float:
+        """The main process: seconds outside the service once the loop first asked for an
+        item: the user's loop (the training step, DataLoader2's own work, the time between
+        epochs)."""
+        inside = max(self.in_service_s, self.waiting_input_s + self.receiving_s)
+        return max(0.0, self.elapsed_s - self.first_ask_s - inside)
 
 
 def make_process_stats(role: Segment, index: int, pid: int, rows: list[dict[str, float]]) -> ProcessStats:
@@ -74,6 +99,10 @@ def make_process_stats(role: Segment, index: int, pid: int, rows: list[dict[str,
         queued=int(total("queued")),
         rescues=int(total("rescues")),
         messages_out=int(total("messages_out")),
+        in_service_s=total("in_service"),
+        receiving_s=total("receiving"),
+        first_ask_s=total("first_ask"),
+        first_item_s=total("first_item"),
     )
 
 
@@ -90,6 +119,13 @@ class SegmentStats:
     output_wait_fraction: float
     bytes_out: int
     messages_out: int = 0
+    # The main segment only: shares of the main process's time spent taking items out of the
+    # channels, running the main segment's own DataPipes, and in the user's loop (with the
+    # input wait above, they add up to the whole); 0 where not measured.
+    receiving_fraction: float = 0.0
+    main_segment_fraction: float = 0.0
+    loop_fraction: float = 0.0
+    starting_fraction: float = 0.0  # until the loop first asked for an item
 
 
 @dataclass(frozen=True)
@@ -127,6 +163,8 @@ class Stats:
     large_buffers: Lending = Lending(0, 0, 0, 0)
     # With pin_memory=True: what was page-locked and moved to the device (docs/gpu.md).
     device: DeviceFeed | None = None
+    # Epochs begun since the service started: every count above adds up over all of them.
+    epochs: int = 0
 
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)
@@ -141,6 +179,9 @@ class Stats:
 
     def summary(self) -> str:
         lines = [self.bottleneck]
+        if self.segments:
+            over = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}" if self.epochs else "every epoch so far"
+            lines.append(f"  counts since the service started, over {over} (not per epoch):")
         placed = [p for p in self.processes if p.node]
         if placed:
             lines.append("  on nodes: " + ", ".join(f"{p.role} {p.index}: {p.node}" for p in placed))
@@ -149,6 +190,14 @@ class Stats:
                 f"  {s.segment:<8} x{s.processes}: in {s.items_in:>9,} out {s.items_out:>9,}  "
                 f"busy {s.busy_fraction:4.0%}  waiting for input {s.input_wait_fraction:4.0%}  "
                 f"waiting for space {s.output_wait_fraction:4.0%}  {s.bytes_out / 1e6:,.1f} MB sent"
+            )
+        main = self.segment(Segment.MAIN)
+        if main is not None and (main.loop_fraction or main.receiving_fraction or main.main_segment_fraction):
+            lines.append(
+                f"  the main process's time: starting {main.starting_fraction:.0%}, waiting for the workers' items "
+                f"{main.input_wait_fraction:.0%}, taking "
+                f"them out of the channels {main.receiving_fraction:.0%}, the main segment's DataPipes "
+                f"{main.main_segment_fraction:.0%}, your loop {main.loop_fraction:.0%}"
             )
         # Children on other nodes: what each sent over the network, message by message.
         for p in placed:
@@ -196,6 +245,10 @@ def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = Non
                 output_wait_fraction=sum(p.output_wait_fraction for p in members) / n,
                 bytes_out=sum(p.bytes_out for p in members),
                 messages_out=sum(p.messages_out for p in members),
+                receiving_fraction=_share(members, lambda p: p.receiving_s),
+                main_segment_fraction=_share(members, lambda p: p.main_segment_s),
+                loop_fraction=_share(members, lambda p: p.loop_s),
+                starting_fraction=_share(members, lambda p: p.first_ask_s),
             )
         )
     large = large_buffers if large_buffers is not None else Lending(0, 0, 0, 0)
@@ -204,43 +257,63 @@ def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = Non
     return Stats(tuple(processes), tuple(segments), verdict, large)
 
 
+def _share(members: list[ProcessStats], seconds: Callable[[ProcessStats], float]) -> float:
+    """The main process's split of its time, as a fraction of its life; 0 for other roles
+    and where the split was not measured (no in_service or receiving time counted)."""
+    measured = [p for p in members if p.role == Segment.MAIN and p.elapsed_s > 0 and (p.in_service_s or p.receiving_s)]
+    return sum(seconds(p) / p.elapsed_s for p in measured) / len(measured) if measured else 0.0
+
+
 def _startup(processes: list[ProcessStats]) -> tuple[float, float]:
-    """(seconds of the main process's life before its last child began to run, its life so
-    far): the waits of a short run are mostly the children starting, not their work."""
+    """(seconds of the main process's life before the loop got its first item, or before
+    its last child began to run, its life so far): the waits of a short run are mostly the
+    service starting, not its work."""
     main = next((p for p in processes if p.role == Segment.MAIN), None)
     children = [p.elapsed_s for p in processes if p.role != Segment.MAIN and p.elapsed_s > 0]
     if main is None or not children or main.elapsed_s <= 0:
         return 0.0, 0.0
-    return max(0.0, main.elapsed_s - min(children)), main.elapsed_s
+    # Until the loop held its first item: the service and its workers starting, the first
+    # item made and carried; where not measured, until the last child ran.
+    return max(0.0, main.elapsed_s - min(children), main.first_item_s), main.elapsed_s
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.2f}"
 
 
 def _per_message(items: int, messages: int) -> str:
     return f" ({items / messages:,.1f} items per message)" if messages else ""
 
 
+# The main process waits for items less than this share of its life: the pipeline keeps up.
+KEEPS_UP = 0.2
+
+
 def bottleneck(
     segments: list[SegmentStats], *, network: bool = False, startup: tuple[float, float] = (0.0, 0.0)
 ) -> str:
-    """One sentence naming the stage that limits throughput, and what to do about it.
+    """One sentence naming what limits throughput and what to do about it, or saying that
+    the pipeline keeps up and there is nothing to change. Never both.
 
     ``network``: a backend placed the children on a cluster's nodes (Ray's), so their
     channels are the network; otherwise they are this host's transport. ``startup``: the
     seconds the main process lived before its last child began to run, and its whole life
-    so far. The rules, in order (fractions of each process's lifetime so far):
+    so far. Fractions are of each process's lifetime so far; ``W`` is the share of its life
+    the main process waited for the workers' items. The rules, in order:
 
-    0. the main segment waits (> 50%) and most of its life (> 50%) went by before the
-       children ran: their start, which says nothing yet of the steady state;
-    1. the dispatch process is busy (> 70%) while the workers wait for its items (> 50%);
-    2. the workers wait to hand items on (> 50%) while the main segment waits for them
-       (> 50%): the channel between them;
-    3. the workers wait to hand items on (> 50%), or the main process is busy (> 70%) and
-       seldom waits (< 30%): the main process;
-    4. the main segment waits for worker output (> 50%):
-       the workers, when they are busy (>= 50%); otherwise they are mostly idle and the
-       items are slow to cross: the channel from the dispatch process when the workers wait
-       for its items (> 50%), else the channel to the main process. Never "add workers"
-       for idle workers;
-    5. balanced.
+    0. W > 50% and most of the main process's life (> 50%) went by before the children
+       ran: their start, which says nothing yet of the steady state.
+    1. W < 20% (``KEEPS_UP``): the items are there when the loop asks; the main process
+       sets the pace. Of its time, the largest share names what: the main segment's own
+       DataPipes (the main segment), taking items out of the channels (the transport, or
+       the network), or the user's loop: the pipeline keeps up.
+    2. Otherwise the loop waits for items, and the verdict names what keeps them from
+       coming: the channel to the main process when the workers too wait to hand items on
+       (> 50%) and W > 50%; the dispatch process when it is busy (> 70%) and the workers wait
+       for its items (> 50%); the workers when they are busy (>= 50%: add workers); the
+       channel from the dispatch process when the workers wait for its items; else the
+       channel to the main process (idle workers whose items are slow to cross). "Add
+       workers" is never said of idle workers.
     """
     by_name = {s.segment: s for s in segments}
     workers, main, dispatch = by_name.get(Segment.WORKER), by_name.get(Segment.MAIN), by_name.get(Segment.DISPATCH)
@@ -248,72 +321,90 @@ def bottleneck(
         return "no statistics yet: the service has not run an epoch"
     if main.items_in == 0 and workers.items_out == 0:
         return "no items have moved yet"
+    waits = main.input_wait_fraction
     starting, lived = startup
-    if lived > 0 and starting / lived > 0.5 and main.input_wait_fraction > 0.5:
+    if lived > 0 and starting / lived > 0.5 and (waits > 0.5 or main.starting_fraction + waits > 0.5):
         how = " (Ray starts an actor for each, on its node)" if network else ""
         return (
-            f"starting the workers took most of the time so far: {starting:.1f} s of the main process's "
-            f"{lived:.1f} s went by before they ran{how}; they start once and serve every epoch, so ask again "
-            "after a longer run to see what limits the flow of items"
-        )
-    if dispatch is not None and workers.input_wait_fraction > 0.5 and dispatch.busy_fraction > 0.7:
-        return (
-            f"the dispatch process is the bottleneck: it is {dispatch.busy_fraction:.0%} busy while the workers "
-            f"wait {workers.input_wait_fraction:.0%} of the time for items; move work after the dispatcher"
+            f"starting the workers took most of the time so far: {_seconds(starting)} s of the main process's "
+            f"{_seconds(lived)} s went by before the loop had its first item (the workers starting{how}, the first "
+            "items made and carried); they start once and serve every epoch, so ask again after a longer run to "
+            "see what limits the flow of items"
         )
     channel = "the network" if network else "the transport"
-    if workers.output_wait_fraction > 0.5 and main.input_wait_fraction > 0.5:
+    if waits < KEEPS_UP:
+        return _main_process_sets_the_pace(main, channel)
+    if workers.output_wait_fraction > 0.5 and waits > 0.5:
         # Both ends wait on the channel between them: it moves the bytes too slowly.
         if network:
             return (
                 f"the network is the bottleneck: workers wait {workers.output_wait_fraction:.0%} of the time to hand "
-                f"items on while the main segment waits {main.input_wait_fraction:.0%} of the time for them; send "
-                "fewer bytes per item (decode or crop on the workers, compress) or run the workers nearer"
+                f"items on while the main process waits {waits:.0%} of the time for them; send fewer bytes per item "
+                "(decode or crop on the workers, compress) or run the workers nearer"
             )
         return (
             f"the transport is the bottleneck: workers spend {workers.output_wait_fraction:.0%} of the time handing "
-            f"items on (serializing them, waiting for space) while the main segment waits "
-            f"{main.input_wait_fraction:.0%} of the time for them; send fewer bytes per item, as arrays or tensors "
-            "rather than many small Python objects"
+            f"items on (serializing them, waiting for space) while the main process waits {waits:.0%} of the time "
+            "for them; send fewer bytes per item, as arrays or tensors rather than many small Python objects"
         )
-    if workers.output_wait_fraction > 0.5 or (main.busy_fraction > 0.7 and main.input_wait_fraction < 0.3):
+    if dispatch is not None and workers.input_wait_fraction > 0.5 and dispatch.busy_fraction > 0.7:
         return (
-            f"the main process is the bottleneck: it is {main.busy_fraction:.0%} busy (main segment and "
-            f"training step) and waits only {main.input_wait_fraction:.0%} of the time for worker output, while "
-            f"workers wait {workers.output_wait_fraction:.0%} of the time to hand items on; lighten the main "
-            "segment or the training step (more workers will not help)"
+            f"the dispatch process is the bottleneck: it is {dispatch.busy_fraction:.0%} busy while the workers "
+            f"wait {workers.input_wait_fraction:.0%} of the time for items and the main process waits {waits:.0%} "
+            "of the time for theirs; move work after the dispatcher (sharding_round_robin_dispatch)"
         )
-    if main.input_wait_fraction > 0.5:
-        if workers.busy_fraction >= 0.5:
-            return (
-                f"the workers are the bottleneck: they are {workers.busy_fraction:.0%} busy and the main segment "
-                f"waits {main.input_wait_fraction:.0%} of the time on worker output; add workers"
-            )
-        # Mostly idle workers and a waiting loop: the items are slow to cross, not to make.
-        if dispatch is not None and workers.input_wait_fraction > 0.5:
-            between = "between the dispatch process and the workers" if network else "from the dispatch process"
-            return (
-                f"{channel} {between} is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy and "
-                f"wait {workers.input_wait_fraction:.0%} of the time for dispatched items, while the dispatch "
-                f"process is {dispatch.busy_fraction:.0%} busy; each item crosses at a cost of its own: dispatch "
-                "fewer, bigger items (batch them before sharding_round_robin_dispatch); more workers will not help"
-            )
-        per_message = _per_message(workers.items_out, workers.messages_out)
-        if network:
-            return (
-                f"the network is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy while the "
-                f"main segment waits {main.input_wait_fraction:.0%} of the time on their output, which crosses the "
-                f"network from the Ray actors to the training process at a cost per message{per_message}; send "
-                "fewer, bigger items (batch them in the worker segment), or use local workers; more workers will "
-                "not help"
-            )
+    if workers.busy_fraction >= 0.5:
         return (
-            f"the transport is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy while the "
-            f"main segment waits {main.input_wait_fraction:.0%} of the time on their output, which crosses to the "
-            f"main process at a cost per message{per_message}; send fewer, bigger items (batch them in the worker "
-            "segment); more workers will not help"
+            f"the workers are the bottleneck: they are {workers.busy_fraction:.0%} busy and the main process waits "
+            f"{waits:.0%} of the time for their items; add workers, or make the work per item cheaper"
+        )
+    # Mostly idle workers and a waiting loop: the items are slow to cross, not to make.
+    if dispatch is not None and workers.input_wait_fraction > 0.5:
+        between = "between the dispatch process and the workers" if network else "from the dispatch process"
+        return (
+            f"{channel} {between} is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy and "
+            f"wait {workers.input_wait_fraction:.0%} of the time for dispatched items, while the dispatch "
+            f"process is {dispatch.busy_fraction:.0%} busy; each item crosses at a cost of its own: dispatch "
+            "fewer, bigger items (batch them before sharding_round_robin_dispatch); more workers will not help"
+        )
+    per_message = _per_message(workers.items_out, workers.messages_out)
+    if network:
+        return (
+            f"the network is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy while the "
+            f"main process waits {waits:.0%} of the time for their items, which cross the network from the Ray "
+            f"actors to the training process at a cost per message{per_message}; send fewer, bigger items (batch "
+            "them in the worker segment), or use local workers; more workers will not help"
         )
     return (
-        f"balanced: workers {workers.busy_fraction:.0%} busy, the main segment waits "
-        f"{main.input_wait_fraction:.0%} of the time on worker output"
+        f"the transport is the bottleneck: the workers are only {workers.busy_fraction:.0%} busy while the "
+        f"main process waits {waits:.0%} of the time for their items, which cross to the main process at a cost "
+        f"per message{per_message}; send fewer, bigger items (batch them in the worker segment); more workers "
+        "will not help"
+    )
+
+
+def _main_process_sets_the_pace(main: SegmentStats, channel: str) -> str:
+    """The loop seldom waits for items: name the largest share of the main process's time."""
+    waits = main.input_wait_fraction
+    own, receiving = main.main_segment_fraction, main.receiving_fraction
+    # Where the split was not measured, everything but the wait counts as the loop's.
+    loop = main.loop_fraction if (own or receiving or main.loop_fraction) else 1.0 - waits
+    if own > max(receiving, loop):
+        return (
+            f"the main segment is the bottleneck: its DataPipes (those from the first non-replicable one on, run "
+            f"in the main process) take {own:.0%} of the main process's time, while it waits only {waits:.0%} of "
+            f"the time for the workers' items; move their work before the first non-replicable DataPipe so that "
+            "the workers run it (the plan's warnings name such stages); more workers will not help"
+        )
+    if receiving > loop:
+        return (
+            f"{channel} is the bottleneck: the main process spends {receiving:.0%} of its time taking items out of "
+            f"the workers' channels (rebuilding them from their bytes), more than on anything else; send fewer, "
+            "bigger items (batch them in the worker segment), as arrays or tensors rather than many small Python "
+            "objects; more workers will not help"
+        )
+    return (
+        f"the pipeline keeps up: the main process waits only {waits:.0%} of the time for the workers' items, "
+        f"and your loop (the training step, and DataLoader2 handing items over) takes {loop:.0%}: it sets the "
+        "pace. Nothing to change in the pipeline; more workers will not help"
     )

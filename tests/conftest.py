@@ -159,3 +159,25 @@ def _quiet_torchdata_deprecation():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"\s*#+\s*WARNING!")
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_sessions_removed():
+    """Ray keeps a session folder (logs, sockets: megabytes) for every cluster it starts,
+    under ``RAY_TMPDIR`` or else the temporary directory, and never removes it. Every Ray
+    this run starts (the test clusters, drivers in subprocesses, the benchmarks) writes into
+    one folder of the run's own instead, removed when the run ends."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="mprs-ray-")  # short: Ray's socket paths must fit in 107 bytes
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = folder
+    try:
+        yield folder
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = previous
+        shutil.rmtree(folder, ignore_errors=True)

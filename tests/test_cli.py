@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mprs_plus.__main__ import main
+from mprs_plus.segment import Segment
 from mprs_plus._cli import bench, demo, explain  # noqa: F401  (loaded before isolated_imports looks)
 
 TESTS = Path(__file__).parent
@@ -154,6 +155,38 @@ def test_demo_runs_each_stage_in_its_own_role():
     assert post == {main_pid}
     assert len(pre) == 1 and len(worker) == 2
     assert not (pre & worker) and main_pid not in pre | worker
+    # The words a newcomer reads: what the DataPipes are, and whether each stage ran as planned.
+    assert "NonReplicable    a DataPipe of the demo whose is_replicable() returns False" in result.stdout
+    assert "Wrapper          the outer DataPipe" in result.stdout
+    closing = result.stdout.strip().splitlines()[-3:]
+    assert closing == [
+        f"Pre Main ran in the dispatch process (process {min(pre)}), as planned.",
+        f"Worker ran in the 2 worker processes (processes {', '.join(map(str, sorted(worker)))}), as planned.",
+        f"Post Main ran in the main process (process {main_pid}), as planned.",
+    ]
+
+
+def test_the_demo_says_when_a_stage_did_not_run_where_planned():
+    # Forced: every stage stamped by the main process, as torchdata's own service runs the seed.
+    rows = [(i, {"Pre Main": 7, "Worker": 7, "Post Main": 7}) for i in range(6)]
+    planned = {"Pre Main": Segment.DISPATCH, "Worker": Segment.WORKER, "Post Main": Segment.MAIN}
+    lines = demo.where_each_stage_ran(rows, main_pid=7, planned=planned, workers=2)
+    assert lines == [
+        ("Pre Main ran in process 7: NOT where planned, which is the dispatch process.", False),
+        ("Worker ran in process 7: NOT where planned, which is the 2 worker processes.", False),
+        ("Post Main ran in the main process (process 7), as planned.", True),
+    ]
+    # With num_workers=0 the plan puts every stage in the main process: that is as planned.
+    everything_in_main = dict.fromkeys(planned, Segment.MAIN)
+    assert all(ok for _, ok in demo.where_each_stage_ran(rows, 7, everything_in_main, workers=0))
+
+
+def test_help_speaks_of_what_the_user_sees(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "seed" not in out
+    assert "demo run a small three-stage pipeline and show which process ran each stage" in out
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

@@ -201,3 +201,50 @@ def test_readme_gives_two_commands_and_ci_runs_the_second():
     assert demo.startswith("python3 -m venv .venv && ") and demo.endswith("&& python -m mprs_plus demo")
     ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert tests in ci_lines, ".ci/run must run the README's test command as written"
+
+
+def test_readme_lists_every_argument_of_the_service_as_the_signature_has_it():
+    import inspect
+
+    from mprs_plus import MultiProcessingReadingService
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    paragraph = readme.split("The arguments are torchdata's:", 1)[1].split("\n\n", 1)[0]
+    positional_text, keyword_text = paragraph.split("keyword-only:", 1)
+    named = re.compile(r"`([a-z_]+)`")  # argument names only: `in_order`, not `.batch(n)` or links
+    parameters = list(inspect.signature(MultiProcessingReadingService).parameters.values())
+    positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keyword_only = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert named.findall(positional_text) == positional, "the README's torchdata arguments differ from the signature"
+    assert named.findall(keyword_text) == keyword_only, "the README's keyword-only arguments differ from the signature"
+
+
+@pytest.mark.parametrize(
+    "num_workers, prefetch, bound",
+    [(2, 10, 1088), (4, 10, 960), (8, 10, 896), (10, 10, 832), (32, 10, 832), (2, 0, 192), (16, 0, 192)],
+)
+def test_the_small_items_bound_of_the_troubleshooting_page_is_the_services(num_workers, prefetch, bound):
+    from mprs_plus.options import Options
+
+    # The page's figures, each computed here from the options the service sizes its channels with.
+    page = " ".join((DOCS / "troubleshooting.md").read_text(encoding="utf-8").split())
+    assert "`(B + 2) × 64` small items" in page and "`B = 10 + ceil(10 / num_workers)`" in page
+    assert f"{bound:,}" in page
+    options = Options(num_workers=num_workers, worker_prefetch_cnt=prefetch, main_prefetch_cnt=prefetch)
+    assert (options.items_in_flight_per_worker + 2) * 64 == bound
+
+
+def test_the_readme_says_where_the_banner_comes_from_and_its_setting_silences_just_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    line = next(line for line in readme.splitlines() if "modules are deprecated" in line)
+    assert "torchdata" in line
+    setting = re.search(r"`PYTHONWARNINGS=([^`]+)`", line).group(1)
+    code = "import warnings, torchdata.datapipes, torchdata.dataloader2; warnings.warn('the program warns')"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
+    shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "modules are deprecated" in shown.stderr  # torchdata prints it...
+    quiet = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "PYTHONWARNINGS": setting}, capture_output=True, text=True, timeout=60
+    )
+    assert "modules are deprecated" not in quiet.stderr, quiet.stderr  # ...and the README's setting silences it
+    assert "the program warns" in quiet.stderr  # and nothing else

@@ -176,3 +176,37 @@ def test_renderings_and_planning_do_not_import_the_runtime(module):
         node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
     ] + [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     assert not [name for name in imported if "runtime" in name or "reading_service" in name]
+
+
+def _double(x):
+    return 2 * x
+
+
+def test_explain_shows_the_stage_held_in_main_and_names_inputs_as_the_code_does():
+    # FullSync pickles its state as a tuple: the walk reaches its input as __getstate__()[0],
+    # which no user wrote; explain() names the attribute that holds it.
+    p = mprs_plus.plan(IterableWrapper(range(8)).sharding_filter().fullsync().map(_double), 2)
+    text = p.explain()
+    assert "__getstate__" not in text and "__getstate__" not in p.to_dot()
+    assert re.search(r"#1 FullSyncIterDataPipe\s+<- #2 \(datapipe\)", text), text
+    assert "Warnings: none" not in text
+    warning = " ".join(text.split("WARNING: ", 1)[1].split())
+    assert warning.startswith("#0 .map(_double) runs in the main process") and "Move it before #1 .fullsync()" in warning
+
+
+class _StatePositional(IterDataPipe):
+    """A DataPipe whose __getstate__ is a tuple and whose input is in no attribute of its own."""
+
+    def __init__(self, dp):
+        self._inputs = {"hidden": dp}
+
+    def __getstate__(self):
+        return (self._inputs["hidden"],)
+
+    def __iter__(self):
+        return iter(self._inputs["hidden"])
+
+
+def test_an_input_found_only_by_position_is_named_by_position():
+    text = mprs_plus.plan(_StatePositional(IterableWrapper(range(4)).sharding_filter()), 2).explain()
+    assert re.search(r"#0 _StatePositional\s+<- #1 \(input 1\)", text), text

@@ -129,3 +129,31 @@ def test_explain_shows_segments_processes_and_queues():
 def test_plan_of_nograph_wrapped_output():
     p = plan(NoGraph(pipelines.NoGraphWrapper()), num_workers=2)
     assert p.graph.nodes[0].name == "NoGraphWrapper"
+
+
+# A function of the user's per item, placed after torchdata's fullsync(): it lands in the
+# main process. The planner names the stage, why it runs there, and the fix.
+def test_a_stage_after_fullsync_is_named_with_why_and_the_fix():
+    p = plan(IterableWrapper(range(8)).sharding_filter().fullsync().map(pipelines.double), num_workers=2)
+    assert p.segments[0] is Segment.MAIN and p.held_in_main() == ((0, 1),)
+    (warning,) = p.warnings
+    assert warning.startswith("#0 .map(double) runs in the main process"), warning
+    assert "it comes after #1 .fullsync(), which is not replicable" in warning
+    assert "Move it before #1 .fullsync() so that the workers run it" in warning
+
+
+def test_stages_after_one_blocker_share_a_warning_and_harmless_stages_get_none():
+    source = IterableWrapper(range(8)).sharding_filter()
+    p = plan(source.fullsync().map(pipelines.double).filter(bool), num_workers=2)
+    (warning,) = p.warnings
+    assert warning.startswith("#1 .map(double), #0 .filter(bool) run in the main process"), warning
+    # Collating belongs in the main process; the work before fullsync() runs in the workers.
+    assert plan(source.batch(2).fullsync().collate(), num_workers=2).warnings == ()
+    assert plan(source.map(pipelines.double).fullsync(), num_workers=2).warnings == ()
+    # Without workers everything runs in one process on purpose: nothing to move.
+    assert plan(source.fullsync().map(pipelines.double), num_workers=0).warnings == ()
+
+
+def test_after_a_non_replicable_datapipe_of_the_users_own_the_main_process_is_their_choice():
+    p = plan(pipelines.seed_pipe(IterableWrapper(range(4))), num_workers=2)
+    assert p.segments[0] is Segment.MAIN and p.held_in_main() == () and p.warnings == ()

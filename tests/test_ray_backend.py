@@ -19,7 +19,7 @@ import types
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="the Ray backend's tests need Ray: pip install mprs_plus[ray]")
+ray = pytest.importorskip("ray", reason="the Ray backend's tests need Ray: pip install -e '.[ray]' in the checkout")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES  # noqa: E402

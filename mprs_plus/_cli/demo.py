@@ -1,4 +1,4 @@
-"""``demo``: the pipeline that torchdata silently ran in one process, split as written.
+"""``demo``: a pipeline that torchdata silently ran in one process, split as written.
 
 The ``Wrapper`` keeps its source in ``NoGraph``; each stage stamps the id of the
 process it ran in onto the item, so the split is visible item by item.
@@ -17,6 +17,7 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from ..graph import NoGraph
 from ..reading_service import MultiProcessingReadingService
+from ..segment import Segment
 
 STAGES = ("Pre Main", "Worker", "Post Main")
 
@@ -58,8 +59,31 @@ class Wrapper(IterDataPipe):
         return iter(self.dp)
 
 
+_WHAT_IT_RUNS = """\
+The demo's pipeline (mprs_plus/_cli/demo.py), from the source to the loop:
+  IterableWrapper  the source: the numbers 0 to {last}
+  map "Pre Main"   before sharding_round_robin_dispatch: runs once, in the dispatch process
+  map "Worker"     after it: each worker runs it on the items dealt to that worker
+  NonReplicable    a DataPipe of the demo whose is_replicable() returns False: from here on,
+                   the main process runs the pipeline
+  map "Post Main"  after it: runs in the main process
+  Wrapper          the outer DataPipe. It keeps a reference to the source besides the pipeline
+                   built on it, which makes torchdata's own reading service run everything in
+                   one process; here that reference is wrapped in NoGraph(...), so the
+                   pipeline is split as written.
+Each map writes the id of the process it ran in onto the item. Where each DataPipe runs,
+as planned before anything ran (#0 is the output):
+"""
+
+
 def register(commands: Any) -> None:
-    parser = commands.add_parser("demo", help="run the seed pipeline and show where each stage ran")
+    parser = commands.add_parser(
+        "demo",
+        help="run a small three-stage pipeline and show which process ran each stage",
+        description="Run a small pipeline whose three stages belong in the dispatch process, the worker "
+        "processes and the main process; print the plan, which process ran each stage for each item, "
+        "and whether each stage ran where it was planned (exit code 1 if not).",
+    )
     parser.add_argument("--num-workers", type=int, default=2, metavar="N", help="worker processes (default 2)")
     parser.add_argument("--items", type=int, default=6, metavar="N", help="items the source yields (default 6)")
     parser.add_argument(
@@ -73,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     loader = DataLoader2(Wrapper(args.items), reading_service=service)
     try:
         rows = list(loader)
-        print(loader.reading_service.plan.explain())
+        plan = loader.reading_service.plan
+        print(_WHAT_IT_RUNS.format(last=args.items - 1))
+        print(plan.explain())
     finally:
         loader.shutdown()
     print()
@@ -81,8 +107,45 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'item':>4}  " + "  ".join(f"{stage:>10}" for stage in STAGES))
     for value, pids in rows:
         print(f"{value:>4}  " + "  ".join(f"{pids[stage]:>10}" for stage in STAGES))
-    seen = {stage: sorted({pids[stage] for _, pids in rows}) for stage in STAGES}
     print()
-    for stage, role in zip(STAGES, ("dispatch process", "worker processes", "main process")):
-        print(f"{stage:>9} ran in {len(seen[stage])} process(es) {seen[stage]}: expected the {role}")
-    return 0
+    verdicts = where_each_stage_ran(rows, os.getpid(), planned_segments(plan), min(args.num_workers, args.items))
+    for line, _ in verdicts:
+        print(line)
+    return 0 if all(as_planned for _, as_planned in verdicts) else 1
+
+
+def planned_segments(plan: Any) -> dict[str, Segment]:
+    """The segment the plan gave each stamping stage."""
+    found = {}
+    for index, datapipe in enumerate(plan.graph.datapipes):
+        fn = getattr(datapipe, "fn", None)
+        if isinstance(fn, functools.partial) and fn.func is stamp:
+            found[fn.keywords["stage"]] = plan.segments[index]
+    return found
+
+
+def where_each_stage_ran(
+    rows: list[Any], main_pid: int, planned: dict[str, Segment], workers: int
+) -> list[tuple[str, bool]]:
+    """A line per stage saying where it ran and whether that is where the plan put it: the
+    dispatch process is one process of its own, the workers are ``workers`` processes, and
+    neither is the main process."""
+    seen = {stage: sorted({pids[stage] for _, pids in rows}) for stage in STAGES}
+    by_segment = {segment: {pid for stage in STAGES if planned[stage] is segment for pid in seen[stage]} for segment in Segment}
+    found = []
+    for stage in STAGES:
+        segment, pids = planned[stage], set(seen[stage])
+        if segment is Segment.MAIN:
+            name, as_planned = "the main process", pids == {main_pid}
+        elif segment is Segment.DISPATCH:
+            others = by_segment[Segment.WORKER] | {main_pid}
+            name, as_planned = "the dispatch process", len(pids) == 1 and not pids & others
+        else:
+            others = by_segment[Segment.DISPATCH] | {main_pid}
+            name, as_planned = f"the {workers} worker processes", len(pids) == workers and not pids & others
+        where = f"process{'es' if len(pids) != 1 else ''} {', '.join(map(str, seen[stage]))}"
+        if as_planned:
+            found.append((f"{stage} ran in {name} ({where}), as planned.", True))
+        else:
+            found.append((f"{stage} ran in {where}: NOT where planned, which is {name}.", False))
+    return found

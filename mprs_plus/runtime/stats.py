@@ -20,6 +20,14 @@ Fields, per process:
     queued        messages written to this process's output channels and not yet read
     rescues       wake-ups on those channels that the transport's watchdog stood in for
                   (either end; always 0 unless the transport has a bug)
+    in_service    main process only: seconds inside the main segment's ``next()``, that is
+                  not in the user's loop (its own DataPipes, reading, waiting included)
+    receiving     main process only: seconds taking messages out of the channels and
+                  rebuilding their items (not waiting for them)
+    first_ask     main process only: seconds from the start until the loop first asked for
+                  an item (the service starting, DataLoader2 setting up)
+    first_item    main process only: seconds from the start until the first item reached
+                  the loop (the above, plus the workers' start and first item)
 
 There is one row per *lane* (a thread producing one output, see ``lanes.py``), so that
 every row has exactly one writer thread; ``stats()`` adds a process's rows up.
@@ -48,10 +56,27 @@ FIELDS = (
     "started",
     "rescues",
     "messages_out",
+    "in_service",
+    "receiving",
+    "first_ask",
+    "first_item",
 )
-_ITEMS_IN, _ITEMS_OUT, _BUSY, _WAIT_IN, _WAIT_OUT, _BYTES_OUT, _QUEUED, _STARTED, _RESCUES, _MESSAGES_OUT = range(
-    len(FIELDS)
-)
+(
+    _ITEMS_IN,
+    _ITEMS_OUT,
+    _BUSY,
+    _WAIT_IN,
+    _WAIT_OUT,
+    _BYTES_OUT,
+    _QUEUED,
+    _STARTED,
+    _RESCUES,
+    _MESSAGES_OUT,
+    _IN_SERVICE,
+    _RECEIVING,
+    _FIRST_ASK,
+    _FIRST_ITEM,
+) = range(len(FIELDS))
 
 
 class StatsTable:
@@ -81,6 +106,11 @@ class StatsWriter:
         "busy",
         "wait_input",
         "wait_output",
+        "in_service",
+        "receiving",
+        "first_ask",
+        "first_item",
+        "started_at",
         "channels",
     )
 
@@ -93,6 +123,11 @@ class StatsWriter:
         self.busy = 0.0
         self.wait_input = 0.0
         self.wait_output = 0.0
+        self.in_service = 0.0
+        self.receiving = 0.0
+        self.first_ask = 0.0
+        self.first_item = 0.0
+        self.started_at = 0.0
         self.channels: tuple[Sender, ...] = ()  # output endpoints, for bytes and queue fill
 
     def __getstate__(self) -> tuple[Any, int, int]:
@@ -102,7 +137,8 @@ class StatsWriter:
         self.__init__(*state)  # type: ignore[misc]
 
     def start(self) -> None:
-        self._table[self._base + _STARTED] = time.monotonic()
+        self.started_at = time.monotonic()
+        self._table[self._base + _STARTED] = self.started_at
 
     def publish(self) -> None:
         table, base = self._table, self._base
@@ -111,6 +147,10 @@ class StatsWriter:
         table[base + _BUSY] = self.busy
         table[base + _WAIT_IN] = self.wait_input
         table[base + _WAIT_OUT] = self.wait_output
+        table[base + _IN_SERVICE] = self.in_service
+        table[base + _RECEIVING] = self.receiving
+        table[base + _FIRST_ASK] = self.first_ask
+        table[base + _FIRST_ITEM] = self.first_item
         if self.channels:
             traffic = [channel.traffic() for channel in self.channels]
             table[base + _BYTES_OUT] = sum(t.bytes for t in traffic)

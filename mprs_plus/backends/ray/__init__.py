@@ -11,12 +11,37 @@ is installed, and the rest loads when a service starts.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
-_INSTALL = "the Ray backend needs Ray: pip install mprs_plus[ray]"
+
+def install_hint(extra: str = "ray") -> str:
+    """The pip command that adds ``extra`` to mprs_plus as it is installed here.
+
+    ``pip install 'mprs_plus[ray]'`` only works where pip can find the package by name. The
+    README installs from a checkout (``pip install -e .``): there the extra is asked of that
+    directory. A copy installed from a directory names it (pip records it in
+    ``direct_url.json``); only a copy from an index gets the package's name.
+    """
+    checkout = Path(__file__).resolve().parents[3]
+    if (checkout / "setup.py").is_file():  # this code runs from a source tree
+        return f"pip install -e '{checkout}[{extra}]'"
+    try:
+        recorded = importlib.metadata.distribution("mprs_plus").read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        recorded = None
+    if recorded:
+        origin = json.loads(recorded)
+        url = urlparse(origin.get("url", ""))
+        if "dir_info" in origin and url.scheme == "file":
+            return f"pip install '{unquote(url.path)}[{extra}]'"
+    return f"pip install 'mprs_plus[{extra}]'"
 
 
 @dataclass(frozen=True)
@@ -69,7 +94,7 @@ class RayBackend:
         except ValueError:  # a module "ray" without a spec (set to None in sys.modules, say)
             found = False
         if not found:
-            raise ImportError(_INSTALL)
+            raise ImportError(f"the Ray backend needs Ray, which is not installed: {install_hint('ray')}")
         if self.address is not None and not isinstance(self.address, str):
             raise TypeError(f"address must be a string such as 'auto', or None; got {type(self.address).__name__}")
         if self.listen_interface is not None and (not isinstance(self.listen_interface, str) or not self.listen_interface):

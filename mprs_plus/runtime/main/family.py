@@ -69,7 +69,7 @@ class Figures:
         if view is None or reader is None:
             return _with_feeding(_empty(), self.feeding)
         view.main.items_in = reader.handed_out()
-        return _with_feeding(view.snapshot(), self.feeding)
+        return _with_feeding(view.snapshot(epochs=reader.epoch), self.feeding)
 
     def freeze(self) -> None:
         """The first step of the stop, while the children still run."""

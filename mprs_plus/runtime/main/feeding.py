@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -52,6 +51,7 @@ from typing import Any
 from torch.utils.data import IterDataPipe
 
 from ...transport import lending
+from ...user_frame import warn
 from ...transport._lend import lock_pages_with
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device context
@@ -237,13 +237,12 @@ class CudaPageLocker:
         error, text = self._on_own_thread(self._calls.host_register, address, nbytes, _HOST_REGISTER_PORTABLE)
         if error and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"pin_memory: CUDA refused to page-lock a {nbytes >> 20} MiB lend area on cuda:{self.device} "
                 f"(cudaHostRegister: {text}, error {error}). Its tensors are copied into pinned memory instead, "
                 "which costs the main process a copy per item; see 'Feeding a GPU' in the docs for when "
                 "registration is refused.",
                 RuntimeWarning,
-                stacklevel=2,
             )
         return error == 0
 
@@ -556,11 +555,10 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
                 f"device={str(device)!r}: CUDA is not available in this process, so items cannot be moved "
                 "there. Leave device=None (items stay in host memory), or run where torch.cuda.is_available()."
             )
-        warnings.warn(
+        warn(
             "pin_memory=True, but no accelerator is available: items are not page-locked. "
             "Leave pin_memory=False on this machine to silence this warning.",
             UserWarning,
-            stacklevel=4,
         )
         return None
     lending()  # gives back what an earlier service left waiting, if its fences passed by now

@@ -64,7 +64,7 @@ from .cursor import ReadCursor
 from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
 from ..stats import StatsTable
-from .stats import StatsView
+from .stats import ServiceClock, StatsView
 from .family import Figures
 from .state import Lifecycle, State
 from ..liveness import Liveness
@@ -206,7 +206,10 @@ class ServiceRuntime:
             raise
         if self.options.stats_interval is not None:
             _start_stats_logger(self.figures, self.options.stats_interval, self.lifecycle)
-        return self._main
+        if stats is None:
+            return self._main
+        # What the loop iterates: the main segment, its time counted apart from the loop's.
+        return ServiceClock(self._main, stats.main)
 
     # -- epochs, pause, resume, limit ----------------------------------------------------
 

@@ -5,14 +5,23 @@ and a snapshot as ``mprs_plus.stats.Stats`` when statistics are asked for.
     worker w  --(writes its own rows)-->  [ StatsTable ]  <--(reads)-- StatsView.snapshot()
     dispatch  --(writes its own rows)-->
 
+The main process's own row also says where its time went, so that the verdict can tell
+the service's work from the user's loop::
+
+    the user's loop --next()--> ServiceClock (in_service) --> the main segment's DataPipes
+        --> the workers' reader --> wait for a channel (wait_input), take a message out (receiving)
+
 The report types load on the first snapshot, not when a service starts.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import IterDataPipe
 
 from ...segment import Segment
 from ...transport import lending
@@ -40,8 +49,9 @@ class StatsView:
         """The rows ``link``'s lanes write, in lane order."""
         return tuple(self.table.writer(row) for row in link.stats_rows)
 
-    def snapshot(self) -> Stats:
-        """Every process's counters as of now, added up per segment, with a verdict."""
+    def snapshot(self, epochs: int = 0) -> Stats:
+        """Every process's counters as of now, added up per segment, with a verdict;
+        ``epochs``: those begun so far, which the counts add up over."""
         from ...stats import aggregate, make_process_stats
 
         table, main, topology, placement = self.table, self.main, self._topology, self._placement
@@ -84,4 +94,64 @@ class StatsView:
         processes.append(replace(mine, queued=queued_to_main))
         now, before = lending(), self._lending_before
         # Children placed on nodes (p.node): the verdict names the network for their channels.
-        return aggregate(processes, now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied))
+        lent = now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied)
+        return replace(aggregate(processes, lent), epochs=epochs)
+
+
+def _in_service(items: Iterator[Any], writer: StatsWriter) -> Iterator[Any]:
+    """``items``, adding the seconds spent getting each one to ``writer.in_service``: from
+    the loop's ``next()`` (this generator resumed) to the item found."""
+    clock = time.perf_counter
+    try:
+        asked = clock()
+        for item in items:
+            writer.in_service += clock() - asked
+            yield item
+            asked = clock()
+        writer.in_service += clock() - asked
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()  # as the loop closes this generator: the main segment's own end
+
+
+class ServiceClock(IterDataPipe):
+    """The outermost DataPipe of the main segment: counts the seconds the user's loop spends
+    waiting on ``next()`` (``in_service``), so that what is left of the main process's time
+    is the loop's own. Copies (pickled, deep-copied) iterate without counting."""
+
+    def __init__(self, source: Any, writer: StatsWriter | None) -> None:
+        self.source = source
+        self._writer = writer
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"source": self.source}  # the writer's table crosses no process boundary
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.source, self._writer = state["source"], None
+
+
+def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
+    items = iter(self.source)
+    writer = self._writer
+    if writer is None:
+        return items
+    if not writer.first_ask:
+        # The service's first epoch: the time before is the start, not the steady state
+        # the verdict is about.
+        writer.first_ask = time.monotonic() - writer.started_at
+        return _noting_the_first_item(_in_service(items, writer), writer)
+    return _in_service(items, writer)
+
+
+def _noting_the_first_item(items: Iterator[Any], writer: StatsWriter) -> Iterator[Any]:
+    for item in items:
+        writer.first_item = time.monotonic() - writer.started_at
+        yield item
+        break
+    yield from items  # the rest at no cost of this generator's own
+
+
+# Assigned after the class is made: torch's DataPipe metaclass would wrap an ``__iter__``
+# of the class body with per-item bookkeeping.
+ServiceClock.__iter__ = _iterate_clocked  # type: ignore[method-assign]
