@@ -363,7 +363,9 @@ class PipeSender(_Endpoint):
                 ):
                     raise ChannelBroken("a watched process ended while this sender waited for room in the channel")
         except (BrokenPipeError, ConnectionResetError) as exc:
-            raise ChannelBroken("the receiving end of the channel is gone") from exc
+            raise ChannelBroken(
+                "the receiving process is gone (it exited or was killed), or it closed the channel"
+            ) from exc
         finally:
             view.release()
 

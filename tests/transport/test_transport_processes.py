@@ -162,11 +162,12 @@ def test_a_watched_process_ending_breaks_a_blocked_recv():
 
 def test_a_sender_killed_in_the_middle_of_a_big_message_breaks_the_receiver():
     sender, receiver = open_channel(FORK, capacity_items=2, capacity_bytes=1)  # 64 KiB ring
-    asleep = Sleeps()
-    process = _start(FORK, produce, sender, ["small", bytearray(1 << 20)], None, True, asleep)
+    process = _start(FORK, produce, sender, ["small", bytearray(1 << 20)])
     sender.release()
     assert receiver.recv(timeout=60) == "small"
-    wait_until(asleep)  # stuck on a full channel, mid-message (too large for the lend area)
+    # The big message has begun: it cannot end (it is too large for the lend area, and
+    # far larger than the channel) until this end reads, so the sender is mid-message.
+    wait_until(receiver.poll)
     os.kill(process.pid, signal.SIGKILL)
     process.join(30)
     try:
