@@ -93,10 +93,11 @@ ITEMS_READ, BYTES_READ = 8, 9  # the receiver's
 # On the credit pipe: a message read is one CREDIT byte, an extent given back the two
 # bytes [RELEASE, slot] in one write (atomic: far below PIPE_BUF).
 CREDIT, RELEASE = 1, 2
+_CREDIT = bytes((CREDIT,))
 
 # At most ``capacity_items`` credits and two bytes per lend slot are ever unread in the
 # credit pipe, which must hold them all for a receiver's write never to block: 16 KiB is
-# the smallest pipe buffer of the systems this runs on (macOS's at first).
+# the smallest pipe buffer of the systems this runs on (macOS's at first), less some slack.
 _MAX_ITEMS = (16 << 10) - 2 * SLOTS - 512
 
 _DESCRIPTOR = struct.Struct("<QQ")  # [offset, slot] of a lent buffer, in its place in a frame
@@ -545,7 +546,7 @@ class PipeReceiver(_Endpoint):
         credits = self._credits
         if credits is not None:
             try:
-                os.write(credits.fileno(), b"\x01")
+                os.write(credits.fileno(), _CREDIT)
             except (BrokenPipeError, BlockingIOError):
                 pass  # the sender is gone (or ended its stream): nobody counts credits any more
         return data
