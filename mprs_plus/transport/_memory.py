@@ -96,7 +96,7 @@ def _open_anonymous(kind: str, name: str) -> int:
     if kind == "memfd":
         return os.memfd_create(name, os.MFD_CLOEXEC)
     if kind == "shm":
-        path = f"/mprs_plus-{os.getpid()}-{secrets.token_hex(6)}"
+        path = f"/mprs_{os.getpid():x}_{secrets.token_hex(5)}"  # macOS allows 31 characters
         fd = _posixshmem.shm_open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         _posixshmem.shm_unlink(path)  # no name from now on: nothing can be left behind
         os.set_inheritable(fd, False)
