@@ -517,6 +517,7 @@ class _Quiet(list):
 
 def _measure(workload: Workload, contender: str, settings: Settings, cell: Cell) -> None:
     limit = workload.deadline_s(settings) if workload.deadline_s is not None else settings.deadline_s
+    lent_before = _lent_so_far() if contender == MPRS_PLUS else None
     try:
         with deadline(limit):
             values = dict(workload.runners[contender](settings))
@@ -533,6 +534,32 @@ def _measure(workload: Workload, contender: str, settings: Settings, cell: Cell)
     finally:
         gc.collect()  # loaders that escaped shutdown end here, before anyone else runs
         cell.killed_pids += end_children(grace_s=settings.reap_grace_s)
+        if lent_before is not None:
+            _note_lending(cell, lent_before)
+
+
+def _lent_so_far() -> tuple[int, int]:
+    """Large buffers this process's mprs_plus channels lent as views, and copied, so far."""
+    from mprs_plus.transport import lending
+
+    so_far = lending()
+    return so_far.lent, so_far.copied
+
+
+def _note_lending(cell: Cell, before: tuple[int, int]) -> None:
+    """Say in the cell's note how its large items arrived, and through which transport
+    (``MPRS_PLUS_TRANSPORT``): views of shared memory (lent), or copies."""
+    from mprs_plus.transport import TRANSPORT
+
+    lent, copied = (now - then for now, then in zip(_lent_so_far(), before))
+    if cell.status != OK or not cell.details:
+        return  # a failed run's figures are not kept; nor is what it lent
+    cell.details[-1].update(lent=lent, copied=copied)
+    lent = sum(d.get("lent", 0) for d in cell.details)
+    copied = sum(d.get("copied", 0) for d in cell.details)
+    if lent or copied:
+        base = cell.note.split(" [transport ")[0]
+        cell.note = f"{base} [transport {TRANSPORT}: large buffers lent {lent}, copied {copied}]".strip()
 
 
 def describe(exc: BaseException) -> str:
@@ -564,11 +591,20 @@ def environment(settings: Settings) -> dict[str, Any]:
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
         "start_method": settings.context,
+        "transport": _transport(),
         "num_workers": settings.num_workers,
         "git": _git(),
         "load_average_start": list(os.getloadavg()),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
+
+
+def _transport() -> str:
+    """mprs_plus's transport (``MPRS_PLUS_TRANSPORT``) and the shared memory it lends from."""
+    from mprs_plus.transport import TRANSPORT
+    from mprs_plus.transport._memory import memory_kinds
+
+    return f"{TRANSPORT} (shared memory: {memory_kinds()[0]})"
 
 
 def _version(name: str) -> str | None:

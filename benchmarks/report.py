@@ -189,6 +189,7 @@ def _headline(results: Results) -> str:
         f"{s.num_workers} workers, {s.context}, {'quick, ' if s.quick else ''}median of "
         f"{s.repetitions} repetition(s); {env['cpu_model']}, {env['usable_cores']} usable cores"
         f"{load_text}; single-core memcpy {memcpy_text}"
+        + (f"; mprs_plus transport {env['transport']}" if env.get("transport") else "")
     )
 
 

@@ -20,9 +20,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.transport import TRANSPORT, lending
-
-pytestmark = pytest.mark.skipif(TRANSPORT != "shm", reason="only the shared-memory transport lends buffers")
+from mprs_plus.transport import _lend, lending
 
 FORK = multiprocessing.get_context("fork")
 NUMEL = 256 << 10  # float32: 1 MiB, lent
@@ -72,8 +70,18 @@ def child_side(a: torch.Tensor, b: torch.Tensor, written, go) -> int:
     return 0
 
 
+@pytest.fixture(params=["mremap", "without mremap"])
+def remap(request, monkeypatch):
+    """The child's private copy made by Linux's ``mremap``, or, as where there is none
+    (macOS), by copying aside and mapping over the extent."""
+    if request.param == "without mremap":
+        libc, memmove, _mremap = _lend._libc()
+        monkeypatch.setattr(_lend, "_LIBC", (libc, memmove, None))
+    return request.param
+
+
 @pytest.mark.timeout(120)
-def test_os_fork_child_keeps_its_bytes_and_its_writes():
+def test_os_fork_child_keeps_its_bytes_and_its_writes(remap):
     loader = tensor_loader()
     try:
         items = iter(loader)

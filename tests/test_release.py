@@ -20,7 +20,6 @@ from torchdata.datapipes.iter import IterableWrapper
 
 import pipelines
 from mprs_plus import MultiProcessingReadingService
-from mprs_plus.transport import TRANSPORT
 
 MIB = 1 << 20
 
@@ -89,9 +88,8 @@ def test_the_usual_loop_leaves_nothing_once_its_last_item_is_dropped(start_metho
     for item in loader:
         assert float(item[0]) == float(item[-1])
     loader.shutdown()
-    if TRANSPORT == "shm":
-        assert channel_mappings()[0] == 1  # the last item's channel, mapped for it alone
-        assert float(item.sum()) == float(item[0]) * item.numel()  # and intact
+    assert channel_mappings()[0] == 1  # the last item's channel, mapped for it alone
+    assert float(item.sum()) == float(item[0]) * item.numel()  # and intact
     del item
     assert snapshot() == baseline  # the loader is still referenced
     del loader
@@ -107,8 +105,7 @@ def test_kept_items_hold_their_memory_until_the_last_is_dropped(start_method, ba
     kept = [item for _, item in zip(range(200), loader)]
     loader.shutdown()
     assert [int(item[0]) for item in kept] == list(range(200))
-    if TRANSPORT == "shm":
-        assert channel_mappings()[0] == 2 and rss_shmem() > 64 * MIB
+    assert channel_mappings()[0] == 2 and rss_shmem() > 64 * MIB
     del kept
     assert snapshot() == baseline
     assert rss_shmem() < 16 * MIB

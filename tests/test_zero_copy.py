@@ -14,9 +14,6 @@ from torchdata.datapipes.iter import IterableWrapper
 import pipelines
 from mprs_plus import MultiProcessingReadingService
 from mprs_plus.runtime.main import service as service_module
-from mprs_plus.transport import TRANSPORT
-
-pytestmark = pytest.mark.skipif(TRANSPORT != "shm", reason="only the shared-memory transport lends buffers")
 
 ITEMS = 400  # 256 KiB each: 100 MiB per epoch
 SMALL_RING = 4 << 20  # per worker channel: lends up to twice this to a holding user

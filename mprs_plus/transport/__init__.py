@@ -30,9 +30,12 @@ Both endpoints may be handed to a child process when it is started; each endpoin
 exactly one owner process after that.
 
 Two implementations of the interface carry messages between processes, with the same
-capacity limits and the same errors: shared-memory rings (``shm.py``, the default on Linux
-x86-64, where memfd exists and the ring's memory ordering argument holds) and OS pipes
-(``pipe.py``, everywhere else). The environment variable ``MPRS_PLUS_TRANSPORT`` (``shm``,
+capacity limits, the same errors, the same figures and the same lending of large buffers
+(``_lend.py``): shared-memory rings (``shm.py``, the default on Linux x86-64, where memfd
+exists and the ring's memory ordering argument holds) and OS pipes (``pipe.py``,
+everywhere else: the kernel orders its hand-overs on any processor). Both make their
+shared memory the same way (``_memory.py``: a memfd, else an unlinked POSIX
+shared-memory object or file; ``MPRS_PLUS_LEND_MEMORY`` forces one). The environment variable ``MPRS_PLUS_TRANSPORT`` (``shm``,
 ``pipe``, or ``auto``, the default) chooses one when this package is first imported; child
 processes inherit the choice. ``TRANSPORT`` says which is in use. A third, ``inprocess.py``,
 carries them between the threads of one process (for tests of the runtime), written from

@@ -29,6 +29,11 @@ Who writes a slot's state word (``SLOT_BASE + slot`` in the control page)
     and the sender's check of FREE before its writes: x86-64 never reorders a load with a
     later store, so the two never overlap.
 
+    The pipe transport (``pipe.py``) keeps the same states without sharing the words: the
+    sender keeps its own, and the receiver's store of FREE is a message to it through a
+    pipe, which the kernel orders on every processor. Both ends use the classes below
+    unchanged; ``LentViews`` takes where to store FREE, ``LendArea`` where to read it.
+
 Why the root is an ndarray
     Every view built on the buffer must keep the root alive, whatever the library does
     with it: numpy ``frombuffer``/``view``/``reshape``, ``torch.frombuffer``/``from_numpy``,
@@ -190,9 +195,20 @@ def _before_fork() -> None:
     if not h.roots and not h.receivers:
         return  # nothing is lent, and nothing can be before the fork
     _libc()  # loaded here, so that the child only copies
-    h.fork_pipes[threading.get_ident()] = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    h.fork_pipes[threading.get_ident()] = _fork_pipe()
     h.forking += 1
     h.pinned.update(h.roots)
+
+
+def _fork_pipe() -> tuple[int, int]:
+    """A non-blocking pipe closed on exec: ``pipe2`` where the system has it (Linux), else
+    ``pipe`` (Python makes its ends non-inheritable) and then non-blocking."""
+    if hasattr(os, "pipe2"):
+        return os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    os.set_blocking(write_end, False)
+    return read_end, write_end
 
 
 def _after_fork_in_parent() -> None:
@@ -274,6 +290,7 @@ def _settle() -> None:
 _LIBC: Any = None
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = (1 << 64) - 1
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # 0x10 on Linux and the BSDs (macOS) alike
 
 
 def _libc() -> Any:
@@ -284,24 +301,40 @@ def _libc() -> Any:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.mremap.restype = ctypes.c_void_p
-        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _LIBC = (libc, ctypes.memmove)
+        mremap = getattr(libc, "mremap", None)  # Linux only; see _privatize
+        if mremap is not None:
+            mremap.restype = ctypes.c_void_p
+            mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        _LIBC = (libc, ctypes.memmove, mremap)
     return _LIBC
 
 
 def _privatize(address: int, nbytes: int) -> bool:
     """Replace the shared pages under ``[address, address + nbytes)`` by private ones
     holding the same bytes; False if the kernel refused. An extent is whole pages of its
-    own, so no other buffer's bytes share the pages remapped."""
-    libc, memmove = _libc()
+    own, so no other buffer's bytes share the pages remapped.
+
+    Linux moves a filled private mapping over the extent (``mremap``): one copy. Where
+    there is no ``mremap`` (macOS), the bytes are copied aside, a private mapping is put
+    at the extent's address (``MAP_FIXED``, POSIX) and they are copied back: two."""
+    libc, memmove, mremap = _libc()
     size = -(-nbytes // PAGE) * PAGE
-    fresh = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if mremap is None:
+        import ctypes
+
+        holder = (ctypes.c_char * nbytes).from_buffer(bytearray(nbytes))
+        memmove(holder, address, nbytes)
+        if libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, -1, 0) != address:
+            return False
+        memmove(address, holder, nbytes)
+        return True
+    fresh = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if fresh is None or fresh == _MAP_FAILED:
         return False
     memmove(fresh, address, nbytes)
-    if libc.mremap(fresh, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) != address:
+    if mremap(fresh, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) != address:
         libc.munmap(fresh, size)
         return False
     return True
@@ -534,8 +567,11 @@ class LendArea:
 class LentViews:
     """The receiver's side: a lent buffer as a view of the area, or a copy past the limit."""
 
-    def __init__(self, region: SharedRegion, hold_limit: int) -> None:
-        self.ctl = region.ctl
+    def __init__(self, region: SharedRegion, hold_limit: int, states: Any = None) -> None:
+        # Where a slot's state is stored FREE: the ring's control page, or ``states``,
+        # which a transport gives to send the slot back its own way (the pipe transport:
+        # a message to the sender).
+        self.ctl = region.ctl if states is None else states
         self.held = 0  # bytes of this channel's extents that users hold now
         # The root arrays are views of the region's mmap. Reached through the region,
         # which lets go of it when released: from then on only the roots hold the

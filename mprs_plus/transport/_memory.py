@@ -1,4 +1,5 @@
-"""Anonymous shared memory for the channels: a ``memfd`` mapped ``MAP_SHARED``.
+"""Anonymous shared memory for the channels: a ``memfd`` mapped ``MAP_SHARED``, or where
+there is none (macOS, say) an unlinked POSIX shared-memory object or an unlinked file.
 
 Why memfd and not ``multiprocessing.shared_memory``
     A memfd has no name. It lives exactly as long as some process holds its file
@@ -9,6 +10,15 @@ Why memfd and not ``multiprocessing.shared_memory``
     then warns about, or unlinks, a segment it does not own. Both kinds are shmem pages
     and cost the same to use; a memfd was also the quicker to create, map and first
     write (figures in docs/benchmarks.md, Design figures).
+
+Where there is no memfd
+    ``anonymous_file`` makes the next best thing with no name either: a POSIX
+    shared-memory object (``shm_open``) unlinked at once, else a file in the temporary
+    directory unlinked at once. Either lives, like a memfd, exactly as long as a
+    descriptor or a mapping of it, so nothing is left behind even after SIGKILL. The
+    environment variable ``MPRS_PLUS_LEND_MEMORY`` (``memfd``, ``shm``, ``file``, or
+    ``auto``, the default: the first that works) forces one of them, to try or measure a
+    fallback on a system that has the better one; it is read when a region is made.
 
 Handing it to another process
     fork: the child inherits the mapping. spawn / forkserver: the descriptor travels
@@ -30,10 +40,70 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
+import tempfile
 from multiprocessing import reduction
 from typing import Any
 
+try:
+    import _posixshmem
+except ImportError:  # pragma: no cover - a Python built without it (not POSIX)
+    _posixshmem = None  # type: ignore[assignment]
+
 PAGE = mmap.PAGESIZE
+MEMORY_KINDS = ("memfd", "shm", "file")
+
+
+def memory_kinds() -> list[str]:
+    """The kinds of anonymous shared memory to try, best first, as ``MPRS_PLUS_LEND_MEMORY``
+    allows (see the module's docstring) and this system offers."""
+    choice = os.environ.get("MPRS_PLUS_LEND_MEMORY", "auto").strip().lower() or "auto"
+    if choice != "auto" and choice not in MEMORY_KINDS:
+        raise ValueError(f"MPRS_PLUS_LEND_MEMORY must be 'memfd', 'shm', 'file' or 'auto', not {choice!r}")
+    offered = [
+        kind
+        for kind, present in zip(MEMORY_KINDS, (hasattr(os, "memfd_create"), _posixshmem is not None, True))
+        if present
+    ]
+    if choice == "auto":
+        return offered
+    if choice not in offered:
+        raise RuntimeError(f"MPRS_PLUS_LEND_MEMORY={choice}: this system has no {choice}; it offers {', '.join(offered)}")
+    return [choice]
+
+
+def anonymous_file(name: str, size: int) -> tuple[int, str]:
+    """A descriptor of ``size`` zeroed bytes of shared memory that no name reaches (closed
+    on exec), and its kind: a memfd, else an unlinked POSIX shared-memory object, else an
+    unlinked temporary file (see the module's docstring)."""
+    error: OSError | None = None
+    for kind in memory_kinds():
+        try:
+            fd = _open_anonymous(kind, name)
+        except OSError as exc:
+            error = exc
+            continue
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, kind
+    raise OSError(f"no shared memory could be made for a channel: {error}") from error
+
+
+def _open_anonymous(kind: str, name: str) -> int:
+    if kind == "memfd":
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    if kind == "shm":
+        path = f"/mprs_{os.getpid():x}_{secrets.token_hex(5)}"  # macOS allows 31 characters
+        fd = _posixshmem.shm_open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _posixshmem.shm_unlink(path)  # no name from now on: nothing can be left behind
+        os.set_inheritable(fd, False)
+        return fd
+    fd, path = tempfile.mkstemp(prefix="mprs_plus-")
+    os.unlink(path)
+    return fd
 
 
 class SharedRegion:
@@ -70,12 +140,11 @@ class SharedRegion:
     @classmethod
     def create(cls, data_size: int, name: str, lend_size: int = 0) -> SharedRegion:
         """A fresh zeroed region, none of it committed yet; both sizes must be multiples
-        of the page size."""
-        if data_size <= 0 or data_size % PAGE or lend_size < 0 or lend_size % PAGE:
+        of the page size (the data area may be empty: the pipe transport has none)."""
+        if data_size < 0 or data_size % PAGE or lend_size < 0 or lend_size % PAGE:
             raise ValueError(f"internal error: region sizes {data_size}, {lend_size} are not multiples of {PAGE}")
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd, _kind = anonymous_file(name, PAGE + data_size + lend_size)
         try:
-            os.ftruncate(fd, PAGE + data_size + lend_size)
             region = cls(fd, data_size, lend_size)
         except BaseException:
             os.close(fd)

@@ -106,6 +106,14 @@ class ShmSender(Endpoint):
             raise
         return cls(region, space_r, data_w, capacity_items)
 
+    def lent_extents(self) -> int:
+        """Bytes of the lend area lent or in flight now, after taking back what the
+        receiver gave back (for tests and statistics)."""
+        if self._area is None or not self._open:
+            return 0
+        self._area.reap()
+        return self._area.in_use()
+
     def receiver_closed(self) -> bool:
         """The receiver has closed its end (read from shared memory, no system call)."""
         return bool(self._ctl[RECEIVER_CLOSED])

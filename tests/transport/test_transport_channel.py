@@ -11,7 +11,7 @@ import os
 import threading
 
 import pytest
-from transport_peers import FailsToUnpickle, produce, receiver_sleeps, sender_sleeps, shm_only, wait_until
+from transport_peers import FailsToUnpickle, Sleeps, produce, ring_sender_sleeps, shm_only, wait_until
 
 from mprs_plus.transport import (
     ChannelBroken,
@@ -183,9 +183,11 @@ def test_wait_readable(channel):
             os.close(read_fd)
             os.close(write_fd)
         # A sender in another thread wakes a receiver that is armed and asleep.
-        thread = threading.Thread(target=lambda: (wait_until(lambda: receiver_sleeps(receiver)), sender.send(2)))
+        asleep = Sleeps()
+        thread = threading.Thread(target=lambda: (wait_until(asleep), sender.send(2)))
         thread.start()
-        assert wait_readable([receiver], timeout=30) == [receiver]
+        with asleep:
+            assert wait_readable([receiver], timeout=30) == [receiver]
         thread.join()
         assert receiver.recv(timeout=0) == 2
     finally:
@@ -255,7 +257,7 @@ def test_backpressure_by_items(capacity_items):
     process, counter = _start_producer(sender, receiver, list(range(10)))
     try:
         for expected in range(10 - capacity_items):
-            wait_until(lambda: sender_sleeps(receiver))
+            wait_until(lambda: ring_sender_sleeps(receiver))
             assert counter.value == expected + capacity_items  # full: exactly capacity in flight
             assert receiver.recv(timeout=30) == expected
         rest = [receiver.recv(timeout=30) for _ in range(capacity_items)]
@@ -275,7 +277,7 @@ def test_backpressure_by_bytes():
     items = [bytes([i]) * (20 * 1024) for i in range(8)]
     process, counter = _start_producer(sender, receiver, items)
     try:
-        wait_until(lambda: sender_sleeps(receiver))
+        wait_until(lambda: ring_sender_sleeps(receiver))
         assert counter.value == 3
         assert receiver.recv(timeout=30) == items[0]
         assert [receiver.recv(timeout=30) for _ in range(7)] == items[1:]

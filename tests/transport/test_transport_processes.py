@@ -23,8 +23,8 @@ from transport_peers import (
     hold,
     list_fds,
     produce,
-    receiver_sleeps,
-    sender_sleeps,
+    shm_only,
+    Sleeps,
     wait_until,
 )
 
@@ -116,9 +116,10 @@ def test_recv_breaks_when_the_sender_is_killed_while_it_waits(start_method):
     sender, receiver = open_channel(ctx, capacity_items=4, capacity_bytes=1 << 20)
     process = _start(ctx, hold, sender)
     sender.release()
-    killer = _kill_when(lambda: receiver_sleeps(receiver), process)
+    asleep = Sleeps()
+    killer = _kill_when(asleep, process)  # once this thread sleeps in the channel's wait
     try:
-        with pytest.raises(ChannelBroken, match="sending process is gone"):
+        with asleep, pytest.raises(ChannelBroken, match="sending process is gone"):
             receiver.recv(timeout=60)
     finally:
         killer.join(30)
@@ -131,9 +132,10 @@ def test_send_breaks_when_the_receiver_is_killed_while_it_waits(start_method):
     sender, receiver = open_channel(ctx, capacity_items=2, capacity_bytes=1 << 20)
     process = _start(ctx, hold, receiver)
     receiver.release()
-    killer = _kill_when(lambda: sender_sleeps(sender), process)
+    asleep = Sleeps()
+    killer = _kill_when(asleep, process)  # once this thread sleeps in the channel's wait
     try:
-        with pytest.raises(ChannelBroken, match="receiving process is gone"):
+        with asleep, pytest.raises(ChannelBroken, match="receiving process is gone"):
             for i in range(10):
                 sender.send(i)
     finally:
@@ -146,9 +148,10 @@ def test_a_watched_process_ending_breaks_a_blocked_recv():
     sender, receiver = open_channel(FORK, capacity_items=2, capacity_bytes=1 << 20)
     bystander = _start(FORK, hold, None)
     receiver.watch(bystander.sentinel)
-    killer = _kill_when(lambda: receiver_sleeps(receiver), bystander)
+    asleep = Sleeps()
+    killer = _kill_when(asleep, bystander)  # once this thread sleeps in the channel's wait
     try:
-        with pytest.raises(ChannelBroken, match="watched"):
+        with asleep, pytest.raises(ChannelBroken, match="watched"):
             receiver.recv(timeout=60)
     finally:
         killer.join(30)
@@ -162,7 +165,9 @@ def test_a_sender_killed_in_the_middle_of_a_big_message_breaks_the_receiver():
     process = _start(FORK, produce, sender, ["small", bytearray(1 << 20)])
     sender.release()
     assert receiver.recv(timeout=60) == "small"
-    wait_until(lambda: sender_sleeps(receiver))  # stuck on a full ring, mid-message
+    # The big message has begun: it cannot end (it is too large for the lend area, and
+    # far larger than the channel) until this end reads, so the sender is mid-message.
+    wait_until(receiver.poll)
     os.kill(process.pid, signal.SIGKILL)
     process.join(30)
     try:
@@ -223,6 +228,7 @@ def test_release_all_except_in_a_forked_child():
             end.close()
 
 
+@shm_only  # names the ring's descriptors
 def test_a_forked_child_closes_the_descriptors_it_does_not_own():
     kept_tx, kept_rx = open_channel(FORK, capacity_items=4, capacity_bytes=1 << 20)
     other_tx, other_rx = open_channel(FORK, capacity_items=4, capacity_bytes=1 << 20)

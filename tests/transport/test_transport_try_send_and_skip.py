@@ -9,7 +9,9 @@ import multiprocessing
 import time
 
 import pytest
-from transport_peers import sender_sleeps, wait_until
+from transport_peers import Sleeps, wait_until
+
+from mprs_plus.transport import note_blocking
 
 from mprs_plus.transport import ChannelBroken, EndOfStream
 from mprs_plus.transport.pipe import open_pipe_channel
@@ -117,12 +119,12 @@ def test_skip_wakes_a_sender_waiting_for_room(transport):
     sender, receiver = _open(transport, capacity_items=1)
     try:
         sent = _fill(sender)
-        process = FORK.Process(target=_send_blocking, args=(sender, "waited"))
+        asleep = Sleeps()
+        process = FORK.Process(target=_send_blocking, args=(sender, "waited", asleep))
         process.start()
         sender.release()
         receiver.watch(process.sentinel)
-        if transport == "shm":
-            wait_until(lambda: sender_sleeps(receiver))
+        wait_until(asleep)  # the sender waits for room
         for _ in range(sent):
             wait_until(receiver.poll)
             assert receiver.skip() is True
@@ -136,7 +138,9 @@ def test_skip_wakes_a_sender_waiting_for_room(transport):
         receiver.close()
 
 
-def _send_blocking(sender, obj) -> None:
+def _send_blocking(sender, obj, asleep=None) -> None:
+    if asleep is not None:
+        note_blocking(asleep.note)
     sender.send(obj)
     sender.close()
 

@@ -1,6 +1,9 @@
 """No lost wake-up: the sleeping protocol of ``_wakeup.py``, its races made deterministic,
 and the watchdog that stands in for a wake-up should one ever go missing.
 
+The shared-memory rings' own protocol (their sleeping flags and wake-up pipes): the pipe
+transport has none, each of its waits being the kernel's on the data itself.
+
 A race is forced by running the waker *inside* the waiter's critical window (between its
 last check and its block), through a hook, so each test takes the losing interleaving
 every time instead of once in thousands of runs."""
@@ -16,6 +19,9 @@ import types
 import pytest
 from mprs_plus.transport import EndOfStream, open_channel, release_all_except, wait_readable
 from mprs_plus.transport import _ring, _wakeup
+from transport_peers import shm_only
+
+pytestmark = shm_only
 
 FORK = multiprocessing.get_context("fork")
 

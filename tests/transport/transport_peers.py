@@ -4,6 +4,7 @@ and forkserver children can import them), and a helper to wait on shared state."
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import os
 import threading
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mprs_plus.transport import TRANSPORT, EndOfStream, release_all_except
+from mprs_plus.transport import TRANSPORT, EndOfStream, note_blocking, release_all_except
 from mprs_plus.transport import _ring
 
 
@@ -30,14 +31,34 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0) -> None:
         os.sched_yield()
 
 
-def sender_sleeps(endpoint: Any) -> bool:
-    """The channel's producer is blocked waiting for room (read from shared memory)."""
-    return bool(endpoint._ctl[_ring.TX_SLEEPING])
+class Sleeps:
+    """Whether a thread is asleep in a channel wait now, as every transport reports it
+    through ``note_blocking`` (the interface the runtime's stuck-read check uses). Install
+    it in the thread that is to wait (``with Sleeps() as asleep:``, or ``note_blocking(
+    asleep.note)`` in a child that was handed it), then ask ``asleep()`` from any thread or
+    process."""
+
+    def __init__(self, ctx: Any = None) -> None:
+        self._since = (ctx or multiprocessing.get_context("fork")).RawValue("d", 0.0)
+
+    def note(self, since: float) -> None:
+        self._since.value = since
+
+    def __call__(self) -> bool:
+        return self._since.value > 0.0
+
+    def __enter__(self) -> Sleeps:
+        note_blocking(self.note)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        note_blocking(None)
 
 
-def receiver_sleeps(endpoint: Any) -> bool:
-    """The channel's consumer is blocked waiting for data (read from shared memory)."""
-    return bool(endpoint._ctl[_ring.RX_SLEEPING])
+def ring_sender_sleeps(receiver: Any) -> bool:
+    """A ring's producer is blocked waiting for room (its flag in the ring's control page,
+    cleared by the receiver's read that wakes it): for tests of the ring's own backpressure."""
+    return bool(receiver._ctl[_ring.TX_SLEEPING])
 
 
 def echo(receiver: Any, sender: Any) -> None:
@@ -50,9 +71,12 @@ def echo(receiver: Any, sender: Any) -> None:
         sender.close()
 
 
-def produce(sender: Any, items: list[Any], counter: Any = None, close: bool = True) -> None:
-    """Send ``items``, counting each accepted one in ``counter`` (a shared Value)."""
+def produce(sender: Any, items: list[Any], counter: Any = None, close: bool = True, asleep: Sleeps | None = None) -> None:
+    """Send ``items``, counting each accepted one in ``counter`` (a shared Value), its
+    sleeps reported to ``asleep``."""
     release_all_except([sender])
+    if asleep is not None:
+        note_blocking(asleep.note)
     for item in items:
         sender.send(item)
         if counter is not None:
