@@ -98,21 +98,39 @@ class StatsView:
         return replace(aggregate(processes, lent), epochs=epochs)
 
 
-def _in_service(items: Iterator[Any], writer: StatsWriter) -> Iterator[Any]:
-    """``items``, adding the seconds spent getting each one to ``writer.in_service``: from
-    the loop's ``next()`` (this generator resumed) to the item found."""
-    clock = time.perf_counter
-    try:
+class _InService:
+    """The loop's iterator over the main segment: adds the seconds spent getting each item
+    to ``writer.in_service``, from the loop's ``next()`` to the item found (or the end).
+
+    A class, not a generator: a generator suspended at its ``yield`` keeps the last item it
+    handed out alive for as long as the loop holds the iterator, after ``shutdown()`` too,
+    and with it the lent buffer's shared memory."""
+
+    __slots__ = ("_items", "_writer", "_first")
+
+    def __init__(self, items: Iterator[Any], writer: StatsWriter, first: bool) -> None:
+        self._items, self._writer, self._first = items, writer, first
+
+    def __iter__(self) -> _InService:
+        return self
+
+    def __next__(self) -> Any:
+        clock = time.perf_counter
         asked = clock()
-        for item in items:
-            writer.in_service += clock() - asked
-            yield item
-            asked = clock()
-        writer.in_service += clock() - asked
-    finally:
-        close = getattr(items, "close", None)
+        try:
+            item = next(self._items)
+        finally:
+            self._writer.in_service += clock() - asked
+        if self._first:  # the service's first item: the end of its start, for the verdict
+            self._first = False
+            self._writer.first_item = time.monotonic() - self._writer.started_at
+        return item
+
+    def close(self) -> None:
+        """As the loop closes its iterator: the main segment's own end."""
+        close = getattr(self._items, "close", None)
         if close is not None:
-            close()  # as the loop closes this generator: the main segment's own end
+            close()
 
 
 class ServiceClock(IterDataPipe):
@@ -136,20 +154,12 @@ def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
     writer = self._writer
     if writer is None:
         return items
-    if not writer.first_ask:
+    first = not writer.first_ask
+    if first:
         # The service's first epoch: the time before is the start, not the steady state
         # the verdict is about.
         writer.first_ask = time.monotonic() - writer.started_at
-        return _noting_the_first_item(_in_service(items, writer), writer)
-    return _in_service(items, writer)
-
-
-def _noting_the_first_item(items: Iterator[Any], writer: StatsWriter) -> Iterator[Any]:
-    for item in items:
-        writer.first_item = time.monotonic() - writer.started_at
-        yield item
-        break
-    yield from items  # the rest at no cost of this generator's own
+    return _InService(items, writer, first)
 
 
 # Assigned after the class is made: torch's DataPipe metaclass would wrap an ``__iter__``
