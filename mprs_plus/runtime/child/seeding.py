@@ -118,3 +118,12 @@ def deferred_numpy_seed() -> Iterator[None]:
         yield
     finally:
         _torchdata_worker.numpy = numpy
+
+
+def seed_numpy(value: Any) -> None:
+    """Seed numpy's global generator with ``value`` now if numpy.random is loaded, else the
+    moment it is first imported in this process (a front end seeding its workers itself)."""
+    if NUMPY_RANDOM in sys.modules:
+        sys.modules[NUMPY_RANDOM].seed(value)
+    else:
+        _HOOK.arm(value)

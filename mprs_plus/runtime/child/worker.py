@@ -139,6 +139,8 @@ def worker_main(setup: WorkerSetup) -> None:
 
     def reset(root: Any, epoch: int, seed_generator: Any, iter_reset_fn: Any) -> Any:
         del epoch  # the loop has it; the input mux heard of it when the Reset arrived
+        if seed_generator is None:  # a front end that seeds its workers itself, in its reset function
+            return iter_reset_fn(root) if iter_reset_fn is not None else root
         return process_reset_fn(
             root, info, seed_generator, iter_reset_fn=iter_reset_fn, custom_reset_fn=setup.reset_fn
         )

@@ -1,0 +1,410 @@
+"""``mprs_plus.DataLoader``: torch's ``DataLoader`` API, run by the service's runtime.
+
+    DataLoader.__iter__ --> draw the epoch in this process, as torch does (epochs.py)
+                        --> num_workers=0: fetch and collate here, lazily, as torch does
+                        --> else: the plan of one DataPipe, LoaderStage (stage.py), replicated
+                            in every worker; the runtime (ServiceRuntime) runs it:
+                            begin_epoch(no seed generator, each worker's WorkerEpoch: its
+                            round-robin share of the index batches), then reads the workers
+                            round-robin (in_order) or as ready
+    state_dict()        --> what drew the epoch + the runtime's read cursor (state.py)
+    errors              --> torch's types and wording (errors.py)
+
+Persistent workers keep one runtime for the loader's life; otherwise every epoch starts
+its own, and stops it when the epoch ends or its iterator is dropped, as torch does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data.dataloader import _DatasetKind
+
+from . import state as loader_state
+from .epochs import EpochStart, capture_start, deal, draw_epoch, set_start
+from .errors import torch_error
+from .stage import EpochOrders, LoaderStage, WithState, WorkerEpoch, _Job, has_state, make_fetcher
+
+
+class DataLoader(_TorchDataLoader):
+    """torch's ``DataLoader``, with the same arguments, defaults, attributes and batches,
+    run by mprs_plus's workers; plus ``StatefulDataLoader``'s ``state_dict()`` and
+    ``load_state_dict()``, exact at any batch.
+
+    Beyond torch's arguments (keyword only):
+        snapshot_every_n_steps: an iterable dataset with ``state_dict()`` has its state
+            taken in each worker every n batches (``StatefulDataLoader``'s argument); a
+            restore replays at most n - 1 batches of a worker. Map-style datasets need none.
+        device: with ``pin_memory=True``, e.g. ``"cuda"``: batches reach the loop already
+            on that device, copied on the service's own stream ahead of the loop.
+        backend: where the workers run: None for processes of this host,
+            ``mprs_plus.RayBackend(...)`` for Ray actors (the same batches).
+        collect_stats: keep live statistics for ``stats()``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        snapshot_every_n_steps: int = 1,
+        device: Any = None,
+        backend: Any = None,
+        collect_stats: bool = True,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if isinstance(snapshot_every_n_steps, bool) or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1:
+            raise ValueError(f"snapshot_every_n_steps must be an int >= 1, got {snapshot_every_n_steps!r}")
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.device = device
+        self.backend = backend
+        self.collect_stats = collect_stats
+        self._options()  # checked now, as torch checks its own arguments
+        self._run: _Run | None = None  # persistent workers: the runtime kept across epochs
+        self._current: weakref.ref[_LoaderIterator] | None = None
+        self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
+        self._between: dict[str, Any] | None = None  # the state between two epochs
+        self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
+        from ..runtime.main.family import Family
+
+        self._family = Family.new()
+
+    # -- iterating ---------------------------------------------------------------------
+
+    def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
+        restore, self._restore = self._restore, None
+        if restore is not None and restore["phase"] != loader_state.RUNNING:
+            set_start(self, EpochStart.from_dict(restore["start"]))
+            self._base_seed = restore["start"]["base_seed"] if self.persistent_workers else None
+            restore = None
+        persistent_later = self.persistent_workers and self.num_workers > 0 and self._base_seed is not None
+        if restore is not None:
+            start = EpochStart.from_dict(restore["start"])
+            set_start(self, start)
+            if self.persistent_workers:
+                self._base_seed = start.base_seed if not start.draws_base_seed else None
+        else:
+            start = capture_start(self, self._base_seed, not persistent_later)
+        base_seed, indices = draw_epoch(self, start)
+        start = start._replace(base_seed=base_seed)
+        if self.persistent_workers and self.num_workers > 0:
+            self._base_seed = base_seed
+        previous = self._current() if self._current is not None else None
+        if previous is not None:
+            previous._abandon()
+        iterator = _LoaderIterator(self, start, indices, restore)
+        self._current = weakref.ref(iterator)
+        return iterator
+
+    def _options(self) -> Any:
+        from ..options import Options
+
+        context = self.multiprocessing_context
+        if context is not None and not isinstance(context, str):
+            context = context.get_start_method()
+        return Options(
+            num_workers=self.num_workers,
+            multiprocessing_context=context,
+            worker_prefetch_cnt=self.prefetch_factor or 0,
+            main_prefetch_cnt=0,
+            in_order=self.in_order,
+            timeout=self.timeout or None,
+            collect_stats=self.collect_stats,
+            backend=self.backend,
+            pin_memory=bool(self.pin_memory),
+            device=self.device,
+        )
+
+    def _job(self) -> _Job:
+        return _Job(
+            self.dataset,
+            self._dataset_kind,
+            self._auto_collation,
+            self.collate_fn,
+            self.drop_last,
+            self.batch_size,
+            self.worker_init_fn,
+            self.snapshot_every_n_steps,
+        )
+
+    # -- what the service adds -------------------------------------------------------------
+
+    def stats(self) -> Any:
+        """A snapshot of what every worker has done, with a sentence naming the bottleneck
+        (``stats().summary()``); empty before the first epoch or without workers."""
+        return self._family.stats()
+
+    def explain(self) -> str:
+        """The loader's plan as text: what runs in the workers and in this process."""
+        from ..plan import plan
+
+        return plan(LoaderStage(self._job()), self.num_workers).explain()
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position: restore it with ``load_state_dict()`` on a loader built the
+        same way, and its next epoch goes on exactly after the last batch handed out here."""
+        current = self._current() if self._current is not None else None
+        if current is not None and not current.finished:
+            return current.state_dict()
+        if self._restore is not None:
+            return dict(self._restore)
+        start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))
+        return loader_state.between(self, start)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume ``state_dict`` (from ``state_dict()`` of a loader built the same way) with
+        the next ``iter()``. A state of another dataset length, batch size, worker count or
+        dataset kind is a ``ValueError``."""
+        self._restore = loader_state.check(self, state_dict)
+
+    def __del__(self) -> None:
+        run = getattr(self, "_run", None)
+        if run is not None:
+            run.stop()
+
+
+class _Run:
+    """One runtime of the loader's workers and the plan it runs."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        from ..plan import plan
+        from ..runtime.main.service import open_runtime
+
+        options = loader._options()
+        stage = LoaderStage(loader._job())
+        self.plan = plan(stage, loader.num_workers)
+        self.feeding = _open_feeding(options)
+        if self.feeding is not None:
+            self.plan = self.plan._replace(delivery=self.feeding.delivery)
+        self.runtime = open_runtime(stage, self.plan, options)
+        main = self.runtime.start()
+        loader._family.started(self.runtime.figures)
+        if self.feeding is not None:
+            self.runtime.figures.feeding = self.feeding.counters
+            main = self.feeding.wrap(main)
+        self.main = main
+
+    def stop(self) -> None:
+        self.runtime.stop()
+        feeding, self.feeding = self.feeding, None
+        if feeding is not None:
+            feeding.close()
+
+
+def _open_feeding(options: Any) -> Any:
+    if not options.pin_memory:
+        return None
+    from ..runtime.main.feeding import open_feeding
+
+    return open_feeding(options.pin_memory, options.device, options.device_prefetch)
+
+
+_END = object()
+
+
+class _LoaderIterator:
+    """One epoch of a ``DataLoader``, what ``iter(loader)`` returns."""
+
+    def __init__(self, loader: DataLoader, start: EpochStart, indices: Iterator[Any], restore: dict[str, Any] | None) -> None:
+        self._loader_ref = weakref.ref(loader)
+        self._length = _length_or_none(loader)
+        self._timeout = loader.timeout
+        self.start = start
+        self.finished = False
+        self._workers = loader.num_workers
+        self._restore = restore
+        self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else {}
+        self._owns_run = False
+        self._run: _Run | None = None
+        self._yielded = restore["consumed"][0] if restore and loader.num_workers == 0 else 0
+        if self._workers == 0:
+            self._stage: LoaderStage | None = LoaderStage(loader._job())
+            self._items = self._in_process(loader, indices)
+        else:
+            self._stage = None
+            self._items = self._in_workers(loader, indices)
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this DataLoader's dataset has no len()")
+        return self._length
+
+    def __next__(self) -> Any:
+        try:
+            item = next(self._items)
+        except StopIteration:
+            self._finish()
+            raise
+        except Exception as exc:
+            mapped = torch_error(exc, self._timeout)
+            if mapped is None:
+                raise
+            raise mapped from None
+        if type(item) is WithState:
+            batch, worker, count, dataset_state = item
+            self._worker_states[worker] = (count, dataset_state)
+            return batch
+        return item
+
+    # -- in this process -----------------------------------------------------------------
+
+    def _in_process(self, loader: DataLoader, indices: Iterator[Any]) -> Iterator[Any]:
+        """Set up now (an iterable dataset's ``iter()`` is taken by ``iter(loader)``, as
+        torch's); the batches, lazily from the sampler, as torch's single process makes them.
+        A restored epoch drops its first index batches unread (map-style), or goes on from
+        the dataset's recorded state and replays the batches after it."""
+        stage = self._stage
+        if stage is None:
+            raise RuntimeError("internal error: no stage for an in-process epoch")
+        count, dataset_state = self._worker_states.get(0, (0, None)) if self._restore is not None else (0, None)
+        stage.begin(WorkerEpoch(0, 1, self.start.base_seed or 0, None, dataset_state), in_worker=False)
+        iterable = loader._dataset_kind == _DatasetKind.Iterable
+        fetch = stage._fetcher.fetch if iterable else make_fetcher(stage.job).fetch
+        for _ in range(self._yielded - count):
+            index = next(indices, _END)
+            if index is _END:
+                break
+            if iterable:
+                with contextlib.suppress(StopIteration):
+                    fetch(index)
+        return self._fetched(indices, fetch)
+
+    def _fetched(self, indices: Iterator[Any], fetch: Any) -> Iterator[Any]:
+        for index in indices:
+            try:
+                batch = fetch(index)
+            except StopIteration:  # an iterable dataset's fetcher: the epoch's end
+                return
+            self._yielded += 1
+            yield batch
+
+    # -- in workers ----------------------------------------------------------------------
+
+    def _in_workers(self, loader: DataLoader, indices: Iterator[Any]) -> Iterator[Any]:
+        """Start the epoch in the workers now (as ``iter()`` of torch's loader does): each
+        worker gets its round-robin share of the epoch's index batches (map-style) or runs
+        its replica (an iterable dataset); returns the batches as the runtime reads them."""
+        workers = loader.num_workers
+        if loader.prefetch_factor == 0:
+            raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
+        base_seed = self.start.base_seed or 0
+        if loader._dataset_kind == _DatasetKind.Iterable:
+            shares: list[list[Any] | None] = [None] * workers
+        else:
+            shares = list(deal(list(indices), workers))  # type: ignore[arg-type]
+        parts = []
+        for w in range(workers):
+            count, dataset_state = self._worker_states.get(w, (0, None))
+            parts.append(WorkerEpoch(w, workers, base_seed, shares[w], dataset_state, count))
+        run = loader._run if loader.persistent_workers else None
+        if run is None:
+            run = _Run(loader)
+            if loader.persistent_workers:
+                loader._run = run
+            else:
+                self._owns_run = True
+        self._run = run
+        skips: tuple[int, ...] = ()
+        next_worker = 0
+        if self._restore is not None:
+            skips, next_worker = tuple(self._restore["consumed"]), self._restore["next_worker"]
+        try:
+            run.runtime.begin_epoch(None, EpochOrders(parts), skips if any(skips) else (), next_worker)
+        except Exception as exc:
+            mapped = torch_error(exc, self._timeout)
+            if mapped is None:
+                raise
+            raise mapped from None
+        return iter(run.main)
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._stop_owned()
+
+    def _abandon(self) -> None:
+        self._stop_owned()
+
+    def _stop_owned(self) -> None:
+        run, self._run = self._run, None
+        if run is not None and self._owns_run:
+            run.stop()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stop_owned()
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        loader = self._loader_ref()
+        if loader is None:
+            raise RuntimeError("internal error: a loader's iterator outlived its loader")
+        if self._workers == 0:
+            consumed, next_worker = [self._yielded], 0
+            states = dict(self._worker_states)
+            stage = self._stage
+            if stage is not None and stage.job.kind == _DatasetKind.Iterable and has_state(stage.job.dataset):
+                states[0] = (self._yielded, stage.job.dataset.state_dict())
+        else:
+            cursor = self._run.runtime.read_cursor() if self._run is not None else None
+            if cursor is None:
+                consumed, next_worker = list(self._restore["consumed"]) if self._restore else [0] * self._workers, (
+                    self._restore["next_worker"] if self._restore else 0
+                )
+            else:
+                consumed, next_worker = list(cursor.consumed), cursor.next_worker
+            states = dict(self._worker_states)
+        return loader_state.running(loader, self.start, consumed, next_worker, states)
+
+
+def _length_or_none(loader: DataLoader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

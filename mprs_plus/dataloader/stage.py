@@ -1,0 +1,233 @@
+"""What a worker runs for ``mprs_plus.DataLoader``: torch's worker protocol as one DataPipe.
+
+    main process                                   worker w (one LoaderStage replica)
+    epoch's index batches, dealt round-robin  --Reset(WorkerEpoch w)-->  seed, worker info,
+    (batch i to worker i % N)                                            worker_init_fn (first
+                                                                         epoch of the process)
+                                                                         fetch + collate each
+                                                                         index batch --> lane
+
+``LoaderStage`` is the worker segment of the loader's plan: the runtime replicates it in each
+worker and iterates it every epoch. The epoch's work arrives in the runtime's per-epoch
+reset: ``WorkerEpoch`` holds one worker's share of the index batches (map-style) or nothing
+(an iterable dataset, whose replica yields its own batches), and applies torch's seeding
+when the process starts. Batches are made by torch's own fetchers (``__getitems__``,
+``collate_fn``, ``drop_last``, its iterable-dataset auto-collation), so they are torch's.
+
+Seeding, as torch's worker loop does it: ``random`` and ``torch`` with ``base_seed + w``,
+numpy's global generator with ``_generate_state(base_seed, w)``, then
+``get_worker_info()`` is set and ``worker_init_fn(w)`` runs; a process is seeded once, so
+persistent workers carry their generators' states across epochs, as torch's do.
+
+The stage keeps everything heavy (the dataset, the collate function) in a plain holder
+(``_Job``): graph walks (ours, and torch's ``traverse_dps``, which pickles what it walks)
+see one DataPipe and nothing behind it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import IterDataPipe
+from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data.dataloader import _DatasetKind
+
+
+class _Job:
+    """What every replica needs, set once per loader: not a DataPipe, not a collection."""
+
+    __slots__ = ("dataset", "kind", "auto_collation", "collate_fn", "drop_last", "batch_size", "worker_init_fn", "snapshot_every")
+
+    def __init__(
+        self,
+        dataset: Any,
+        kind: int,
+        auto_collation: bool,
+        collate_fn: Any,
+        drop_last: bool,
+        batch_size: int | None,
+        worker_init_fn: Any,
+        snapshot_every: int,
+    ) -> None:
+        self.dataset = dataset
+        self.kind = kind
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.batch_size = batch_size
+        self.worker_init_fn = worker_init_fn
+        self.snapshot_every = snapshot_every  # iterable datasets with state: every n batches, 0 never
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
+
+
+class WithState(tuple):
+    """A batch of a worker whose iterable dataset has state: ``(batch, worker, count, state)``,
+    the dataset's ``state_dict()`` after the worker's ``count``-th batch of the epoch. The
+    main process records the state and hands the batch on."""
+
+    __slots__ = ()
+
+
+def has_state(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+def seed_worker(base_seed: int, worker_id: int) -> int:
+    """torch's seeding of worker ``worker_id``: ``random``, ``torch``, numpy's global generator."""
+    from ..runtime.child.seeding import seed_numpy  # numpy.random seeded now, or when first imported
+
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch_worker.HAS_NUMPY:
+        seed_numpy(torch_worker._generate_state(base_seed, worker_id))
+    return seed
+
+
+class LoaderStage(IterDataPipe):
+    """One worker's replica of the loader: fetches and collates its share of each epoch."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.worker_id = 0
+        self.num_workers = 1
+        self._seeded = False
+        self._epoch: WorkerEpoch | None = None
+        self._fetcher: Any = None
+        self._dataset_state: Any = None
+
+    def __len__(self) -> int:
+        epoch = self._epoch
+        return len(epoch.batches) if epoch is not None and epoch.batches is not None else 0
+
+    def begin(self, epoch: WorkerEpoch, in_worker: bool = True) -> None:
+        """The runtime's per-epoch reset, in the worker: seed the process once, then set
+        up this epoch's fetcher (an iterable dataset's ``iter()`` is taken here, as torch's
+        worker does when an epoch begins). ``in_worker=False``: the main process itself
+        (``num_workers=0``), which torch does not seed."""
+        job = self.job
+        self.worker_id, self.num_workers = epoch.worker_id, epoch.num_workers
+        if in_worker and not self._seeded:
+            self._seeded = True
+            seed = seed_worker(epoch.base_seed, epoch.worker_id)
+            torch_worker._worker_info = torch_worker.WorkerInfo(
+                id=epoch.worker_id, num_workers=epoch.num_workers, seed=seed, dataset=job.dataset
+            )
+            if job.worker_init_fn is not None:
+                job.worker_init_fn(epoch.worker_id)
+        self._epoch = epoch
+        self._fetcher = None
+        if job.kind == _DatasetKind.Iterable:
+            if epoch.dataset_state is not None:
+                job.dataset.load_state_dict(epoch.dataset_state)
+            self._fetcher = make_fetcher(job)
+
+    def resume_from(self, skip: int) -> Iterator[Any]:
+        """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
+        Map-style: the index batches are dropped unread. An iterable dataset goes on from
+        its recorded state (set in ``begin``) and replays only the batches after it."""
+        epoch = self._epoch
+        if epoch is None:
+            raise RuntimeError("internal error: a loader stage resumed before its epoch began")
+        if epoch.batches is not None:
+            return _map_batches(self, epoch.batches[skip:])
+        return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
+
+
+def make_fetcher(job: _Job) -> Any:
+    return _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, job.collate_fn, job.drop_last)
+
+
+def _map_batches(stage: LoaderStage, batches: Sequence[Any]) -> Iterator[Any]:
+    fetch = make_fetcher(stage.job).fetch
+    for indices in batches:
+        yield fetch(indices)
+
+
+def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> Iterator[Any]:
+    """The replica's batches, as torch's iterable fetcher makes them; a dataset with state
+    sends its ``state_dict()`` along every ``snapshot_every`` batches. The first ``replay``
+    batches are made and dropped (a restore without a recorded state for them)."""
+    job, fetcher = stage.job, stage._fetcher
+    request = [None] * job.batch_size if job.auto_collation else None
+    every = job.snapshot_every if has_state(job.dataset) else 0
+    while True:
+        try:
+            batch = fetcher.fetch(request)
+        except StopIteration:
+            return
+        count += 1
+        if replay > 0:
+            replay -= 1
+            continue
+        if every and count % every == 0:
+            yield WithState((batch, stage.worker_id, count, job.dataset.state_dict()))
+        else:
+            yield batch
+
+
+def _iterate_stage(stage: LoaderStage) -> Iterator[Any]:
+    epoch = stage._epoch
+    if epoch is None:
+        raise RuntimeError("internal error: a loader stage iterated before its epoch began")
+    if epoch.batches is not None:
+        return _map_batches(stage, epoch.batches)
+    return _iterable_batches(stage, 0, epoch.state_count)
+
+
+# Assigned after the class is made, as the runtime's own readers are: torch's DataPipe
+# metaclass wraps an ``__iter__`` of the class body with per-item bookkeeping.
+LoaderStage.__iter__ = _iterate_stage  # type: ignore[method-assign]
+
+
+class WorkerEpoch:
+    """One worker's part of an epoch, sent in the runtime's reset; applied to the stage."""
+
+    __slots__ = ("worker_id", "num_workers", "base_seed", "batches", "dataset_state", "state_count")
+
+    def __init__(
+        self,
+        worker_id: int,
+        num_workers: int,
+        base_seed: int,
+        batches: list[Any] | None,
+        dataset_state: Any = None,
+        state_count: int = 0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.base_seed = base_seed
+        self.batches = batches  # None: an iterable dataset
+        self.dataset_state = dataset_state  # a restore: the replica's recorded state ...
+        self.state_count = state_count  # ... after this many of its batches
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
+
+    def __call__(self, stage: LoaderStage) -> LoaderStage:
+        stage.begin(self)
+        return stage
+
+
+class EpochOrders:
+    """The per-epoch reset function for all workers: ``for_worker(w)`` is worker w's part
+    (the runtime asks for it, so each worker receives only its own share)."""
+
+    def __init__(self, parts: Sequence[WorkerEpoch]) -> None:
+        self.parts = list(parts)
+
+    def for_worker(self, worker: int) -> WorkerEpoch:
+        return self.parts[worker]
