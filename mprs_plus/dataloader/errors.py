@@ -43,3 +43,8 @@ def torch_error(exc: BaseException, timeout: float) -> BaseException | None:
     if isinstance(exc, (ServiceClosedError, PipelineStuckError)):
         return RuntimeError(str(exc))
     return None
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether the workers cannot go on after ``exc`` (not a worker's own exception)."""
+    return not isinstance(getattr(exc, _ORIGIN, None), RemoteError)

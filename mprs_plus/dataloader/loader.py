@@ -29,7 +29,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, deal, draw_epoch, set_start
-from .errors import torch_error
+from .errors import is_fatal, torch_error
 from .stage import EpochOrders, LoaderStage, WithState, WorkerEpoch, _Job, has_state, make_fetcher
 
 
@@ -281,6 +281,7 @@ class _LoaderIterator:
             self._finish()
             raise
         except Exception as exc:
+            self._failed(exc)
             mapped = torch_error(exc, self._timeout)
             if mapped is None:
                 raise
@@ -361,6 +362,18 @@ class _LoaderIterator:
                 raise
             raise mapped from None
         return iter(run.main)
+
+    def _failed(self, exc: BaseException) -> None:
+        """An epoch that raised ends its own workers, as torch's does; persistent workers
+        stay for the next epoch unless the runtime itself failed (a worker died, a timeout)."""
+        if self._owns_run:
+            self._stop_owned()
+            return
+        loader = self._loader_ref()
+        if loader is not None and loader._run is self._run and is_fatal(exc):
+            run, loader._run = loader._run, None
+            if run is not None:
+                run.stop()
 
     def _finish(self) -> None:
         if not self.finished:

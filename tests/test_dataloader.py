@@ -1,0 +1,330 @@
+"""mprs_plus.DataLoader side by side with torch's own DataLoader: the same batches for the
+same seed (worker randomness included), torch's worker protocol, its errors, a clean end."""
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialSampler, get_worker_info
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import mprs_plus
+from mprs_plus import DataLoader
+
+pytestmark = pytest.mark.timeout(120)
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+class Randomized(Dataset):
+    """Each sample draws from random, torch and numpy, and says which worker made it."""
+
+    def __init__(self, n=23):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return {
+            "index": i,
+            "random": random.random(),
+            "torch": torch.rand(2),
+            "numpy": np.random.rand(2),
+            "worker": -1 if info is None else info.id,
+            "seed": -1 if info is None else info.seed,
+        }
+
+
+class Nested(Dataset):
+    def __len__(self):
+        return 9
+
+    def __getitem__(self, i):
+        return Pair({"a": torch.full((2, 2), i), "b": (np.arange(3) * i, f"s{i}")}, [i, float(i) / 2, torch.tensor(i)])
+
+
+class Ranges(IterableDataset):
+    """Worker w yields its own number of samples, so workers end at different batches."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        for k in range(9 - 4 * worker):
+            yield {"worker": worker, "k": k, "draw": torch.rand(1)}
+
+
+def plain(value):
+    """Nested batches as plain Python values, to compare exactly."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.tolist())
+    if isinstance(value, np.ndarray):
+        return ("array", value.tolist())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return (type(value).__name__, *[plain(v) for v in value])
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def run(cls, make, epochs=2):
+    """Batches of ``epochs`` epochs of ``make(cls)``, every generator seeded first; and the
+    main process's generators after them (torch's draws advance them)."""
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    loader = make(cls)
+    out = [[plain(batch) for batch in loader] for _ in range(epochs)]
+    return out, torch.rand(1).item()
+
+
+def gen(seed=3):
+    return torch.Generator().manual_seed(seed)
+
+
+def add_one(worker_id):
+    random.seed(1000 + worker_id)  # worker_init_fn runs after torch's seeding
+
+
+def sum_collate(samples):
+    return sum(sample["index"] for sample in samples), len(samples)
+
+
+CASES = {
+    "sequential": lambda cls, w: cls(Randomized(), batch_size=4, num_workers=w),
+    "shuffle": lambda cls, w: cls(Randomized(), batch_size=4, shuffle=True, num_workers=w),
+    "shuffle_generator": lambda cls, w: cls(Randomized(), batch_size=3, shuffle=True, num_workers=w, generator=gen()),
+    "drop_last": lambda cls, w: cls(Randomized(), batch_size=5, shuffle=True, drop_last=True, num_workers=w),
+    "batch_sampler": lambda cls, w: cls(
+        Randomized(), batch_sampler=BatchSampler(SequentialSampler(range(23)), 6, False), num_workers=w
+    ),
+    "no_batching": lambda cls, w: cls(Randomized(7), batch_size=None, shuffle=True, num_workers=w),
+    "collate_fn": lambda cls, w: cls(Randomized(), batch_size=4, collate_fn=sum_collate, num_workers=w),
+    "worker_init_fn": lambda cls, w: cls(
+        Randomized(), batch_size=4, num_workers=w, worker_init_fn=add_one if w else None
+    ),
+    "nested": lambda cls, w: cls(Nested(), batch_size=4, num_workers=w),
+}
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_batches_as_torch(case, workers):
+    make = CASES[case]
+    expected = run(TorchDataLoader, lambda cls: make(cls, workers))
+    assert run(DataLoader, lambda cls: make(cls, workers)) == expected
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_persistent_workers_keep_their_processes_and_generators(workers):
+    def make(cls):
+        return cls(Randomized(), batch_size=4, shuffle=True, num_workers=workers, persistent_workers=True)
+
+    assert run(DataLoader, make, epochs=3) == run(TorchDataLoader, make, epochs=3)
+
+    class Pid(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return os.getpid()
+
+    loader = DataLoader(Pid(), batch_size=2, num_workers=workers, persistent_workers=True)
+    first = {int(p) for batch in loader for p in batch}
+    second = {int(p) for batch in loader for p in batch}
+    assert first == second and os.getpid() not in first
+
+
+def test_iterable_dataset_replicas_interleave_as_torch():
+    for workers in (0, 1, 2):
+        for kwargs in ({"batch_size": 2}, {"batch_size": 3, "drop_last": True}, {"batch_size": None}):
+
+            def make(cls, kwargs=kwargs, workers=workers):
+                return cls(Ranges(), num_workers=workers, **kwargs)
+
+            assert run(DataLoader, make) == run(TorchDataLoader, make), (workers, kwargs)
+
+
+def test_in_order_false_yields_every_batch_once():
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, in_order=False)
+    indices = sorted(i for batch in loader for i in batch["index"].tolist())
+    assert indices == list(range(23))
+
+
+def test_worker_info_is_none_in_the_main_process_and_set_in_workers():
+    assert get_worker_info() is None
+    seen = {(b["worker"].tolist()[0], b["seed"].tolist()[0]) for b in DataLoader(Randomized(8), batch_size=2, num_workers=2)}
+    torch.manual_seed(1)
+    base = torch.empty((), dtype=torch.int64).random_().item()
+    assert {w for w, _ in seen} == {0, 1}
+    torch.manual_seed(1)
+    seeds = {w: s for w, s in {(b["worker"].tolist()[0], b["seed"].tolist()[0]) for b in DataLoader(Randomized(8), batch_size=2, num_workers=2)}}
+    assert seeds == {0: base, 1: base + 1}
+    assert get_worker_info() is None
+
+
+def test_start_methods(start_method):
+    def make(cls):
+        return cls(Randomized(9), batch_size=2, shuffle=True, num_workers=2, multiprocessing_context=start_method)
+
+    assert run(DataLoader, make, epochs=1) == run(TorchDataLoader, make, epochs=1)
+
+
+def test_constructor_and_attributes_are_torchs():
+    dataset = Randomized()
+    ours, theirs = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2), TorchDataLoader(
+        dataset, batch_size=4, shuffle=True, num_workers=2
+    )
+    assert isinstance(ours, TorchDataLoader)
+    for name in ("dataset", "batch_size", "drop_last", "num_workers", "prefetch_factor", "pin_memory", "timeout",
+                 "worker_init_fn", "persistent_workers", "in_order", "generator", "pin_memory_device"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert type(ours.sampler) is type(theirs.sampler) and type(ours.batch_sampler) is type(theirs.batch_sampler)
+    assert len(ours) == len(theirs) == 6
+    assert len(iter(ours)) == 6
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        DataLoader(dataset, prefetch_factor=2)
+    with pytest.raises(ValueError, match="persistent_workers"):
+        DataLoader(dataset, persistent_workers=True)
+    with pytest.raises(ValueError, match="should not be set"):
+        ours.batch_size = 3
+    with pytest.raises(TypeError):
+        len(DataLoader(Ranges()))
+
+
+def test_recreated_as_libraries_do():
+    """Lightning and Accelerate re-create a loader from its attributes with a new sampler."""
+    loader = DataLoader(Randomized(), batch_size=4, num_workers=1, collect_stats=False, snapshot_every_n_steps=3)
+    sampler = torch.utils.data.distributed.DistributedSampler(loader.dataset, num_replicas=2, rank=1, shuffle=False)
+    again = type(loader)(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, collect_stats=loader.collect_stats, device=loader.device,
+        backend=loader.backend, snapshot_every_n_steps=loader.snapshot_every_n_steps,
+    )
+    indices = [i for batch in again for i in batch["index"].tolist()]
+    assert indices == list(sampler)
+
+
+# -- errors and lifecycle ----------------------------------------------------------------
+
+
+class FailsAt(Dataset):
+    def __init__(self, bad):
+        self.bad = bad
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"bad sample {i}")
+        return i
+
+
+def test_a_worker_exception_is_raised_as_torch_raises_it():
+    loader = DataLoader(FailsAt(3), batch_size=2, num_workers=2)
+    with pytest.raises(ValueError) as caught:
+        list(loader)
+    text = str(caught.value)
+    assert text.startswith("Caught ValueError in DataLoader worker process 1.\nOriginal Traceback (most recent call last):")
+    assert "bad sample 3" in text and "__getitem__" in text
+
+
+def test_an_exception_without_workers_is_the_original():
+    with pytest.raises(ValueError, match="^bad sample 3$"):
+        list(DataLoader(FailsAt(3), batch_size=2))
+
+
+class KillsItself(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def test_a_killed_worker_is_a_runtime_error_naming_its_pid():
+    loader = DataLoader(KillsItself(), batch_size=2, num_workers=2)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly") as caught:
+        list(loader)
+    assert type(caught.value) is RuntimeError
+
+
+class Stalls(Dataset):
+    def __init__(self):
+        self.never = threading.Event()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            self.never.wait(60)
+        return i
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.never = threading.Event()
+
+
+def test_timeout_is_a_runtime_error():
+    loader = DataLoader(Stalls(), batch_size=1, num_workers=1, timeout=1)
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 1 seconds") as caught:
+        list(loader)
+    assert type(caught.value) is RuntimeError
+
+
+def test_break_and_del_leave_nothing():
+    # the no_leaks fixture checks that no process nor shared memory is left
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2)
+    for _ in loader:
+        break
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, persistent_workers=True)
+    for _ in loader:
+        break
+    del loader
+
+
+def test_interpreter_exit_mid_epoch_leaves_nothing(tmp_path):
+    script = tmp_path / "exit_mid_epoch.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, torch
+            from mprs_plus import DataLoader
+            loader = DataLoader(torch.arange(1000).reshape(100, 10), batch_size=2, num_workers=2, persistent_workers=True)
+            it = iter(loader)
+            next(it)
+            print(*(link.process.pid for link in loader._run.runtime._topology.started()), flush=True)
+            sys.exit(0)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive
