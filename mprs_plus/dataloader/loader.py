@@ -17,8 +17,7 @@ its own, and stops it when the epoch ends or its iterator is dropped, as torch d
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import warnings
+import itertools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +29,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, deal, draw_epoch, set_start
 from .errors import is_fatal, torch_error
-from .stage import EpochOrders, LoaderStage, WithState, WorkerEpoch, _Job, has_state, make_fetcher
+from .stage import EpochOrders, LoaderStage, WithState, WorkerEpoch, _Job, dataset_state, has_state, make_fetcher, replay
 
 
 class DataLoader(_TorchDataLoader):
@@ -241,8 +240,6 @@ def _open_feeding(options: Any) -> Any:
     return open_feeding(options.pin_memory, options.device, options.device_prefetch)
 
 
-_END = object()
-
 
 class _LoaderIterator:
     """One epoch of a ``DataLoader``, what ``iter(loader)`` returns."""
@@ -297,8 +294,8 @@ class _LoaderIterator:
     def _in_process(self, loader: DataLoader, indices: Iterator[Any]) -> Iterator[Any]:
         """Set up now (an iterable dataset's ``iter()`` is taken by ``iter(loader)``, as
         torch's); the batches, lazily from the sampler, as torch's single process makes them.
-        A restored epoch drops its first index batches unread (map-style), or goes on from
-        the dataset's recorded state and replays the batches after it."""
+        A restored epoch reads its first batches' samples again and drops them (map-style),
+        or goes on from the dataset's recorded state and replays the batches after it."""
         stage = self._stage
         if stage is None:
             raise RuntimeError("internal error: no stage for an in-process epoch")
@@ -306,13 +303,13 @@ class _LoaderIterator:
         stage.begin(WorkerEpoch(0, 1, self.start.base_seed or 0, None, dataset_state), in_worker=False)
         iterable = loader._dataset_kind == _DatasetKind.Iterable
         fetch = stage._fetcher.fetch if iterable else make_fetcher(stage.job).fetch
-        for _ in range(self._yielded - count):
-            index = next(indices, _END)
-            if index is _END:
-                break
-            if iterable:
+        skipped = list(itertools.islice(indices, self._yielded - count))
+        if iterable:
+            for index in skipped:
                 with contextlib.suppress(StopIteration):
                     fetch(index)
+        else:
+            replay(stage.job, skipped)
         return self._fetched(indices, fetch)
 
     def _fetched(self, indices: Iterator[Any], fetch: Any) -> Iterator[Any]:
@@ -403,7 +400,7 @@ class _LoaderIterator:
             states = dict(self._worker_states)
             stage = self._stage
             if stage is not None and stage.job.kind == _DatasetKind.Iterable and has_state(stage.job.dataset):
-                states[0] = (self._yielded, stage.job.dataset.state_dict())
+                states[0] = (self._yielded, dataset_state(stage.job.dataset, stage._fetcher))
         else:
             cursor = self._run.runtime.read_cursor() if self._run is not None else None
             if cursor is None:

@@ -77,6 +77,15 @@ class WithState(tuple):
     __slots__ = ()
 
 
+# The state of a replica whose dataset ended with its last batch: its ``state_dict()`` may
+# already read as a fresh start (a dataset that resets at its end), so it is not asked.
+EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
+
+
+def dataset_state(dataset: Any, fetcher: Any) -> Any:
+    return EXHAUSTED if fetcher.ended else dataset.state_dict()
+
+
 def has_state(dataset: Any) -> bool:
     return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
 
@@ -127,24 +136,40 @@ class LoaderStage(IterDataPipe):
         self._epoch = epoch
         self._fetcher = None
         if job.kind == _DatasetKind.Iterable:
-            if epoch.dataset_state is not None:
+            if epoch.dataset_state is not None and epoch.dataset_state != EXHAUSTED:
                 job.dataset.load_state_dict(epoch.dataset_state)
             self._fetcher = make_fetcher(job)
+            self._fetcher.ended = epoch.dataset_state == EXHAUSTED
 
     def resume_from(self, skip: int) -> Iterator[Any]:
         """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
-        Map-style: the index batches are dropped unread. An iterable dataset goes on from
-        its recorded state (set in ``begin``) and replays only the batches after it."""
+        Map-style: the samples of the skipped batches are read again and dropped, not
+        collated, so that whatever ``__getitem__`` draws from the worker's generators is
+        drawn again and the batches after them are the uninterrupted run's. An iterable
+        dataset goes on from its recorded state (set in ``begin``) and replays only the
+        batches after it."""
         epoch = self._epoch
         if epoch is None:
             raise RuntimeError("internal error: a loader stage resumed before its epoch began")
         if epoch.batches is not None:
+            replay(self.job, epoch.batches[:skip])
             return _map_batches(self, epoch.batches[skip:])
         return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
 
 
 def make_fetcher(job: _Job) -> Any:
     return _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, job.collate_fn, job.drop_last)
+
+
+def _dropped(samples: Any) -> None:
+    return None
+
+
+def replay(job: _Job, batches: Sequence[Any]) -> None:
+    """Read the samples of ``batches`` of a map-style dataset and drop them (a restore)."""
+    fetch = _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, _dropped, job.drop_last).fetch
+    for indices in batches:
+        fetch(indices)
 
 
 def _map_batches(stage: LoaderStage, batches: Sequence[Any]) -> Iterator[Any]:
@@ -169,8 +194,8 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
         if replay > 0:
             replay -= 1
             continue
-        if every and count % every == 0:
-            yield WithState((batch, stage.worker_id, count, job.dataset.state_dict()))
+        if every and (count % every == 0 or fetcher.ended):
+            yield WithState((batch, stage.worker_id, count, dataset_state(job.dataset, fetcher)))
         else:
             yield batch
 
