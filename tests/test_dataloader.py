@@ -245,3 +245,25 @@ def test_interpreter_exit_mid_epoch_leaves_nothing(tmp_path):
             continue
     _, alive = psutil.wait_procs(processes, timeout=10)
     assert not alive
+
+
+def test_nothing_about_deprecated_datapipes_is_printed(tmp_path):
+    """Neither in the main process nor in a worker, under any start method: this path does
+    not load torchdata, whose DataPipes print a deprecation banner when first imported."""
+    script = tmp_path / "quiet.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, torch
+            from mprs_plus import DataLoader
+            for method in ("fork", "spawn", "forkserver"):
+                loader = DataLoader(torch.arange(6), batch_size=3, num_workers=2, multiprocessing_context=method)
+                assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+            print(sorted(name for name in sys.modules if name.startswith("torchdata")))
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, "-W", "default", str(script)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "deprecated" not in done.stderr and "WARNING!" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterDataPipe
 from torch.utils.data.graph import traverse_dps
-from torchdata.dataloader2.graph import set_graph_random_seed
 
 from ...options import Options
 from ...plan import Plan
@@ -226,6 +225,8 @@ class ServiceRuntime:
         already queued (see ``start``)."""
         reader = self._started()
         if seed_generator is not None:  # None: a front end that seeds its workers itself (its reset function does)
+            from torchdata.dataloader2.graph import set_graph_random_seed  # only where torchdata's seeding is used
+
             set_graph_random_seed(self._main, seed_generator)
         epoch = reader.begin_epoch(next_worker, skips)
         topology, supervisor = self._topology, self._supervisor
