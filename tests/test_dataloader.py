@@ -256,10 +256,11 @@ def test_nothing_about_deprecated_datapipes_is_printed(tmp_path):
             """
             import sys, torch
             from mprs_plus import DataLoader
-            for method in ("fork", "spawn", "forkserver"):
-                loader = DataLoader(torch.arange(6), batch_size=3, num_workers=2, multiprocessing_context=method)
-                assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
-            print(sorted(name for name in sys.modules if name.startswith("torchdata")))
+            if __name__ == "__main__":
+                for method in ("fork", "spawn", "forkserver"):
+                    loader = DataLoader(torch.arange(6), batch_size=3, num_workers=2, multiprocessing_context=method)
+                    assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+                print(sorted(name for name in sys.modules if name.startswith("torchdata")))
             """
         )
     )
