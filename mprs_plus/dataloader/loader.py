@@ -176,7 +176,16 @@ class DataLoader(_TorchDataLoader):
         """The loader's plan as text: what runs in the workers and in this process."""
         from ..plan import plan
 
-        return plan(LoaderStage(self._job()), self.num_workers).explain()
+        if self._dataset_kind == _DatasetKind.Iterable:
+            work = f"each worker iterates its own replica of {type(self.dataset).__name__} and collates its batches"
+        else:
+            sampler = type(self.batch_sampler if self.batch_sampler is not None else self.sampler).__name__
+            work = (
+                f"the main process draws index batches from {sampler}; each worker fetches its share "
+                f"(batch i goes to worker i % {max(self.num_workers, 1)}) from {type(self.dataset).__name__} and collates it"
+            )
+        header = f"mprs_plus.DataLoader: {work}; LoaderStage is that work.\n"
+        return header + plan(LoaderStage(self._job()), self.num_workers).explain()
 
     # -- checkpoints -------------------------------------------------------------------
 

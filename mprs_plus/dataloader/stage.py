@@ -102,6 +102,31 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
     return seed
 
 
+def collate_tensors_privately() -> None:
+    """In this worker process, have ``default_collate`` stack tensors into ordinary memory.
+
+    In a worker, torch's collate stacks a batch into a new torch shared-memory storage
+    (a file of ``/dev/shm``) so that its own queues pass it on without a copy. Here the
+    channel copies every large tensor into its lend area anyway: the file would cost a
+    second copy, and ``/dev/shm`` room that a container may not have. Same values, same
+    checks (torch's own function runs, without the worker-only branch); a collate
+    function a user put in ``default_collate_fn_map`` stays."""
+    from torch.utils.data._utils import collate
+
+    if collate.default_collate_fn_map.get(torch.Tensor) is collate.collate_tensor_fn:
+        collate.default_collate_fn_map[torch.Tensor] = _collate_tensors
+
+
+def _collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    from torch.utils.data._utils import collate
+
+    info, torch_worker._worker_info = torch_worker._worker_info, None  # torch's worker-only branch off
+    try:
+        return collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    finally:
+        torch_worker._worker_info = info
+
+
 class LoaderStage(IterDataPipe):
     """One worker's replica of the loader: fetches and collates its share of each epoch."""
 
@@ -113,6 +138,11 @@ class LoaderStage(IterDataPipe):
         self._epoch: WorkerEpoch | None = None
         self._fetcher: Any = None
         self._dataset_state: Any = None
+
+    def apply_sharding(self, num_instances: int, instance_id: int, sharding_group: Any = None) -> None:
+        """The worker's shard is its share of the index batches (map-style), set each epoch;
+        an iterable dataset shards itself with ``get_worker_info()``, as with torch."""
+        self.worker_id, self.num_workers = instance_id, num_instances
 
     def __len__(self) -> int:
         epoch = self._epoch
@@ -131,6 +161,7 @@ class LoaderStage(IterDataPipe):
             torch_worker._worker_info = torch_worker.WorkerInfo(
                 id=epoch.worker_id, num_workers=epoch.num_workers, seed=seed, dataset=job.dataset
             )
+            collate_tensors_privately()
             if job.worker_init_fn is not None:
                 job.worker_init_fn(epoch.worker_id)
         self._epoch = epoch
