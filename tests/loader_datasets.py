@@ -86,3 +86,25 @@ def add_one(worker_id):
 
 def sum_collate(samples):
     return sum(sample["index"] for sample in samples), len(samples)
+
+
+class Endless(torch.utils.data.Sampler):
+    """An infinite sampler without len(): random indices drawn from torch's global generator."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        while True:
+            yield int(torch.randint(self.n, ()).item())
+
+
+class Unsized(torch.utils.data.Sampler):
+    """A finite sampler without len(), shuffling with its own generator."""
+
+    def __init__(self, n, seed):
+        self.n = n
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.generator).tolist())

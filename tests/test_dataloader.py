@@ -2,12 +2,14 @@
 same seed (worker randomness included), torch's worker protocol, its errors, a clean end."""
 
 import os
+import random
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch.utils.data import BatchSampler, Dataset, SequentialSampler, get_worke
 from torch.utils.data import DataLoader as TorchDataLoader
 
 from mprs_plus import DataLoader
-from loader_datasets import Nested, Randomized, Ranges, add_one, gen, run, sum_collate
+from loader_datasets import Nested, Randomized, Ranges, add_one, gen, plain, run, sum_collate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,3 +270,25 @@ def test_nothing_about_deprecated_datapipes_is_printed(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "deprecated" not in done.stderr and "WARNING!" not in done.stderr, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_samplers_without_len_even_infinite(workers):
+    import itertools
+
+    from loader_datasets import Endless, Unsized
+
+    def endless(cls):
+        torch.manual_seed(7)
+        random.seed(7)
+        np.random.seed(7)
+        loader = cls(Randomized(), batch_size=3, sampler=Endless(23), num_workers=workers)
+        epochs = [[plain(b) for b in itertools.islice(loader, 7)] for _ in range(2)]
+        return epochs, torch.rand(1).item()  # the main process's generator moved as torch's
+
+    assert endless(DataLoader) == endless(TorchDataLoader)
+
+    def finite(cls):
+        return cls(Randomized(), batch_size=4, sampler=Unsized(23, 5), num_workers=workers)
+
+    assert run(DataLoader, finite) == run(TorchDataLoader, finite)

@@ -193,3 +193,9 @@ def test_a_state_of_another_loader_is_a_value_error(changed):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="state_dict"):
         other.load_state_dict({"not": "ours"})
+
+
+def test_every_batch_with_a_sampler_without_len():
+    from loader_datasets import Unsized
+
+    check_every_batch(lambda: DataLoader(Randomized(), batch_size=3, sampler=Unsized(23, 4), num_workers=2))

@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
@@ -249,6 +250,9 @@ def _open_feeding(options: Any) -> Any:
 
 
 
+_MIRROR_END = object()
+
+
 class _LoaderIterator:
     """One epoch of a ``DataLoader``, what ``iter(loader)`` returns."""
 
@@ -263,6 +267,7 @@ class _LoaderIterator:
         self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else {}
         self._owns_run = False
         self._run: _Run | None = None
+        self._mirror: Iterator[Any] | None = None  # a sampler without len(): see _in_workers
         self._yielded = restore["consumed"][0] if restore and loader.num_workers == 0 else 0
         if self._workers == 0:
             self._stage: LoaderStage | None = LoaderStage(loader._job())
@@ -291,6 +296,8 @@ class _LoaderIterator:
             if mapped is None:
                 raise
             raise mapped from None
+        if self._mirror is not None:
+            self._follow(1)
         if type(item) is WithState:
             batch, worker, count, dataset_state = item
             self._worker_states[worker] = (count, dataset_state)
@@ -339,14 +346,21 @@ class _LoaderIterator:
         if loader.prefetch_factor == 0:
             raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
         base_seed = self.start.base_seed or 0
-        if loader._dataset_kind == _DatasetKind.Iterable:
-            shares: list[list[Any] | None] = [None] * workers
-        else:
-            shares = list(deal(list(indices), workers))  # type: ignore[arg-type]
+        shares: list[list[Any] | None] = [None] * workers
+        sampler = None
+        if loader._dataset_kind == _DatasetKind.Map:
+            if has_len(loader._index_sampler):
+                shares = list(deal(list(indices), workers))  # type: ignore[arg-type]
+            else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
+                sampler = (loader._index_sampler, torch.get_rng_state())
+                # The main process's own iterator follows, as torch's main process draws:
+                # prefetch_factor batches per worker at the start, then one per batch received.
+                # (after the workers' copies are made: begin_epoch pickles them).
+                self._mirror = indices
         parts = []
         for w in range(workers):
             count, dataset_state = self._worker_states.get(w, (0, None))
-            parts.append(WorkerEpoch(w, workers, base_seed, shares[w], dataset_state, count))
+            parts.append(WorkerEpoch(w, workers, base_seed, shares[w], dataset_state, count, sampler))
         run = loader._run if loader.persistent_workers else None
         if run is None:
             run = _Run(loader)
@@ -361,12 +375,24 @@ class _LoaderIterator:
             skips, next_worker = tuple(self._restore["consumed"]), self._restore["next_worker"]
         try:
             run.runtime.begin_epoch(None, EpochOrders(parts), skips if any(skips) else (), next_worker)
+            self._follow(loader.prefetch_factor * workers + sum(skips))
         except Exception as exc:
             mapped = torch_error(exc, self._timeout)
             if mapped is None:
                 raise
             raise mapped from None
         return iter(run.main)
+
+    def _follow(self, batches: int) -> None:
+        """Advance the main process's own sampler iterator by ``batches``, dropping them
+        (the workers draw the same from their copies): its generators move as torch's."""
+        mirror = self._mirror
+        if mirror is None:
+            return
+        for _ in range(batches):
+            if next(mirror, _MIRROR_END) is _MIRROR_END:
+                self._mirror = None
+                return
 
     def _failed(self, exc: BaseException) -> None:
         """An epoch that raised ends its own workers, as torch's does; persistent workers
@@ -419,6 +445,14 @@ class _LoaderIterator:
                 consumed, next_worker = list(cursor.consumed), cursor.next_worker
             states = dict(self._worker_states)
         return loader_state.running(loader, self.start, consumed, next_worker, states)
+
+
+def has_len(sampler: Any) -> bool:
+    try:
+        len(sampler)
+    except TypeError:
+        return False
+    return True
 
 
 def _length_or_none(loader: DataLoader) -> int | None:

@@ -26,8 +26,9 @@ see one DataPipe and nothing behind it.
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -146,7 +147,9 @@ class LoaderStage(IterDataPipe):
 
     def __len__(self) -> int:
         epoch = self._epoch
-        return len(epoch.batches) if epoch is not None and epoch.batches is not None else 0
+        if epoch is None or epoch.batches is None:
+            raise TypeError("this epoch's batches are made as they come: they have no len()")
+        return len(epoch.batches)
 
     def begin(self, epoch: WorkerEpoch, in_worker: bool = True) -> None:
         """The runtime's per-epoch reset, in the worker: seed the process once, then set
@@ -185,6 +188,10 @@ class LoaderStage(IterDataPipe):
         if epoch.batches is not None:
             replay(self.job, epoch.batches[:skip])
             return _map_batches(self, epoch.batches[skip:])
+        if epoch.sampler is not None:
+            share = own_share(epoch, *epoch.sampler)
+            replay(self.job, itertools.islice(share, skip))
+            return _map_batches(self, share)
         return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
 
 
@@ -196,14 +203,39 @@ def _dropped(samples: Any) -> None:
     return None
 
 
-def replay(job: _Job, batches: Sequence[Any]) -> None:
+def replay(job: _Job, batches: Iterable[Any]) -> None:
     """Read the samples of ``batches`` of a map-style dataset and drop them (a restore)."""
     fetch = _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, _dropped, job.drop_last).fetch
     for indices in batches:
         fetch(indices)
 
 
-def _map_batches(stage: LoaderStage, batches: Sequence[Any]) -> Iterator[Any]:
+def own_share(epoch: WorkerEpoch, sampler: Any, rng_state: Any) -> Iterator[Any]:
+    """This worker's index batches (i % N == w) of a sampler without ``len()``, drawn from
+    the worker's copy of it. Its draws from torch's global generator are made with the
+    main process's generator as the epoch left it (``rng_state``), kept apart from the
+    worker's own generator, which the samples draw from: every worker's copy yields the
+    batches the main process's sampler would have yielded, one at a time, so an
+    infinite sampler is no list."""
+    batches = iter(sampler)
+    main_state = rng_state
+    number = 0
+    while True:
+        own_state = torch.get_rng_state()
+        torch.set_rng_state(main_state)
+        try:
+            indices = next(batches)
+        except StopIteration:
+            return
+        finally:
+            main_state = torch.get_rng_state()
+            torch.set_rng_state(own_state)
+        if number % epoch.num_workers == epoch.worker_id:
+            yield indices
+        number += 1
+
+
+def _map_batches(stage: LoaderStage, batches: Iterable[Any]) -> Iterator[Any]:
     fetch = make_fetcher(stage.job).fetch
     for indices in batches:
         yield fetch(indices)
@@ -237,6 +269,8 @@ def _iterate_stage(stage: LoaderStage) -> Iterator[Any]:
         raise RuntimeError("internal error: a loader stage iterated before its epoch began")
     if epoch.batches is not None:
         return _map_batches(stage, epoch.batches)
+    if epoch.sampler is not None:
+        return _map_batches(stage, own_share(epoch, *epoch.sampler))
     return _iterable_batches(stage, 0, epoch.state_count)
 
 
@@ -248,7 +282,7 @@ LoaderStage.__iter__ = _iterate_stage  # type: ignore[method-assign]
 class WorkerEpoch:
     """One worker's part of an epoch, sent in the runtime's reset; applied to the stage."""
 
-    __slots__ = ("worker_id", "num_workers", "base_seed", "batches", "dataset_state", "state_count")
+    __slots__ = ("worker_id", "num_workers", "base_seed", "batches", "dataset_state", "state_count", "sampler")
 
     def __init__(
         self,
@@ -258,6 +292,7 @@ class WorkerEpoch:
         batches: list[Any] | None,
         dataset_state: Any = None,
         state_count: int = 0,
+        sampler: tuple[Any, Any] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.num_workers = num_workers
@@ -265,6 +300,9 @@ class WorkerEpoch:
         self.batches = batches  # None: an iterable dataset
         self.dataset_state = dataset_state  # a restore: the replica's recorded state ...
         self.state_count = state_count  # ... after this many of its batches
+        # A sampler without len(): (the index sampler, torch's global generator state as
+        # the epoch's base seed left it); its batches are drawn in the worker (own_share).
+        self.sampler = sampler
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.__slots__)
