@@ -108,3 +108,14 @@ class Unsized(torch.utils.data.Sampler):
 
     def __iter__(self):
         return iter(torch.randperm(self.n, generator=self.generator).tolist())
+
+
+def noisy(x):
+    return {"x": x, "draw": torch.rand(1)}
+
+
+def datapipe(n=20):
+    """A DataPipe dataset, as torch's DataLoader takes one: shuffled, sharded, a random map."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    return IterableWrapper(range(n)).shuffle().sharding_filter().map(noisy)

@@ -292,3 +292,17 @@ def test_samplers_without_len_even_infinite(workers):
         return cls(Randomized(), batch_size=4, sampler=Unsized(23, 5), num_workers=workers)
 
     assert run(DataLoader, finite) == run(TorchDataLoader, finite)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_datapipe_dataset_is_sharded_and_seeded_as_torch_does(workers, persistent):
+    from loader_datasets import datapipe
+
+    if persistent and not workers:
+        pytest.skip("persistent workers need workers")
+
+    def make(cls):
+        return cls(datapipe(), batch_size=3, num_workers=workers, persistent_workers=persistent)
+
+    assert run(DataLoader, make, epochs=3) == run(TorchDataLoader, make, epochs=3)

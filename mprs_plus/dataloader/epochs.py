@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.data import IterDataPipe
 
 
 class EpochStart(NamedTuple):
@@ -63,14 +64,27 @@ def set_start(loader: Any, start: EpochStart) -> None:
             sampler.load_state_dict(state)
 
 
-def draw_epoch(loader: Any, start: EpochStart) -> tuple[int, Iterator[Any]]:
-    """The epoch's base seed and its index sampler's iterator, drawn in torch's order."""
+def _draw(generator: Any) -> int:
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def draw_epoch(loader: Any, start: EpochStart) -> tuple[int, int | None, Iterator[Any]]:
+    """The epoch's base seed, a DataPipe dataset's shared seed (else None) and the index
+    sampler's iterator, drawn in torch's order: a new iterator draws the shared seed, then
+    the base seed (and with workers one more shared seed, which torch's first reset draws
+    and never uses); persistent workers' later epochs only a new shared seed."""
+    datapipe = isinstance(loader.dataset, IterDataPipe)
+    shared_seed = _draw(loader.generator) if datapipe and start.draws_base_seed else None
     indices = iter(loader._index_sampler)
     if start.draws_base_seed:
-        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        base_seed = _draw(loader.generator)
+        if datapipe and loader.num_workers > 0:
+            _draw(loader.generator)
     else:
         base_seed = start.base_seed  # type: ignore[assignment]
-    return base_seed, indices
+        if datapipe:
+            shared_seed = _draw(loader.generator)
+    return base_seed, shared_seed, indices
 
 
 def deal(batches: list[Any], workers: int) -> list[list[Any]]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data.dataloader import _DatasetKind
+from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, deal, draw_epoch, set_start
@@ -124,14 +124,14 @@ class DataLoader(_TorchDataLoader):
                 self._base_seed = start.base_seed if not start.draws_base_seed else None
         else:
             start = capture_start(self, self._base_seed, not persistent_later)
-        base_seed, indices = draw_epoch(self, start)
+        base_seed, shared_seed, indices = draw_epoch(self, start)
         start = start._replace(base_seed=base_seed)
         if self.persistent_workers and self.num_workers > 0:
             self._base_seed = base_seed
         previous = self._current() if self._current is not None else None
         if previous is not None:
             previous._abandon()
-        iterator = _LoaderIterator(self, start, indices, restore)
+        iterator = _LoaderIterator(self, start, indices, restore, shared_seed)
         self._current = weakref.ref(iterator)
         return iterator
 
@@ -256,8 +256,17 @@ _MIRROR_END = object()
 class _LoaderIterator:
     """One epoch of a ``DataLoader``, what ``iter(loader)`` returns."""
 
-    def __init__(self, loader: DataLoader, start: EpochStart, indices: Iterator[Any], restore: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        start: EpochStart,
+        indices: Iterator[Any],
+        restore: dict[str, Any] | None,
+        shared_seed: int | None = None,
+    ) -> None:
         self._loader_ref = weakref.ref(loader)
+        self._shared_seed = shared_seed  # a DataPipe dataset's, as torch draws it
+        self._distributed = _get_distributed_settings()
         self._length = _length_or_none(loader)
         self._timeout = loader.timeout
         self.start = start
@@ -315,7 +324,11 @@ class _LoaderIterator:
         if stage is None:
             raise RuntimeError("internal error: no stage for an in-process epoch")
         count, dataset_state = self._worker_states.get(0, (0, None)) if self._restore is not None else (0, None)
-        stage.begin(WorkerEpoch(0, 1, self.start.base_seed or 0, None, dataset_state), in_worker=False)
+        stage.begin(
+            WorkerEpoch(0, 1, self.start.base_seed or 0, None, dataset_state, shared_seed=self._shared_seed,
+                        distributed=self._distributed),
+            in_worker=False,
+        )
         iterable = loader._dataset_kind == _DatasetKind.Iterable
         fetch = stage._fetcher.fetch if iterable else make_fetcher(stage.job).fetch
         skipped = list(itertools.islice(indices, self._yielded - count))
@@ -360,7 +373,11 @@ class _LoaderIterator:
         parts = []
         for w in range(workers):
             count, dataset_state = self._worker_states.get(w, (0, None))
-            parts.append(WorkerEpoch(w, workers, base_seed, shares[w], dataset_state, count, sampler))
+            parts.append(
+                WorkerEpoch(
+                    w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed
+                )
+            )
         run = loader._run if loader.persistent_workers else None
         if run is None:
             run = _Run(loader)

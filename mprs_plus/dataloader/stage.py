@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import IterDataPipe
+from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
 
@@ -158,6 +158,13 @@ class LoaderStage(IterDataPipe):
         (``num_workers=0``), which torch does not seed."""
         job = self.job
         self.worker_id, self.num_workers = epoch.worker_id, epoch.num_workers
+        if epoch.shared_seed is not None and isinstance(job.dataset, IterDataPipe):
+            shared = torch.Generator()
+            shared.manual_seed(epoch.shared_seed)
+            job.dataset = graph_settings.apply_random_seed(job.dataset, shared)
+        if not in_worker and not self._seeded and isinstance(job.dataset, (IterDataPipe, MapDataPipe)):
+            self._seeded = True  # torch's single process shards a DataPipe across ranks once
+            graph_settings.apply_sharding(job.dataset, *epoch.distributed)
         if in_worker and not self._seeded:
             self._seeded = True
             seed = seed_worker(epoch.base_seed, epoch.worker_id)
@@ -165,6 +172,11 @@ class LoaderStage(IterDataPipe):
                 id=epoch.worker_id, num_workers=epoch.num_workers, seed=seed, dataset=job.dataset
             )
             collate_tensors_privately()
+            if isinstance(job.dataset, (IterDataPipe, MapDataPipe)):  # torch's DataPipe sharding
+                world_size, rank = epoch.distributed
+                graph_settings.apply_sharding(
+                    job.dataset, epoch.num_workers * world_size, epoch.worker_id * world_size + rank
+                )
             if job.worker_init_fn is not None:
                 job.worker_init_fn(epoch.worker_id)
         self._epoch = epoch
@@ -282,7 +294,10 @@ LoaderStage.__iter__ = _iterate_stage  # type: ignore[method-assign]
 class WorkerEpoch:
     """One worker's part of an epoch, sent in the runtime's reset; applied to the stage."""
 
-    __slots__ = ("worker_id", "num_workers", "base_seed", "batches", "dataset_state", "state_count", "sampler")
+    __slots__ = (
+        "worker_id", "num_workers", "base_seed", "batches", "dataset_state", "state_count", "sampler", "shared_seed",
+        "distributed",
+    )
 
     def __init__(
         self,
@@ -293,6 +308,8 @@ class WorkerEpoch:
         dataset_state: Any = None,
         state_count: int = 0,
         sampler: tuple[Any, Any] | None = None,
+        shared_seed: int | None = None,
+        distributed: tuple[int, int] = (1, 0),
     ) -> None:
         self.worker_id = worker_id
         self.num_workers = num_workers
@@ -303,6 +320,8 @@ class WorkerEpoch:
         # A sampler without len(): (the index sampler, torch's global generator state as
         # the epoch's base seed left it); its batches are drawn in the worker (own_share).
         self.sampler = sampler
+        self.shared_seed = shared_seed  # a DataPipe dataset: seeds its random DataPipes, as torch does
+        self.distributed = distributed  # (world size, rank) when the epoch began
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.__slots__)
