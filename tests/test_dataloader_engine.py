@@ -110,3 +110,37 @@ def test_large_batches_with_a_tiny_dev_shm(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"size": SHM_MIB << 20, "batches": 4, "damaged": [], "left": []}
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """The runtime's feeding with test_feeding's fake mover: the real wiring, no device."""
+    from test_feeding import FakeMover
+
+    from mprs_plus.runtime.main import feeding
+
+    def open_fake(pin_memory, device, ahead):
+        return feeding.Feeding(device, ahead, mover_factory=FakeMover)
+
+    monkeypatch.setattr(feeding, "open_feeding", open_fake)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_batches_and_a_state_taken_while_batches_are_copied_ahead(fake_device, workers):
+    def make():
+        return DataLoader(torch.arange(40), batch_size=4, shuffle=True, num_workers=workers, pin_memory=True,
+                          device="cuda", generator=torch.Generator().manual_seed(2))
+
+    expected = [batch.tolist() for batch in torch.utils.data.DataLoader(
+        torch.arange(40), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))]
+    assert [moved[1].tolist() for moved in make()] == expected  # the fake device tags each batch
+    loader = make()
+    batches = iter(loader)
+    head = [next(batches)[1].tolist() for _ in range(3)]  # more than these were read, to copy ahead
+    state = loader.state_dict()
+    del batches, loader
+    restored = make()
+    restored.load_state_dict(state)
+    assert head + [moved[1].tolist() for moved in restored] == expected
+    if workers:
+        assert restored.stats().device.items == 7

@@ -278,9 +278,20 @@ class _LoaderIterator:
         self._run: _Run | None = None
         self._mirror: Iterator[Any] | None = None  # a sampler without len(): see _in_workers
         self._yielded = restore["consumed"][0] if restore and loader.num_workers == 0 else 0
+        # Batches the loop received, counted on from a restored state: with batches copied
+        # to a device ahead of the loop, the reads run ahead of them.
+        self._handed = sum(restore["consumed"]) if restore else 0
+        self._ahead = 0
+        self._feeding: Any = None
+        self._in_order = loader.in_order
+        self._kind = loader._dataset_kind
         if self._workers == 0:
             self._stage: LoaderStage | None = LoaderStage(loader._job())
             self._items = self._in_process(loader, indices)
+            self._feeding = _open_feeding(loader._options())
+            if self._feeding is not None:  # pinned, or on the device, as with workers
+                self._items = self._feeding.iterate(self._items)
+                self._ahead = self._feeding.ahead
         else:
             self._stage = None
             self._items = self._in_workers(loader, indices)
@@ -305,6 +316,7 @@ class _LoaderIterator:
             if mapped is None:
                 raise
             raise mapped from None
+        self._handed += 1
         if self._mirror is not None:
             self._follow(1)
         if type(item) is WithState:
@@ -386,6 +398,7 @@ class _LoaderIterator:
             else:
                 self._owns_run = True
         self._run = run
+        self._ahead = run.feeding.ahead if run.feeding is not None else 0
         skips: tuple[int, ...] = ()
         next_worker = 0
         if self._restore is not None:
@@ -435,6 +448,9 @@ class _LoaderIterator:
         run, self._run = self._run, None
         if run is not None and self._owns_run:
             run.stop()
+        feeding, self._feeding = self._feeding, None
+        if feeding is not None:
+            feeding.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -446,6 +462,8 @@ class _LoaderIterator:
         loader = self._loader_ref()
         if loader is None:
             raise RuntimeError("internal error: a loader's iterator outlived its loader")
+        if self._ahead and self._handed < (self._yielded if self._workers == 0 else self._read()):
+            return loader_state.running(loader, self.start, *self._handed_counts(), dict(self._worker_states))
         if self._workers == 0:
             consumed, next_worker = [self._yielded], 0
             states = dict(self._worker_states)
@@ -462,6 +480,23 @@ class _LoaderIterator:
                 consumed, next_worker = list(cursor.consumed), cursor.next_worker
             states = dict(self._worker_states)
         return loader_state.running(loader, self.start, consumed, next_worker, states)
+
+    def _read(self) -> int:
+        cursor = self._run.runtime.read_cursor() if self._run is not None else None
+        return sum(cursor.consumed) if cursor is not None else self._handed
+
+    def _handed_counts(self) -> tuple[list[int], int]:
+        """Per worker, the batches the loop received, when batches were read ahead of it
+        (copied to the device): map-style batches in order are dealt i % N, so the first n
+        batches are worker w's first len(range(w, n, N)). Other loaders can only be counted
+        as read, which would skip the batches on their way to the device."""
+        if self._kind == _DatasetKind.Iterable or (self._workers and not self._in_order):
+            raise ValueError(
+                "state_dict() while batches are on their way to the device (device=) needs a map-style dataset "
+                "read in order (in_order=True): take the state between epochs, or leave device=None"
+            )
+        n, workers = self._handed, max(self._workers, 1)
+        return [len(range(w, n, workers)) for w in range(workers)], n % workers
 
 
 def has_len(sampler: Any) -> bool:
