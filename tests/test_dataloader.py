@@ -306,3 +306,51 @@ def test_a_datapipe_dataset_is_sharded_and_seeded_as_torch_does(workers, persist
         return cls(datapipe(), batch_size=3, num_workers=workers, persistent_workers=persistent)
 
     assert run(DataLoader, make, epochs=3) == run(TorchDataLoader, make, epochs=3)
+
+
+def test_a_loader_in_a_reference_cycle_is_stopped_by_the_garbage_collector():
+    import gc
+
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, persistent_workers=True)
+    loader.myself = loader  # a cycle: only the garbage collector frees it
+    batches = iter(loader)
+    next(batches)
+    pids = [link.process.pid for link in loader._run.runtime._topology.started()]
+    del batches, loader
+    gc.collect()
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=10)
+    assert not alive
+
+
+def test_a_context_object_as_multiprocessing_context():
+    import multiprocessing
+
+    def make(cls):
+        return cls(Randomized(6), batch_size=2, num_workers=2, multiprocessing_context=multiprocessing.get_context("spawn"))
+
+    assert run(DataLoader, make, epochs=1) == run(TorchDataLoader, make, epochs=1)
+
+
+class FailsOnce(Dataset):
+    """Sample 3 fails in the first epoch only (the flag lives in the persistent worker)."""
+
+    def __init__(self):
+        self.failed = False
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i == 3 and not self.failed:
+            self.failed = True
+            raise KeyError(i)
+        return i
+
+
+def test_persistent_workers_go_on_after_an_exception_in_a_worker():
+    loader = DataLoader(FailsOnce(), batch_size=2, num_workers=2, persistent_workers=True)
+    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process 1"):
+        list(loader)
+    pids = {link.process.pid for link in loader._run.runtime._topology.started()}
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5]]
+    assert {link.process.pid for link in loader._run.runtime._topology.started()} == pids

@@ -177,13 +177,15 @@ class DataLoader(_TorchDataLoader):
         """The loader's plan as text: what runs in the workers and in this process."""
         from ..plan import plan
 
-        if self._dataset_kind == _DatasetKind.Iterable:
+        if self.num_workers == 0:
+            work = f"this process draws, fetches from {type(self.dataset).__name__} and collates every batch"
+        elif self._dataset_kind == _DatasetKind.Iterable:
             work = f"each worker iterates its own replica of {type(self.dataset).__name__} and collates its batches"
         else:
             sampler = type(self.batch_sampler if self.batch_sampler is not None else self.sampler).__name__
             work = (
                 f"the main process draws index batches from {sampler}; each worker fetches its share "
-                f"(batch i goes to worker i % {max(self.num_workers, 1)}) from {type(self.dataset).__name__} and collates it"
+                f"(batch i goes to worker i % {self.num_workers}) from {type(self.dataset).__name__} and collates it"
             )
         header = f"mprs_plus.DataLoader: {work}; LoaderStage is that work.\n"
         return header + plan(LoaderStage(self._job()), self.num_workers).explain()
