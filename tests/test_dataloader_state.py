@@ -199,3 +199,23 @@ def test_every_batch_with_a_sampler_without_len():
     from loader_datasets import Unsized
 
     check_every_batch(lambda: DataLoader(Randomized(), batch_size=3, sampler=Unsized(23, 4), num_workers=2))
+
+
+def test_persistent_workers_restore_in_their_first_epoch_and_between_epochs():
+    check_every_batch(lambda: DataLoader(Randomized(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True))
+
+    def make():
+        return DataLoader(Squares(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+
+    seed_all(5)
+    reference = make()
+    full = [[plain(b) for b in reference] for _ in range(3)]
+    seed_all(5)
+    loader = make()
+    list(loader)
+    state = loader.state_dict()  # between epochs: what the next one draws from
+    del loader
+    seed_all(99)
+    restored = make()
+    restored.load_state_dict(state)
+    assert [[plain(b) for b in restored] for _ in range(2)] == full[1:]

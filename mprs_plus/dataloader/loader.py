@@ -102,7 +102,6 @@ class DataLoader(_TorchDataLoader):
         self._run: _Run | None = None  # persistent workers: the runtime kept across epochs
         self._current: weakref.ref[_LoaderIterator] | None = None
         self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
-        self._between: dict[str, Any] | None = None  # the state between two epochs
         self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
         from ..runtime.main.family import Family
 
@@ -112,21 +111,21 @@ class DataLoader(_TorchDataLoader):
 
     def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
         restore, self._restore = self._restore, None
-        if restore is not None and restore["phase"] != loader_state.RUNNING:
-            set_start(self, EpochStart.from_dict(restore["start"]))
-            self._base_seed = restore["start"]["base_seed"] if self.persistent_workers else None
-            restore = None
-        persistent_later = self.persistent_workers and self.num_workers > 0 and self._base_seed is not None
+        persistent = self.persistent_workers and self.num_workers > 0
         if restore is not None:
+            # What drew the recorded epoch (or, between epochs, what the next one draws
+            # from), set back: the draws below repeat the uninterrupted run's.
             start = EpochStart.from_dict(restore["start"])
             set_start(self, start)
-            if self.persistent_workers:
-                self._base_seed = start.base_seed if not start.draws_base_seed else None
+            if persistent:
+                self._base_seed = None if start.draws_base_seed else start.base_seed
+            if restore["phase"] != loader_state.RUNNING:
+                restore = None  # nothing of the epoch was handed out: it begins as any other
         else:
-            start = capture_start(self, self._base_seed, not persistent_later)
+            start = capture_start(self, self._base_seed, not (persistent and self._base_seed is not None))
         base_seed, shared_seed, indices = draw_epoch(self, start)
         start = start._replace(base_seed=base_seed)
-        if self.persistent_workers and self.num_workers > 0:
+        if persistent:
             self._base_seed = base_seed
         previous = self._current() if self._current is not None else None
         if previous is not None:
