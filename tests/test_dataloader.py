@@ -354,3 +354,10 @@ def test_persistent_workers_go_on_after_an_exception_in_a_worker():
     pids = {link.process.pid for link in loader._run.runtime._topology.started()}
     assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5]]
     assert {link.process.pid for link in loader._run.runtime._topology.started()} == pids
+
+
+def test_two_iterators_of_one_loader_run_side_by_side():
+    """Without persistent workers each iterator has its own workers, as with torch."""
+    loader = DataLoader(Randomized(8), batch_size=2, num_workers=2)
+    pairs = [(a["index"].tolist(), b["index"].tolist()) for a, b in zip(loader, loader)]
+    assert pairs == [([0, 1], [0, 1]), ([2, 3], [2, 3]), ([4, 5], [4, 5]), ([6, 7], [6, 7])]

@@ -128,8 +128,8 @@ class DataLoader(_TorchDataLoader):
         if persistent:
             self._base_seed = base_seed
         previous = self._current() if self._current is not None else None
-        if previous is not None:
-            previous._abandon()
+        if previous is not None and persistent:
+            previous._abandon()  # its epoch ends: the workers move on to this one, as torch's reset does
         iterator = _LoaderIterator(self, start, indices, restore, shared_seed)
         self._current = weakref.ref(iterator)
         return iterator
