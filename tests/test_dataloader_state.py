@@ -1,6 +1,7 @@
 """mprs_plus.DataLoader's state_dict()/load_state_dict(): a state taken at any batch restores,
 in a new loader built the same way, to exactly the rest of the uninterrupted run."""
 
+import json
 import random
 
 import numpy as np
@@ -42,7 +43,7 @@ def check_every_batch(make, epochs=2):
         loader = make()
         batches = iter(loader)
         head = [plain(next(batches)) for _ in range(k)]
-        state = loader.state_dict()
+        state = json.loads(json.dumps(loader.state_dict()))  # plain data: JSON keeps all of it
         del batches, loader
         seed_all(99)  # the restore, not the global seed, must decide what comes
         restored = make()
@@ -158,7 +159,7 @@ def test_an_iterable_dataset_state_is_taken_in_each_worker(workers, every):
         loader = make()
         batches = iter(loader)
         head = [values(next(batches)) for _ in range(k)]
-        state = loader.state_dict()
+        state = json.loads(json.dumps(loader.state_dict()))
         del batches, loader
         restored = make()
         restored.load_state_dict(state)

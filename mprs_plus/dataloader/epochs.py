@@ -25,7 +25,7 @@ from torch.utils.data import IterDataPipe
 class EpochStart(NamedTuple):
     """What the epoch's draws start from (taken before them), and the base seed."""
 
-    generator_state: Any  # the loader's generator's, or torch's global generator's without one
+    generator_state: list[int]  # the loader's generator's, or torch's global generator's without one (bytes)
     samplers: tuple[Any, ...]  # ``state_dict()`` of the sampler and of the batch sampler (None: none)
     base_seed: int | None  # the epoch's base seed, once drawn or inherited
     draws_base_seed: bool  # False: persistent workers already have theirs
@@ -35,7 +35,7 @@ class EpochStart(NamedTuple):
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> EpochStart:
-        return cls(**state)
+        return cls(list(state["generator_state"]), tuple(state["samplers"]), state["base_seed"], state["draws_base_seed"])
 
 
 def samplers_of(loader: Any) -> tuple[Any, Any]:
@@ -50,15 +50,17 @@ def _state_of(sampler: Any) -> Any:
 def capture_start(loader: Any, base_seed: int | None, draws_base_seed: bool) -> EpochStart:
     generator = loader.generator
     state = generator.get_state() if generator is not None else torch.get_rng_state()
-    return EpochStart(state, tuple(_state_of(s) for s in samplers_of(loader)), base_seed, draws_base_seed)
+    # Plain ints, once per epoch: a state is JSON as well as torch.save material.
+    return EpochStart(state.tolist(), tuple(_state_of(s) for s in samplers_of(loader)), base_seed, draws_base_seed)
 
 
 def set_start(loader: Any, start: EpochStart) -> None:
     """Set back what the epoch's draws start from (a restore)."""
+    state = torch.tensor(start.generator_state, dtype=torch.uint8)
     if loader.generator is not None:
-        loader.generator.set_state(start.generator_state)
+        loader.generator.set_state(state)
     else:
-        torch.set_rng_state(start.generator_state)
+        torch.set_rng_state(state)
     for sampler, state in zip(samplers_of(loader), start.samplers):
         if state is not None:
             sampler.load_state_dict(state)

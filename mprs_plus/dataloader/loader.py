@@ -92,8 +92,10 @@ class DataLoader(_TorchDataLoader):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        if isinstance(snapshot_every_n_steps, bool) or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1:
-            raise ValueError(f"snapshot_every_n_steps must be an int >= 1, got {snapshot_every_n_steps!r}")
+        if isinstance(snapshot_every_n_steps, bool) or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0:
+            raise ValueError(
+                f"snapshot_every_n_steps must be an int >= 0 (0: only at a worker's end), got {snapshot_every_n_steps!r}"
+            )
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.device = device
         self.backend = backend
@@ -207,6 +209,10 @@ class DataLoader(_TorchDataLoader):
         the next ``iter()``. A state of another dataset length, batch size, worker count or
         dataset kind is a ``ValueError``."""
         self._restore = loader_state.check(self, state_dict)
+        run, self._run = self._run, None
+        if run is not None:  # persistent workers seeded for another run: the restore starts its own
+            run.stop()
+            self._base_seed = None
 
     def __del__(self) -> None:
         run = getattr(self, "_run", None)

@@ -60,7 +60,7 @@ class _Job:
         self.drop_last = drop_last
         self.batch_size = batch_size
         self.worker_init_fn = worker_init_fn
-        self.snapshot_every = snapshot_every  # iterable datasets with state: every n batches, 0 never
+        self.snapshot_every = snapshot_every  # iterable datasets with state: every n batches (0: at the end only)
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.__slots__)
@@ -259,7 +259,8 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
     batches are made and dropped (a restore without a recorded state for them)."""
     job, fetcher = stage.job, stage._fetcher
     request = [None] * job.batch_size if job.auto_collation else None
-    every = job.snapshot_every if has_state(job.dataset) else 0
+    stateful = has_state(job.dataset)
+    every = job.snapshot_every
     while True:
         try:
             batch = fetcher.fetch(request)
@@ -269,7 +270,7 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
         if replay > 0:
             replay -= 1
             continue
-        if every and (count % every == 0 or fetcher.ended):
+        if stateful and ((every and count % every == 0) or fetcher.ended):
             yield WithState((batch, stage.worker_id, count, dataset_state(job.dataset, fetcher)))
         else:
             yield batch

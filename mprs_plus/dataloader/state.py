@@ -10,6 +10,9 @@
     shape           dataset kind and length, batch size, drop_last, worker count: a state
                     restores only into a loader built the same way (else ValueError)
 
+Everything in it is plain data (ints, lists, dicts, and what the samplers' and datasets'
+own ``state_dict()`` return), so it goes through ``torch.save`` and, where those do, JSON.
+
 A restore draws the epoch again from ``start`` and has each worker skip its consumed
 batches (map-style: the index batches, unread), the runtime's restore mechanism
 (``runtime/main/restore.py``): exact, the same batches and worker seeds as the
@@ -89,4 +92,5 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
             + "; ".join(differences)
             + ". Restore it into a loader with the same dataset, batch size and workers."
         )
-    return state
+    # A state that went through JSON has its worker numbers as strings, its pairs as lists.
+    return {**state, "worker_states": {int(w): tuple(v) for w, v in state["worker_states"].items()}}
