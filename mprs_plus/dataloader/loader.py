@@ -209,6 +209,7 @@ class DataLoader(_TorchDataLoader):
         the next ``iter()``. A state of another dataset length, batch size, worker count or
         dataset kind is a ``ValueError``."""
         self._restore = loader_state.check(self, state_dict)
+        self._current = None  # state_dict() now reports the loaded state, until the next iter()
         run, self._run = self._run, None
         if run is not None:  # persistent workers seeded for another run: the restore starts its own
             run.stop()
@@ -478,7 +479,7 @@ class _LoaderIterator:
             if stage is not None and stage.job.kind == _DatasetKind.Iterable and has_state(stage.job.dataset):
                 states[0] = (self._yielded, dataset_state(stage.job.dataset, stage._fetcher))
         else:
-            cursor = self._run.runtime.read_cursor() if self._run is not None else None
+            cursor = self._cursor()
             if cursor is None:
                 consumed, next_worker = list(self._restore["consumed"]) if self._restore else [0] * self._workers, (
                     self._restore["next_worker"] if self._restore else 0
@@ -488,8 +489,23 @@ class _LoaderIterator:
             states = dict(self._worker_states)
         return loader_state.running(loader, self.start, consumed, next_worker, states)
 
+    def _cursor(self) -> Any:
+        """The runtime's read cursor of this epoch, None before its first read; a
+        RuntimeError once this epoch's workers are gone."""
+        from ..errors import ServiceClosedError
+
+        if self._run is None:
+            return None
+        try:
+            return self._run.runtime.read_cursor()
+        except ServiceClosedError:
+            raise RuntimeError(
+                "this DataLoader iterator's workers were stopped (an error, or load_state_dict() on its loader): "
+                "take the state from a running iterator, or from the loader between epochs"
+            ) from None
+
     def _read(self) -> int:
-        cursor = self._run.runtime.read_cursor() if self._run is not None else None
+        cursor = self._cursor()
         return sum(cursor.consumed) if cursor is not None else self._handed
 
     def _handed_counts(self) -> tuple[list[int], int]:
