@@ -220,3 +220,69 @@ def test_persistent_workers_restore_in_their_first_epoch_and_between_epochs():
     restored = make()
     restored.load_state_dict(state)
     assert [[plain(b) for b in restored] for _ in range(2)] == full[1:]
+
+
+class DrawsWithState(Dataset):
+    """A map-style dataset with state, as StatefulDataLoader's tests write them: its state
+    is the worker's generator, so a restore that loads it draws on from there."""
+
+    def __init__(self):
+        self.loaded = 0
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return {"index": i, "draw": torch.rand(1), "loaded": self.loaded}
+
+    def state_dict(self):
+        return {"rng": torch.get_rng_state().tolist()}
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        self.loaded += 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_map_style_dataset_state_is_taken_and_loaded(workers):
+    def make(every=1):
+        return DataLoader(DrawsWithState(), batch_size=2, shuffle=True, num_workers=workers, snapshot_every_n_steps=every)
+
+    def plain_of(batch):
+        return batch["index"].tolist(), batch["draw"].tolist()
+
+    seed_all(3)
+    full = [plain_of(b) for b in make()]
+    for every in (1, 4):
+        for k in (1, 5, 9):
+            seed_all(3)
+            loader = make(every)
+            batches = iter(loader)
+            head = [plain_of(next(batches)) for _ in range(k)]
+            state = loader.state_dict()
+            del batches, loader
+            restored = make(every)
+            restored.load_state_dict(state)
+            rest = list(restored)
+            assert head + [plain_of(b) for b in rest] == full, (every, k)
+            if every == 1 and k >= workers:  # every worker had a state recorded: each loaded it
+                assert all(bool(b["loaded"].eq(1).all()) for b in rest)
+
+
+def test_persistent_workers_carry_their_dataset_state_between_epochs():
+    """State taken between epochs restores a persistent worker's dataset as the epoch left it."""
+
+    def make():
+        return DataLoader(DrawsWithState(), batch_size=3, num_workers=2, persistent_workers=True)
+
+    seed_all(3)
+    reference = make()
+    full = [[b["draw"].tolist() for b in reference] for _ in range(2)]
+    seed_all(3)
+    loader = make()
+    list(loader)
+    state = loader.state_dict()
+    del loader
+    restored = make()
+    restored.load_state_dict(state)
+    assert [b["draw"].tolist() for b in restored] == full[1]

@@ -105,6 +105,9 @@ class DataLoader(_TorchDataLoader):
         self._current: weakref.ref[_LoaderIterator] | None = None
         self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
         self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
+        # Persistent workers: each worker's dataset state as its last epoch left it (a
+        # dataset with state_dict()), which a state taken between epochs carries.
+        self._carry: dict[int, tuple[int, Any]] = {}
         from ..runtime.main.family import Family
 
         self._family = Family.new()
@@ -114,6 +117,7 @@ class DataLoader(_TorchDataLoader):
     def __iter__(self) -> _LoaderIterator:  # type: ignore[override]
         restore, self._restore = self._restore, None
         persistent = self.persistent_workers and self.num_workers > 0
+        carried, send = dict(self._carry) if persistent else {}, False
         if restore is not None:
             # What drew the recorded epoch (or, between epochs, what the next one draws
             # from), set back: the draws below repeat the uninterrupted run's.
@@ -122,7 +126,9 @@ class DataLoader(_TorchDataLoader):
             if persistent:
                 self._base_seed = None if start.draws_base_seed else start.base_seed
             if restore["phase"] != loader_state.RUNNING:
-                restore = None  # nothing of the epoch was handed out: it begins as any other
+                # Nothing of the epoch was handed out: it begins as any other, its workers
+                # loading the dataset states the recorded ones carried.
+                carried, send, restore = dict(restore["worker_states"]), True, None
         else:
             start = capture_start(self, self._base_seed, not (persistent and self._base_seed is not None))
         base_seed, shared_seed, indices = draw_epoch(self, start)
@@ -132,7 +138,7 @@ class DataLoader(_TorchDataLoader):
         previous = self._current() if self._current is not None else None
         if previous is not None and persistent:
             previous._abandon()  # its epoch ends: the workers move on to this one, as torch's reset does
-        iterator = _LoaderIterator(self, start, indices, restore, shared_seed)
+        iterator = _LoaderIterator(self, start, indices, restore, shared_seed, carried, send)
         self._current = weakref.ref(iterator)
         return iterator
 
@@ -202,7 +208,7 @@ class DataLoader(_TorchDataLoader):
         if self._restore is not None:
             return dict(self._restore)
         start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))
-        return loader_state.between(self, start)
+        return loader_state.between(self, start, self._carry if self.persistent_workers else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume ``state_dict`` (from ``state_dict()`` of a loader built the same way) with
@@ -271,6 +277,8 @@ class _LoaderIterator:
         indices: Iterator[Any],
         restore: dict[str, Any] | None,
         shared_seed: int | None = None,
+        carried: dict[int, tuple[int, Any]] | None = None,
+        send_carried: bool = False,
     ) -> None:
         self._loader_ref = weakref.ref(loader)
         self._shared_seed = shared_seed  # a DataPipe dataset's, as torch draws it
@@ -281,7 +289,9 @@ class _LoaderIterator:
         self.finished = False
         self._workers = loader.num_workers
         self._restore = restore
-        self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else {}
+        # Per worker: (batches of this epoch its dataset state covers, that state).
+        self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else dict(carried or {})
+        self._send_states = restore is not None or send_carried  # else the workers hold them already
         self._owns_run = False
         self._run: _Run | None = None
         self._mirror: Iterator[Any] | None = None  # a sampler without len(): see _in_workers
@@ -344,6 +354,10 @@ class _LoaderIterator:
         if stage is None:
             raise RuntimeError("internal error: no stage for an in-process epoch")
         count, dataset_state = self._worker_states.get(0, (0, None)) if self._restore is not None else (0, None)
+        # The batches handed out before the state are drawn again first (the sampler draws
+        # before any sample is read, as in the run recorded); those after the dataset's
+        # recorded state (all of them without one) are read again and dropped.
+        skipped = list(itertools.islice(indices, self._yielded))[count:]
         stage.begin(
             WorkerEpoch(0, 1, self.start.base_seed or 0, None, dataset_state, shared_seed=self._shared_seed,
                         distributed=self._distributed),
@@ -351,7 +365,6 @@ class _LoaderIterator:
         )
         iterable = loader._dataset_kind == _DatasetKind.Iterable
         fetch = stage._fetcher.fetch if iterable else make_fetcher(stage.job).fetch
-        skipped = list(itertools.islice(indices, self._yielded - count))
         if iterable:
             for index in skipped:
                 with contextlib.suppress(StopIteration):
@@ -392,7 +405,7 @@ class _LoaderIterator:
                 self._mirror = indices
         parts = []
         for w in range(workers):
-            count, dataset_state = self._worker_states.get(w, (0, None))
+            count, dataset_state = self._worker_states.get(w, (0, None)) if self._send_states else (0, None)
             parts.append(
                 WorkerEpoch(
                     w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed
@@ -447,6 +460,9 @@ class _LoaderIterator:
     def _finish(self) -> None:
         if not self.finished:
             self.finished = True
+            loader = self._loader_ref()
+            if loader is not None and self._workers and not self._owns_run:  # persistent workers
+                loader._carry = {w: (0, state) for w, (_, state) in self._worker_states.items()}
             self._stop_owned()
 
     def _abandon(self) -> None:
@@ -476,7 +492,7 @@ class _LoaderIterator:
             consumed, next_worker = [self._yielded], 0
             states = dict(self._worker_states)
             stage = self._stage
-            if stage is not None and stage.job.kind == _DatasetKind.Iterable and has_state(stage.job.dataset):
+            if stage is not None and has_state(stage.job.dataset):
                 states[0] = (self._yielded, dataset_state(stage.job.dataset, stage._fetcher))
         else:
             cursor = self._cursor()

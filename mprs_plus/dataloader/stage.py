@@ -84,7 +84,7 @@ EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
 
 
 def dataset_state(dataset: Any, fetcher: Any) -> Any:
-    return EXHAUSTED if fetcher.ended else dataset.state_dict()
+    return EXHAUSTED if getattr(fetcher, "ended", False) else dataset.state_dict()
 
 
 def has_state(dataset: Any) -> bool:
@@ -181,9 +181,9 @@ class LoaderStage(IterDataPipe):
                 job.worker_init_fn(epoch.worker_id)
         self._epoch = epoch
         self._fetcher = None
+        if epoch.dataset_state is not None and epoch.dataset_state != EXHAUSTED:
+            job.dataset.load_state_dict(epoch.dataset_state)  # a restore: the dataset as it was recorded
         if job.kind == _DatasetKind.Iterable:
-            if epoch.dataset_state is not None and epoch.dataset_state != EXHAUSTED:
-                job.dataset.load_state_dict(epoch.dataset_state)
             self._fetcher = make_fetcher(job)
             self._fetcher.ended = epoch.dataset_state == EXHAUSTED
 
@@ -191,19 +191,20 @@ class LoaderStage(IterDataPipe):
         """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
         Map-style: the samples of the skipped batches are read again and dropped, not
         collated, so that whatever ``__getitem__`` draws from the worker's generators is
-        drawn again and the batches after them are the uninterrupted run's. An iterable
-        dataset goes on from its recorded state (set in ``begin``) and replays only the
-        batches after it."""
+        drawn again and the batches after them are the uninterrupted run's; a dataset with
+        a recorded state (set in ``begin``) replays only the batches after it. An iterable
+        dataset goes on from its recorded state and replays only the batches after it."""
         epoch = self._epoch
         if epoch is None:
             raise RuntimeError("internal error: a loader stage resumed before its epoch began")
+        done = epoch.state_count  # batches the recorded dataset state already covers
         if epoch.batches is not None:
-            replay(self.job, epoch.batches[:skip])
-            return _map_batches(self, epoch.batches[skip:])
+            replay(self.job, epoch.batches[done:skip])
+            return _map_batches(self, epoch.batches[skip:], skip, len(epoch.batches))
         if epoch.sampler is not None:
             share = own_share(epoch, *epoch.sampler)
-            replay(self.job, itertools.islice(share, skip))
-            return _map_batches(self, share)
+            replay(self.job, itertools.islice(share, done, skip))
+            return _map_batches(self, share, skip)
         return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
 
 
@@ -247,10 +248,24 @@ def own_share(epoch: WorkerEpoch, sampler: Any, rng_state: Any) -> Iterator[Any]
         number += 1
 
 
-def _map_batches(stage: LoaderStage, batches: Iterable[Any]) -> Iterator[Any]:
-    fetch = make_fetcher(stage.job).fetch
+def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, total: int | None = None) -> Iterator[Any]:
+    """Fetch and collate each index batch; a dataset with ``state_dict()`` sends its state
+    along every ``snapshot_every`` batches and with the worker's last one (its state at
+    the epoch's end, which persistent workers carry into the next)."""
+    job = stage.job
+    fetch = make_fetcher(job).fetch
+    if not has_state(job.dataset):
+        for indices in batches:
+            yield fetch(indices)
+        return
+    every = job.snapshot_every
     for indices in batches:
-        yield fetch(indices)
+        batch = fetch(indices)
+        count += 1
+        if (every and count % every == 0) or count == total:
+            yield WithState((batch, stage.worker_id, count, job.dataset.state_dict()))
+        else:
+            yield batch
 
 
 def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> Iterator[Any]:
@@ -281,7 +296,7 @@ def _iterate_stage(stage: LoaderStage) -> Iterator[Any]:
     if epoch is None:
         raise RuntimeError("internal error: a loader stage iterated before its epoch began")
     if epoch.batches is not None:
-        return _map_batches(stage, epoch.batches)
+        return _map_batches(stage, epoch.batches, 0, len(epoch.batches))
     if epoch.sampler is not None:
         return _map_batches(stage, own_share(epoch, *epoch.sampler))
     return _iterable_batches(stage, 0, epoch.state_count)

@@ -60,8 +60,9 @@ def running(
     }
 
 
-def between(loader: Any, start: EpochStart) -> dict[str, Any]:
-    """Before an epoch: what the next epoch's draws start from."""
+def between(loader: Any, start: EpochStart, worker_states: dict[int, tuple[int, Any]] | None = None) -> dict[str, Any]:
+    """Before an epoch: what the next epoch's draws start from, and the datasets' states
+    that persistent workers carry into it."""
     return {
         "format": _FORMAT,
         "phase": BETWEEN,
@@ -69,7 +70,7 @@ def between(loader: Any, start: EpochStart) -> dict[str, Any]:
         "start": start.to_dict(),
         "consumed": [],
         "next_worker": 0,
-        "worker_states": {},
+        "worker_states": dict(worker_states or {}),
     }
 
 
