@@ -25,7 +25,7 @@ from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
 from . import state as loader_state
 from .epochs import EpochStart, deal
 from .errors import is_fatal, torch_error
-from .stage import EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
+from .stage import BatchFailure, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
 from .workers import LoaderRun, open_feeding
 
 if TYPE_CHECKING:
@@ -105,6 +105,9 @@ class LoaderIterator:
         self._handed += 1
         if self._mirror is not None:
             self._follow(1)
+        if type(item) is BatchFailure:  # that batch's error; the epoch goes on, as torch's does
+            error = item[0].rebuild()
+            raise (torch_error(error, self._timeout) or error) from None
         if type(item) is WithState:
             batch, worker, count, dataset_state = item
             self._worker_states[worker] = (count, dataset_state)
@@ -139,16 +142,7 @@ class LoaderIterator:
                     fetch(index)
         else:
             replay(stage.job, skipped)
-        return self._fetched(indices, fetch)
-
-    def _fetched(self, indices: Iterator[Any], fetch: Any) -> Iterator[Any]:
-        for index in indices:
-            try:
-                batch = fetch(index)
-            except StopIteration:  # an iterable dataset's fetcher: the epoch's end
-                return
-            self._yielded += 1
-            yield batch
+        return _Fetched(self, indices, fetch)
 
     # -- in workers ----------------------------------------------------------------------
 
@@ -319,3 +313,22 @@ def _length_or_none(loader: DataLoader) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+class _Fetched:
+    """The batches of an epoch in this process, one ``next()`` each, as torch's single
+    process makes them: not a generator, so that a batch that raises leaves the epoch
+    going on (a generator that raised is done)."""
+
+    def __init__(self, owner: LoaderIterator, indices: Iterator[Any], fetch: Any) -> None:
+        self._owner = owner
+        self._indices = indices
+        self._fetch = fetch
+
+    def __iter__(self) -> _Fetched:
+        return self
+
+    def __next__(self) -> Any:
+        index = next(self._indices)
+        self._owner._yielded += 1
+        return self._fetch(index)  # an iterable dataset's end is its fetcher's StopIteration

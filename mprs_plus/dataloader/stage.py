@@ -70,6 +70,21 @@ class _Job:
             setattr(self, name, value)
 
 
+class BatchFailure(tuple):
+    """A batch whose fetch or collate raised, in its place: ``(RemoteError,)``. As with
+    torch's loader, the loop gets that exception at that batch's turn, and the epoch goes on
+    with the next batches (the worker's stream does not end)."""
+
+    __slots__ = ()
+
+
+def failed_batch(exc: Exception, stage: LoaderStage) -> BatchFailure:
+    from ..runtime.data_messages import RemoteError, describe_process
+    from ..segment import Segment
+
+    return BatchFailure((RemoteError.capture(exc, describe_process(Segment.WORKER, stage.worker_id)),))
+
+
 class WithState(tuple):
     """A batch of a worker whose iterable dataset has state: ``(batch, worker, count, state)``,
     the dataset's ``state_dict()`` after the worker's ``count``-th batch of the epoch. The
@@ -254,13 +269,18 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
     the epoch's end, which persistent workers carry into the next)."""
     job = stage.job
     fetch = make_fetcher(job).fetch
-    if not has_state(job.dataset):
-        for indices in batches:
-            yield fetch(indices)
-        return
+    stateful = has_state(job.dataset)
     every = job.snapshot_every
     for indices in batches:
-        batch = fetch(indices)
+        try:
+            batch = fetch(indices)
+        except Exception as exc:  # user code: that batch's error, and the epoch goes on
+            count += 1
+            yield failed_batch(exc, stage)
+            continue
+        if not stateful:
+            yield batch
+            continue
         count += 1
         if (every and count % every == 0) or count == total:
             yield WithState((batch, stage.worker_id, count, job.dataset.state_dict()))
@@ -281,6 +301,13 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
             batch = fetcher.fetch(request)
         except StopIteration:
             return
+        except Exception as exc:  # the dataset's iterator raised: that batch's error; a
+            count += 1  # generator that raised is done, and the next fetch ends the stream
+            if replay <= 0:
+                yield failed_batch(exc, stage)
+            else:
+                replay -= 1
+            continue
         count += 1
         if replay > 0:
             replay -= 1
