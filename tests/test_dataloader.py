@@ -399,3 +399,31 @@ def test_an_epoch_goes_on_after_a_batch_that_raised(workers):
     ours, theirs = outcomes(make(DataLoader)), outcomes(make(TorchDataLoader))
     assert ours == theirs
     assert ours[1] == ("ValueError", "Caught ValueError in DataLoader worker process 1." if workers else "bad sample 3")
+
+
+class SharedCounter(Dataset):
+    """Holds a multiprocessing lock and counter, as datasets that synchronize their workers
+    do: objects that only cross to a child by inheritance or at its start, never copied."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self.count = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        with self.count.get_lock():
+            self.count.value += 1
+        return i
+
+
+def test_the_dataset_reaches_the_workers_as_with_torch_never_copied_here():
+    # fork only: under spawn the runtime pickles a segment itself, where such objects refuse
+    # (the page says so)
+    dataset = SharedCounter()
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+    assert dataset.count.value == 6  # the workers counted in the very object of this process
+    assert DataLoader[int] is not None  # generic, as torch's class

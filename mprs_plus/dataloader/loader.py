@@ -17,7 +17,7 @@ its own, and stops it when the epoch ends or its iterator is dropped, as torch d
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data.dataloader import _DatasetKind
@@ -29,7 +29,10 @@ from .stage import LoaderStage, _Job
 from .workers import LoaderRun
 
 
-class DataLoader(_TorchDataLoader):
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(_TorchDataLoader[_T_co]):
     """torch's ``DataLoader``, with the same arguments, defaults, attributes and batches,
     run by mprs_plus's workers; plus ``StatefulDataLoader``'s ``state_dict()`` and
     ``load_state_dict()``, exact at any batch.

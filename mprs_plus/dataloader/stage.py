@@ -155,6 +155,13 @@ class LoaderStage(IterDataPipe):
         self._fetcher: Any = None
         self._dataset_state: Any = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoaderStage:
+        # The runtime copies a worker segment before handing it to the workers; the copy
+        # shares the job: a dataset is never copied in this process (it may be large, or
+        # hold objects shared with the workers, such as locks), as torch's loader hands
+        # its own to its workers.
+        return LoaderStage(self.job)
+
     def apply_sharding(self, num_instances: int, instance_id: int, sharding_group: Any = None) -> None:
         """The worker's shard is its share of the index batches (map-style), set each epoch;
         an iterable dataset shards itself with ``get_worker_info()``, as with torch."""
