@@ -427,3 +427,17 @@ def test_the_dataset_reaches_the_workers_as_with_torch_never_copied_here():
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
     assert dataset.count.value == 6  # the workers counted in the very object of this process
     assert DataLoader[int] is not None  # generic, as torch's class
+
+
+def test_an_iterable_dataset_longer_than_its_len_warns_as_torch():
+    class Claims4(torch.utils.data.IterableDataset):
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            return iter(range(6))
+
+    loader = DataLoader(Claims4(), batch_size=None, num_workers=1)
+    assert len(loader) == 4
+    with pytest.warns(UserWarning, match=r"but 5 samples have been fetched\. For multiprocessing data-loading"):
+        assert [int(x) for x in loader] == list(range(6))

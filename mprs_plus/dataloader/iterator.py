@@ -71,6 +71,10 @@ class LoaderIterator:
         self._feeding: Any = None
         self._in_order = loader.in_order
         self._kind = loader._dataset_kind
+        # An iterable dataset whose len() the loop asked before this epoch: torch warns
+        # once the epoch yields more than that.
+        self._length_said = loader._IterableDataset_len_called if self._kind == _DatasetKind.Iterable else None
+        self._dataset_name = repr(loader.dataset)
         if self._workers == 0:
             self._stage: LoaderStage | None = LoaderStage(loader._job())
             self._items = self._in_process(loader, indices)
@@ -103,6 +107,8 @@ class LoaderIterator:
                 raise
             raise mapped from None
         self._handed += 1
+        if self._length_said is not None and self._handed > self._length_said:
+            self._warn_past_length()
         if self._mirror is not None:
             self._follow(1)
         if type(item) is BatchFailure:  # that batch's error; the epoch goes on, as torch's does
@@ -195,6 +201,22 @@ class LoaderIterator:
                 raise
             raise mapped from None
         return iter(run.main)
+
+    def _warn_past_length(self) -> None:
+        """torch's warning, in torch's words (code that filters it keeps working)."""
+        import warnings
+
+        message = (
+            f"Length of IterableDataset {self._dataset_name} was reported to be {self._length_said}"
+            f"(when accessing len(dataloader)), but {self._handed} samples have been fetched. "
+        )
+        if self._workers > 0:
+            message += (
+                "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                "IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+            )
+        warnings.warn(message, stacklevel=3)
 
     def _follow(self, batches: int) -> None:
         """Advance the main process's own sampler iterator by ``batches``, dropping them
