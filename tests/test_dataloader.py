@@ -441,3 +441,13 @@ def test_an_iterable_dataset_longer_than_its_len_warns_as_torch():
     assert len(loader) == 4
     with pytest.warns(UserWarning, match=r"but 5 samples have been fetched\. For multiprocessing data-loading"):
         assert [int(x) for x in loader] == list(range(6))
+
+
+def test_an_iterator_keeps_its_workers_after_its_loader_is_gone():
+    """As torch's: ``iter(DataLoader(...))`` alone, persistent workers or not."""
+    for persistent in (False, True):
+        batches = iter(DataLoader(Randomized(8), batch_size=2, num_workers=2, persistent_workers=persistent))
+        import gc
+
+        gc.collect()
+        assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]

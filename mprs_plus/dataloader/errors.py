@@ -53,7 +53,12 @@ def torch_error(exc: BaseException, timeout: float) -> BaseException | None:
         return RuntimeError(f"DataLoader worker (pid(s) {', '.join(pids) or 'unknown'}) exited unexpectedly: {advice}")
     if isinstance(exc, TimeoutError):
         return RuntimeError(f"DataLoader timed out after {timeout} seconds")
-    if isinstance(exc, (ServiceClosedError, PipelineStuckError)):
+    if isinstance(exc, ServiceClosedError):
+        return RuntimeError(
+            "this DataLoader iterator's workers were stopped (an earlier error, or load_state_dict() on its "
+            "loader): iterate the loader again to start new ones"
+        )
+    if isinstance(exc, PipelineStuckError):
         return RuntimeError(str(exc))
     return None
 

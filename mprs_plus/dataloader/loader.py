@@ -220,8 +220,3 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if run is not None:  # persistent workers seeded for another run: the restore starts its own
             run.stop()
             self._base_seed = None
-
-    def __del__(self) -> None:
-        run = getattr(self, "_run", None)
-        if run is not None:
-            run.stop()

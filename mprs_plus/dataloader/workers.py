@@ -1,8 +1,13 @@
 """The runtime of a ``DataLoader``'s workers: the loader's plan (one ``LoaderStage``,
-replicated in every worker) handed to the one runtime, fed to the device if asked."""
+replicated in every worker) handed to the one runtime, fed to the device if asked.
+
+It lives as long as something holds it: the loader (persistent workers) or an epoch's
+iterator, as torch's iterator keeps its workers after its loader is gone. The runtime
+stops itself once unreachable (``ServiceRuntime``'s finalizer), and so does the feeding."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from .stage import LoaderStage
@@ -30,6 +35,7 @@ class LoaderRun:
         if self.feeding is not None:
             self.runtime.figures.feeding = self.feeding.counters
             main = self.feeding.wrap(main)
+            weakref.finalize(self, self.feeding.close)
         self.main = main
 
     def stop(self) -> None:
