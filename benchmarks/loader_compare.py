@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         selected = [(w, bars) for w, bars in loaders.workloads(our, folder.paths if folder else []) if w.name in wanted]
         results = run(selected, settings, our, progress=not args.no_progress)
+        if folder is not None:  # removed below; the JSON says where it was, so that one can check
+            results.environment["jpeg_folder"] = str(folder.path)
     finally:
         if folder is not None:
             folder.close()
