@@ -417,6 +417,9 @@ def test_loader_comparison_quick_run_prints_its_table_and_leaves_no_process(tmp_
             if cell["status"] == "failed":
                 assert cell["errors"], (name, contender)
         assert workload["contenders"]["mprs_plus"]["status"] == "ok", (name, workload["contenders"]["mprs_plus"]["errors"])
+    # mprs_plus's figures come from its worker processes, not from loading in the main process.
+    [first] = result["workloads"]["first_batch"]["contenders"]["mprs_plus"]["details"]
+    assert first["processes"] >= result["settings"]["num_workers"]
     state = result["workloads"]["state_every_batch"]["contenders"]
     assert state["SPDL"]["status"] == "n/a" and "state_dict" in state["SPDL"]["note"]
     assert all(detail["states_taken"] > 0 for detail in state["mprs_plus"]["details"])

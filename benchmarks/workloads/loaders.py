@@ -182,10 +182,12 @@ class TorchStyleLoader(harness.Loader):
     """A loader with torch's interface, iterated once; ``state_every_batch`` takes
     ``loader.state_dict()`` after every batch, when the training loop hands the batch back.
 
-    ``close()`` ends its workers now, as the iterator's own finalizer would later, so that the
-    time falls inside the measurement and nothing is left for the next contender: torch's
-    (and StatefulDataLoader's) ``_shutdown_workers``, else the iterator's ``close()``, else
-    the loader's ``shutdown()``/``close()``; then ``after_close`` (SPDL's shared memory).
+    ``close()`` ends its workers now, so that the time falls inside the measurement and
+    nothing is left for the next contender: torch's (and StatefulDataLoader's)
+    ``_shutdown_workers``, else the iterator's ``close()`` (SPDL's generator), then the
+    loader's ``shutdown()`` or ``close()`` where it has one; and it drops the iterator, whose
+    finalizer stops whatever is left (mprs_plus.DataLoader's iterator stops its workers
+    there). Then ``after_close`` (SPDL's shared memory).
     """
 
     def __init__(self, loader: Any, *, state_every_batch: bool = False, after_close: Callable[[], None] | None = None) -> None:
@@ -295,17 +297,24 @@ def throughput(open_: Callable[[], TorchStyleLoader], settings: harness.Settings
 
 def first_batch(open_: Callable[[], TorchStyleLoader], settings: harness.Settings) -> dict[str, Any]:
     """Seconds from building the loader to holding its first batch (construction included,
-    as a training script pays it); the loader is then shut down with its workers busy."""
+    as a training script pays it); the loader is then shut down with its workers busy.
+
+    Also the child processes running at the first batch: a loader that got its first batch
+    early by loading in the main process shows it here."""
     start = time.perf_counter()
     loader = open_()
     try:
         next(iter(loader))
         elapsed = time.perf_counter() - start
+        processes = len(harness.child_processes())
     except BaseException:
         harness.close_within(loader, settings)
         raise
     problem = harness.close_within(loader, settings)
-    return {"first_batch": elapsed, **({"problems": [f"after the first batch: {problem}"]} if problem else {})}
+    result: dict[str, Any] = {"first_batch": elapsed, "processes": processes}
+    if problem:
+        result["problems"] = [f"after the first batch: {problem}"]
+    return result
 
 
 # -- workloads ---------------------------------------------------------------------------------
