@@ -60,24 +60,37 @@ JPEG_FILES = 300
 
 
 def build_parser() -> argparse.ArgumentParser:
-    names = ("ints", "rows", "tensors_1mib", "cpu_2ms", "jpeg", "state_every_batch", "first_batch")
+    # Building the workloads makes no dataset yet: their names, cheaply.
+    names = tuple(w.name for w, _ in loaders.workloads(loaders.OurLoader(None), []))
     parser = argparse.ArgumentParser(
         prog="benchmarks/loader_compare.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="few samples, 1 repetition (about a minute)")
-    parser.add_argument("--repetitions", type=int, default=None, help="interleaved repetitions (default 5; 1 with --quick)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timed streaming per measurement (default 1.5; 0.5 with --quick)")
+    parser.add_argument(
+        "--repetitions", type=int, default=None, help="interleaved repetitions (default 5; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds of timed streaming per measurement (default 1.5; 0.5 with --quick)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="num_workers of every loader (default 2)")
     parser.add_argument(
-        "--context", default="fork", choices=multiprocessing.get_all_start_methods(), help="start method of every loader (default fork)"
+        "--context",
+        default="fork",
+        choices=multiprocessing.get_all_start_methods(),
+        help="start method of every loader (default fork)",
     )
-    parser.add_argument("--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)}")
+    parser.add_argument(
+        "--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)}"
+    )
     parser.add_argument(
         "--stand-in",
         action="store_true",
-        help="measure torchdata's StatefulDataLoader in mprs_plus's place (tries the comparison out; says nothing of mprs_plus)",
+        help="measure torchdata's StatefulDataLoader in mprs_plus's place "
+        "(tries the comparison out; its figures say nothing of mprs_plus)",
     )
-    parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder (default benchmarks/results)")
+    parser.add_argument(
+        "--out", type=Path, default=HERE / "results", help="output folder (default benchmarks/results)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(names=names)
     return parser
@@ -108,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     our = loaders.our_loader(stand_in=args.stand_in)
     folder = loaders.JpegFolder(JPEG_FILES) if "jpeg" in wanted else None
     try:
-        selected = [(w, bars) for w, bars in loaders.workloads(our, folder.paths if folder else []) if w.name in wanted]
+        every = loaders.workloads(our, folder.paths if folder else [])
+        selected = [(w, bars) for w, bars in every if w.name in wanted]
         results = run(selected, settings, our, progress=not args.no_progress)
         if folder is not None:  # removed below; the JSON says where it was, so that one can check
             results.environment["jpeg_folder"] = str(folder.path)
@@ -118,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = summarize(results, {w.name: bars for w, bars in selected})
     text = table(results, lines)
     print(text)
-    stem = f"loaders-{datetime.now():%Y%m%d-%H%M%S}-{settings.context}{'-quick' if settings.quick else ''}{'-stand-in' if our.stand_in else ''}"
+    kind = ("-quick" if settings.quick else "") + ("-stand-in" if our.stand_in else "")
+    stem = f"loaders-{datetime.now():%Y%m%d-%H%M%S}-{settings.context}{kind}"
     paths = write(results, lines, text, args.out, stem)
     print()
     for kind, path in paths.items():
@@ -130,9 +145,15 @@ def main(argv: list[str] | None = None) -> int:
 # -- measuring --------------------------------------------------------------------------------
 
 
-def run(selected: list[tuple[harness.Workload, tuple[Bar, ...]]], settings: harness.Settings, our: loaders.OurLoader, progress: bool = True) -> harness.Results:
+def run(
+    selected: list[tuple[harness.Workload, tuple[Bar, ...]]],
+    settings: harness.Settings,
+    our: loaders.OurLoader,
+    progress: bool = True,
+) -> harness.Results:
     """Every contender that can run on every selected workload, interleaved; the others n/a."""
-    missing = {loaders.MPRS_PLUS: our.missing, loaders.MPRS_PLUS_NO_STATE: our.missing, SPDL: loaders.spdl_missing()}
+    spdl_missing = loaders.spdl_missing()
+    missing = {loaders.MPRS_PLUS: our.missing, loaders.MPRS_PLUS_NO_STATE: our.missing, SPDL: spdl_missing}
     workloads = [w for w, _ in selected]
 
     def note(workload: harness.Workload, contender: str) -> str:
@@ -145,13 +166,15 @@ def run(selected: list[tuple[harness.Workload, tuple[Bar, ...]]], settings: harn
     environment = harness.environment(settings)
     environment["versions"]["pillow"] = harness._version("pillow")
     environment["command"] = " ".join(["loader_compare.py", *sys.argv[1:]])
-    environment["mprs_plus_class"] = "torchdata StatefulDataLoader (stand-in)" if our.stand_in else (None if our.cls is None else f"{our.cls.__module__}.{our.cls.__qualname__}")
+    environment["mprs_plus_class"] = None if our.cls is None else f"{our.cls.__module__}.{our.cls.__qualname__}"
+    environment["stand_in"] = our.stand_in
     results = harness.Results(settings, environment, workloads, cells, [])
     steps = harness.schedule(workloads, runnable, settings.repetitions)
     bar = harness._progress(steps, progress)
     started = time.perf_counter()
     for rep, workload, contender in bar:
-        bar.set_postfix_str(f"rep {rep + 1}/{settings.repetitions} {workload.name if workload else 'memcpy'} / {contender}")
+        label = f"{workload.name} / {contender}" if workload else "memcpy"
+        bar.set_postfix_str(f"rep {rep + 1}/{settings.repetitions} {label}")
         if workload is None:
             results.memcpy_gbps.append(harness.memcpy_bandwidth(64 * harness.MiB, 5))
         else:
@@ -222,6 +245,7 @@ def _value(results: harness.Results, workload: harness.Workload, contender: str,
 
 
 def _rows(results: harness.Results, lines: list[Line]) -> tuple[list[str], list[list[str]]]:
+    """The table's cells; a workload's figures on its first line only."""
     header = ["workload", "unit", *MAIN_COLUMNS, "reference", "ratio", "target", "verdict"]
     body, shown = [], set()
     for line in lines:
@@ -232,9 +256,8 @@ def _rows(results: harness.Results, lines: list[Line]) -> tuple[list[str], list[
         if line.reference is None:
             reference = f"{' or '.join(line.bar.against)}: no data"
         else:
-            reference = f"{line.reference} {_value(results, workload, line.reference, line.medians[line.reference])}"
-            if len(line.bar.against) > 1:
-                reference = f"best: {reference}"
+            figure = _value(results, workload, line.reference, line.medians[line.reference])
+            reference = f"{'best: ' if len(line.bar.against) > 1 else ''}{line.reference} {figure}"
         body.append(
             [
                 workload.title if first else "",
@@ -253,7 +276,9 @@ def _headline(results: harness.Results) -> str:
     s, env = results.settings, results.environment
     loads = results.load_averages
     load = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
-    stand_in = "; STAND-IN: torchdata's StatefulDataLoader plays mprs_plus (a dry run, not mprs_plus's figures)" if "stand-in" in str(env.get("mprs_plus_class")) else ""
+    stand_in = ""
+    if env.get("stand_in"):
+        stand_in = "; STAND-IN: torchdata's StatefulDataLoader plays mprs_plus (a dry run, not mprs_plus's figures)"
     return (
         f"{s.num_workers} workers, {s.context}, {'quick, ' if s.quick else ''}median of {s.repetitions} repetition(s); "
         f"{env['cpu_model']}, {env['usable_cores']} usable cores{load}{stand_in}"
@@ -264,12 +289,14 @@ def table(results: harness.Results, lines: list[Line]) -> str:
     header, body = _rows(results, lines)
     out = [f"_{_headline(results)}_", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(cells) + " |" for cells in body]
-    counts = {word: sum(1 for line in lines if line.verdict and line.verdict.word == word) for word in ("PASS", "MISS", "NO DATA")}
-    out += ["", f"targets: {counts['PASS']} PASS, {counts['MISS']} MISS, {counts['NO DATA']} without data"]
+    words = [line.verdict.word for line in lines if line.verdict]
+    out += ["", f"targets: {words.count('PASS')} PASS, {words.count('MISS')} MISS, {words.count('NO DATA')} without data"]
     cells = [(w.name, c, cell) for w in results.workloads for c, cell in results.cells[w.name].items()]
     notes = [f"{w} / {c}: {cell.note}" for w, c, cell in cells if cell.note]
     errors = [f"{w} / {c}: {error.splitlines()[0]}" for w, c, cell in cells for error in dict.fromkeys(cell.errors)]
-    errors += [f"{w} / {c}: left {len(cell.killed_pids)} process(es) running; killed" for w, c, cell in cells if cell.killed_pids]
+    errors += [
+        f"{w} / {c}: left {len(cell.killed_pids)} process(es) running; killed" for w, c, cell in cells if cell.killed_pids
+    ]
     if notes:
         out += ["", "Notes:", *(f"- {n}" for n in notes)]
     if errors:
@@ -291,7 +318,7 @@ def write(results: harness.Results, lines: list[Line], text: str, out: Path, ste
             w.name: {
                 "title": w.title,
                 "description": w.description,
-                "metric": {"key": w.metrics[0].key, "unit": w.metrics[0].unit, "higher_is_better": w.metrics[0].higher_is_better},
+                "metric": asdict(w.metrics[0]),
                 "contenders": {c: asdict(cell) for c, cell in results.cells[w.name].items()},
             }
             for w in results.workloads

@@ -190,7 +190,9 @@ class TorchStyleLoader(harness.Loader):
     there). Then ``after_close`` (SPDL's shared memory).
     """
 
-    def __init__(self, loader: Any, *, state_every_batch: bool = False, after_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, loader: Any, *, state_every_batch: bool = False, after_close: Callable[[], None] | None = None
+    ) -> None:
         self.loader = loader
         self.states_taken = 0
         self._state_every_batch = state_every_batch
@@ -285,7 +287,13 @@ def spdl_missing() -> str | None:
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def throughput(open_: Callable[[], TorchStyleLoader], settings: harness.Settings, samples: int, batch_size: int, sample_bytes: int = 0) -> dict[str, Any]:
+def throughput(
+    open_: Callable[[], TorchStyleLoader],
+    settings: harness.Settings,
+    samples: int,
+    batch_size: int,
+    sample_bytes: int = 0,
+) -> dict[str, Any]:
     """``harness.stream`` over batches, reported per sample: samples/s, or GB/s with ``sample_bytes``."""
     batches = math.ceil(samples / batch_size)
     result = harness.stream(open_, items=batches, settings=settings)
@@ -320,6 +328,42 @@ def first_batch(open_: Callable[[], TorchStyleLoader], settings: harness.Setting
 # -- workloads ---------------------------------------------------------------------------------
 
 
+# A workload's dataset for the run's settings, with its epoch length in samples.
+Make = Callable[[harness.Settings], tuple[Any, int]]
+
+
+def _run(
+    contender: str,
+    our: OurLoader,
+    make: Make,
+    batch_size: int,
+    settings: harness.Settings,
+    *,
+    shuffle: bool = False,
+    sample_bytes: int = 0,
+    measure: str = "throughput",
+) -> dict[str, Any]:
+    """One measurement of ``contender``: ``throughput``, the same with the state taken after
+    every batch (``state``; mprs_plus and StatefulDataLoader) or the ``first_batch``."""
+    dataset, samples = make(settings)
+    state = measure == "state" and contender in (MPRS_PLUS, STATEFUL)
+    opened: list[TorchStyleLoader] = []
+
+    def open_() -> TorchStyleLoader:
+        loader = open_loader(
+            contender, our, settings, dataset, batch_size=batch_size, shuffle=shuffle, state_every_batch=state
+        )
+        opened.append(loader)
+        return loader
+
+    if measure == "first_batch":
+        return first_batch(open_, settings)
+    result = throughput(open_, settings, samples, batch_size, sample_bytes)
+    if state:  # the state was really taken: once per batch the loop received
+        result["states_taken"] = opened[-1].states_taken
+    return result
+
+
 @dataclass(frozen=True)
 class Bar:
     """A line of the table: mprs_plus against the best of ``against`` (by the metric's
@@ -335,25 +379,8 @@ def workloads(our: OurLoader, jpegs: list[str]) -> list[tuple[harness.Workload, 
     """Every workload with its runners and its bar. ``jpegs`` are the JPEG workload's files."""
     rows_tensor = functools.cache(_rows_tensor)
 
-    def runners(make: Callable[[harness.Settings], tuple[Any, int]], batch_size: int, contenders: tuple[str, ...], *,
-                shuffle: bool = False, sample_bytes: int = 0, measure: str = "throughput") -> dict[str, harness.Runner]:
-        def run(contender: str, settings: harness.Settings) -> dict[str, Any]:
-            dataset, samples = make(settings)
-            state = contender in (MPRS_PLUS, STATEFUL) and measure == "state"
-            opened: list[TorchStyleLoader] = []
-
-            def open_() -> TorchStyleLoader:
-                opened.append(open_loader(contender, our, settings, dataset, batch_size=batch_size, shuffle=shuffle, state_every_batch=state))
-                return opened[-1]
-
-            if measure == "first_batch":
-                return first_batch(open_, settings)
-            result = throughput(open_, settings, samples, batch_size, sample_bytes)
-            if state:  # the state was really taken: once per batch the loop received
-                result["states_taken"] = opened[-1].states_taken
-            return result
-
-        return {c: functools.partial(run, c) for c in contenders}
+    def runners(make: Make, batch_size: int, contenders: tuple[str, ...], **how: Any) -> dict[str, harness.Runner]:
+        return {c: functools.partial(_run, c, our, make, batch_size, **how) for c in contenders}
 
     with_peers = (MPRS_PLUS, *PEERS)
     no_state = {TORCH: "torch's DataLoader has no state_dict()", SPDL: "SPDL's loader has no state_dict()"}
@@ -374,7 +401,9 @@ def workloads(our: OurLoader, jpegs: list[str]) -> list[tuple[harness.Workload, 
                 title="in-memory rows, batch 128, shuffled",
                 description="TensorDataset of float32 rows (32 features) and int64 labels, shuffled",
                 metrics=(SAMPLES,),
-                runners=runners(lambda s: (rows_tensor(_rows(s)), _rows(s)), 128, (*with_peers, TORCH_NO_WORKERS), shuffle=True),
+                runners=runners(
+                    lambda s: (rows_tensor(_rows(s)), _rows(s)), 128, (*with_peers, TORCH_NO_WORKERS), shuffle=True
+                ),
             ),
             (Bar((TORCH,), 3.0, "≥ 3x DataLoader"), Bar((TORCH_NO_WORKERS,), None)),
         ),
