@@ -239,8 +239,8 @@ def _value(results: harness.Results, workload: harness.Workload, contender: str,
     if cell.status != harness.OK or median is None:
         return cell.status
     unit = workload.metrics[0].unit
-    if unit == "s":
-        return f"{median * 1e3:.3g}"
+    if unit == "s":  # in ms, never in exponents
+        return f"{median * 1e3:.0f}" if median >= 0.1 else f"{median * 1e3:.3g}"
     return format_value(median, "items/s" if unit == "samples/s" else unit)
 
 
