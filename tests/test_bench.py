@@ -519,3 +519,34 @@ def test_loader_comparison_without_our_loader_reports_no_data_with_the_reason(mo
     [line] = loader_compare.summarize(results, {w.name: bars for w, bars in selected})
     assert line.verdict.word == "NO DATA"
     assert "not importable" in loader_compare.table(results, [line])
+
+
+def test_loader_comparison_takes_each_ratio_against_its_reference() -> None:
+    """Pure: the best peer is the fastest that ran, a time's ratio is the reference's time
+    over mprs_plus's, and each target's verdict follows its threshold."""
+    from benchmarks import harness, loader_compare
+    from benchmarks.workloads import loaders
+
+    every = loaders.workloads(loaders.OurLoader(None), [])
+    selected = [(w, bars) for w, bars in every if w.name in ("cpu_2ms", "first_batch")]
+    workloads = [w for w, _ in selected]
+    cells = {w.name: {c: harness.Cell() for c in loaders.CONTENDERS} for w in workloads}
+
+    def measured(workload: str, contender: str, metric: str, *values: float) -> None:
+        cells[workload][contender] = harness.Cell(status=harness.OK, samples={metric: list(values)})
+
+    measured("cpu_2ms", "mprs_plus", "throughput", 900.0, 1000.0, 950.0)  # median 950
+    measured("cpu_2ms", "DataLoader", "throughput", 800.0)
+    measured("cpu_2ms", "StatefulDataLoader", "throughput", 1000.0)
+    cells["cpu_2ms"]["SPDL"] = harness.Cell(status=harness.FAILED, errors=["RuntimeError: broke"])
+    measured("first_batch", "mprs_plus", "first_batch", 0.020)
+    measured("first_batch", "DataLoader", "first_batch", 0.030)
+    results = harness.Results(harness.Settings(), {"cpu_model": "a CPU", "usable_cores": 2}, workloads, cells, [])
+
+    cpu, first = loader_compare.summarize(results, {w.name: bars for w, bars in selected})
+    assert cpu.reference == "StatefulDataLoader" and cpu.ratio == pytest.approx(0.95)
+    assert cpu.verdict.word == "MISS"
+    assert first.reference == "DataLoader" and first.ratio == pytest.approx(1.5)  # 30 ms over 20 ms
+    assert first.verdict.word == "PASS"
+    text = loader_compare.table(results, [cpu, first])
+    assert "best: StatefulDataLoader 1k" in text and "| failed |" in text and "SPDL: RuntimeError: broke" in text
