@@ -507,7 +507,9 @@ def test_loader_comparison_without_our_loader_reports_no_data_with_the_reason(mo
     from benchmarks import harness, loader_compare
     from benchmarks.workloads import loaders
 
+    # Neither the attribute nor its module: "from mprs_plus import DataLoader" now fails.
     monkeypatch.delattr(mprs_plus, "DataLoader", raising=False)
+    monkeypatch.setitem(sys.modules, "mprs_plus.dataloader", None)
     our = loaders.our_loader()
     assert our.cls is None and "--stand-in" in our.missing
     selected = [(w, bars) for w, bars in loaders.workloads(our, []) if w.name == "first_batch"]

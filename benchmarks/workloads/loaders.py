@@ -1,6 +1,6 @@
 """The loader comparison's contenders and workloads: torch's loader API, four implementations.
 
-    loader_compare.py --> workloads(jpeg_dir)        map-style datasets, torch's batching
+    loader_compare.py --> workloads(our, jpegs)      map-style datasets, torch's batching
                             runner per contender --> harness.stream(open_loader(...))
                                                      or first_batch(open_loader(...))
 
@@ -13,9 +13,9 @@ everything else is the loader's default.
     StatefulDataLoader  torchdata's StatefulDataLoader (its default snapshot_every_n_steps=1)
     SPDL                spdl.dataloader.get_pytorch_dataloader (its default in_order=False)
 
-and two references that appear in one workload each: torch's DataLoader with no workers (the
-rate that workers should not lose on rows of an in-memory tensor) and mprs_plus without
-``state_dict()`` (what taking the state after every batch costs it).
+and two references that appear in one workload each: torch's DataLoader with no workers (on
+rows of an in-memory tensor, where torch's workers are slower than none) and mprs_plus
+without ``state_dict()`` (what taking the state after every batch costs it).
 
 A contender that refuses a workload's arguments (SPDL refuses iterable datasets,
 ``worker_init_fn`` and ``persistent_workers``) raises ``harness.NotApplicable``: the
