@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "AmbiguousGraphError",
+    "DataLoader",
     "MultiProcessingReadingService",
     "NoGraph",
     "PipelineStuckError",
@@ -41,6 +42,7 @@ _HOMES = {
     "plan": ".plan",
     "MultiProcessingReadingService": ".reading_service",
     "RayBackend": ".backends.ray",
+    "DataLoader": ".dataloader",
 }
 
 
@@ -85,3 +87,4 @@ if TYPE_CHECKING:
     from .plan import Plan, plan
     from .segment import Segment
     from .reading_service import MultiProcessingReadingService
+    from .dataloader import DataLoader

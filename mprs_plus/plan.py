@@ -12,9 +12,8 @@ A reference that straddles two segments in a way the split cannot honour raises
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
-
-from torchdata.datapipes.iter.util.sharding import ShardingRoundRobinDispatcherIterDataPipe
 
 from .errors import AmbiguousGraphError, PlanError
 from .graph import Edge, Graph, NoGraph, Node, discover
@@ -159,8 +158,15 @@ def _check_acyclic(graph: Graph) -> None:
                 stack.append((edge.parent, iter(graph.nodes[edge.parent].edges)))
 
 
+# torchdata's dispatcher, looked up where it is loaded: a graph without torchdata's
+# DataPipes (``mprs_plus.DataLoader``'s) is planned without importing torchdata, whose
+# DataPipes print a deprecation banner when first imported.
+_DISPATCHER_MODULE = "torchdata.datapipes.iter.util.sharding"
+
+
 def _is_dispatcher(datapipe: Any) -> bool:
-    return isinstance(datapipe, ShardingRoundRobinDispatcherIterDataPipe)
+    module = sys.modules.get(_DISPATCHER_MODULE)
+    return module is not None and isinstance(datapipe, module.ShardingRoundRobinDispatcherIterDataPipe)
 
 
 def _is_sharding(datapipe: Any) -> bool:

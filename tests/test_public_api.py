@@ -7,6 +7,7 @@ def test_public_names_are_pinned_and_sorted():
     assert mprs_plus.__all__ == sorted(mprs_plus.__all__)
     assert set(mprs_plus.__all__) == {
         "AmbiguousGraphError",
+        "DataLoader",
         "MultiProcessingReadingService",
         "NoGraph",
         "PipelineStuckError",

@@ -928,3 +928,17 @@ def test_a_receiver_whose_senders_answer_comes_while_it_polls_still_settles_its_
 def test_a_listen_interface_that_is_not_a_name_is_refused_when_the_backend_is_made(bad):
     with pytest.raises(TypeError, match="listen_interface must be an interface's name"):
         RayBackend(listen_interface=bad)
+
+
+def test_mprs_plus_dataloader_gives_the_same_batches_on_ray_as_with_local_workers(cluster):
+    """torch's loader API on the Ray backend: the same batches and worker randomness."""
+    import torch
+    from loader_datasets import Randomized, plain
+
+    def batches(**kwargs):
+        torch.manual_seed(11)
+        loader = mprs_plus.DataLoader(Randomized(9), batch_size=2, shuffle=True, num_workers=2, **kwargs)
+        return [plain(batch) for batch in loader]
+
+    local = batches(multiprocessing_context=LOCAL)
+    assert batches(backend=RayBackend(num_cpus_per_worker=0.5)) == local

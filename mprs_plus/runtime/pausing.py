@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchdata.dataloader2.graph import list_dps, traverse_dps
-
 
 def pause_datapipes(root: Any) -> None:
+    from torchdata.dataloader2.graph import list_dps, traverse_dps  # loaded where used: see plan._is_dispatcher
+
     for datapipe in list_dps(traverse_dps(root)):
         if callable(getattr(datapipe, "pause", None)):
             datapipe.pause()
 
 
 def resume_datapipes(root: Any) -> None:
+    from torchdata.dataloader2.graph import list_dps, traverse_dps
+
     for datapipe in reversed(list_dps(traverse_dps(root))):
         if callable(getattr(datapipe, "resume", None)):
             datapipe.resume()

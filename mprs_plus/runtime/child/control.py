@@ -16,6 +16,7 @@ A child with several outputs hands its hooks one ``SegmentOutputs`` DataPipe hol
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -160,7 +161,9 @@ class SegmentControl:
             return
         seed_generator, iter_reset_fn = value
         try:
-            with deferred_numpy_seed():  # numpy.random is loaded only if the pipeline uses it
+            # numpy.random is loaded only if the pipeline uses it; a reset without a seed
+            # generator seeds the segment itself (a front end's own reset function).
+            with deferred_numpy_seed() if seed_generator is not None else contextlib.nullcontext():
                 self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
             outputs = outputs_of(self.root, self.count)
         except BaseException as exc:

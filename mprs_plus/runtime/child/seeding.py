@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from torchdata.dataloader2.utils import worker as _torchdata_worker
 
 NUMPY_RANDOM = "numpy.random"
 
@@ -109,6 +108,8 @@ class _NumpyStandIn:
 @contextmanager
 def deferred_numpy_seed() -> Iterator[None]:
     """Run torchdata's reseeding inside this: numpy.random is seeded, or seeded on load."""
+    from torchdata.dataloader2.utils import worker as _torchdata_worker
+
     numpy = getattr(_torchdata_worker, "numpy", None)
     if not getattr(_torchdata_worker, "HAS_NUMPY", False) or numpy is None or isinstance(numpy, _NumpyStandIn):
         yield
@@ -118,3 +119,12 @@ def deferred_numpy_seed() -> Iterator[None]:
         yield
     finally:
         _torchdata_worker.numpy = numpy
+
+
+def seed_numpy(value: Any) -> None:
+    """Seed numpy's global generator with ``value`` now if numpy.random is loaded, else the
+    moment it is first imported in this process (a front end seeding its workers itself)."""
+    if NUMPY_RANDOM in sys.modules:
+        sys.modules[NUMPY_RANDOM].seed(value)
+    else:
+        _HOOK.arm(value)

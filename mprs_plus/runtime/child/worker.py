@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import torch.utils.data.graph_settings
 from torch.utils.data import IterDataPipe
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-from torchdata.dataloader2.utils import WorkerInfo, process_reset_fn
 
 from ...transport import ChannelBroken, EndOfStream, Receiver, Sender, wait_readable
 from .control import SegmentControl, make_locks, outputs_of, segment_root
@@ -118,7 +117,6 @@ class WorkerSetup(NamedTuple):
 def worker_main(setup: WorkerSetup) -> None:
     child_setup([setup.control, *setup.data, *setup.inputs])
     where = describe_process(Segment.WORKER, setup.worker_id)
-    info = WorkerInfo(setup.num_workers, setup.worker_id)
     program = setup.program
     mux = _input_mux(setup.inputs, [placeholder.name for placeholder in program.inputs])
     for placeholder in program.inputs:
@@ -133,14 +131,18 @@ def worker_main(setup: WorkerSetup) -> None:
                 sharding_root, setup.num_workers, setup.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
             )
         if setup.init_fn is not None:
-            root = setup.init_fn(root, info)
+            root = setup.init_fn(root, _worker_info(setup))
             outputs_of(root, count)
         return root
 
     def reset(root: Any, epoch: int, seed_generator: Any, iter_reset_fn: Any) -> Any:
         del epoch  # the loop has it; the input mux heard of it when the Reset arrived
+        if seed_generator is None:  # a front end that seeds its workers itself, in its reset function
+            return iter_reset_fn(root) if iter_reset_fn is not None else root
+        from torchdata.dataloader2.utils import process_reset_fn
+
         return process_reset_fn(
-            root, info, seed_generator, iter_reset_fn=iter_reset_fn, custom_reset_fn=setup.reset_fn
+            root, _worker_info(setup), seed_generator, iter_reset_fn=iter_reset_fn, custom_reset_fn=setup.reset_fn
         )
 
     locks = make_locks(program.groups)
@@ -154,6 +156,14 @@ def worker_main(setup: WorkerSetup) -> None:
     for placeholder in program.inputs:
         placeholder.child = loop
     loop.run()
+
+
+def _worker_info(setup: WorkerSetup) -> Any:
+    """torchdata's ``WorkerInfo`` for the hooks, made where a hook needs it: a front end
+    that seeds its workers itself runs without loading torchdata."""
+    from torchdata.dataloader2.utils import WorkerInfo
+
+    return WorkerInfo(setup.num_workers, setup.worker_id)
 
 
 def _announcer(mux: ChannelMux) -> Callable[[Received], None]:

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterDataPipe
 from torch.utils.data.graph import traverse_dps
-from torchdata.dataloader2.graph import set_graph_random_seed
 
 from ...options import Options
 from ...plan import Plan
@@ -217,20 +216,30 @@ class ServiceRuntime:
         still in flight are dropped. Returns None: the main segment stays the same object
         (``InProcessRuntime`` may return a new one).
 
+        ``seed_generator`` None leaves seeding to ``iter_reset_fn``, which may hand each worker
+        its own function through ``iter_reset_fn.for_worker(w)``.
+
         A restored epoch passes ``skips[w]``, the items worker w drops before sending (the
         user had them), and ``next_worker``, whose turn comes first (``restore.py``).
         Children not started yet start here, one after another, each with its Reset
         already queued (see ``start``)."""
         reader = self._started()
-        set_graph_random_seed(self._main, seed_generator)
+        if seed_generator is not None:  # None: a front end that seeds its workers itself (its reset function does)
+            from torchdata.dataloader2.graph import set_graph_random_seed  # only where torchdata's seeding is used
+
+            set_graph_random_seed(self._main, seed_generator)
         epoch = reader.begin_epoch(next_worker, skips)
         topology, supervisor = self._topology, self._supervisor
         resets: list[tuple[ChildLink, Reset]] = []  # all pickled before any child starts
         if topology.dispatch is not None:
             resets.append((topology.dispatch, Reset(epoch, pack((seed_generator, iter_reset_fn)))))
+        # A reset function with ``for_worker(w)`` gives each worker its own (its share of an epoch's work).
+        share = getattr(iter_reset_fn, "for_worker", None)
         for link in topology.workers:
             skip = (skips[link.index],) if skips else ()
-            resets.append((link, Reset(epoch, pack((seed_generator.spawn(link.index), iter_reset_fn)), skip)))
+            seeds = seed_generator.spawn(link.index) if seed_generator is not None else None
+            reset_fn = share(link.index) if share is not None else iter_reset_fn
+            resets.append((link, Reset(epoch, pack((seeds, reset_fn)), skip)))
         launching = supervisor.pending
         try:
             if launching:

@@ -1,0 +1,94 @@
+"""How the main process draws an epoch, exactly as torch's DataLoader does, and again on restore.
+
+torch's ``_BaseDataLoaderIter`` takes the sampler's iterator, then draws the workers' base
+seed from the loader's ``generator`` (or torch's global generator), and only then advances
+the sampler (``RandomSampler`` draws its own seed on its first step). Persistent workers
+draw the base seed once, with their first epoch. ``draw_epoch`` keeps that order, so the
+main process's generators advance as torch's do and the epoch's index batches and seeds
+are torch's.
+
+A checkpoint does not store the epoch's indices: it stores what drew them (``EpochStart``,
+taken once per epoch, before the first draw): the generator's state (or the global one's
+when there is no generator), and the state of a sampler with ``state_dict()``. A restore
+sets them back and draws the same epoch again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import IterDataPipe
+
+
+class EpochStart(NamedTuple):
+    """What the epoch's draws start from (taken before them), and the base seed."""
+
+    generator_state: list[int]  # the loader's generator's, or torch's global generator's without one (bytes)
+    samplers: tuple[Any, ...]  # ``state_dict()`` of the sampler and of the batch sampler (None: none)
+    base_seed: int | None  # the epoch's base seed, once drawn or inherited
+    draws_base_seed: bool  # False: persistent workers already have theirs
+
+    def to_dict(self) -> dict[str, Any]:
+        return self._asdict()
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> EpochStart:
+        return cls(list(state["generator_state"]), tuple(state["samplers"]), state["base_seed"], state["draws_base_seed"])
+
+
+def samplers_of(loader: Any) -> tuple[Any, Any]:
+    return loader.sampler, loader.batch_sampler
+
+
+def _state_of(sampler: Any) -> Any:
+    method = getattr(sampler, "state_dict", None)
+    return method() if callable(method) and callable(getattr(sampler, "load_state_dict", None)) else None
+
+
+def capture_start(loader: Any, base_seed: int | None, draws_base_seed: bool) -> EpochStart:
+    generator = loader.generator
+    state = generator.get_state() if generator is not None else torch.get_rng_state()
+    # Plain ints, once per epoch: a state is JSON as well as torch.save material.
+    return EpochStart(state.tolist(), tuple(_state_of(s) for s in samplers_of(loader)), base_seed, draws_base_seed)
+
+
+def set_start(loader: Any, start: EpochStart) -> None:
+    """Set back what the epoch's draws start from (a restore)."""
+    state = torch.tensor(start.generator_state, dtype=torch.uint8)
+    if loader.generator is not None:
+        loader.generator.set_state(state)
+    else:
+        torch.set_rng_state(state)
+    for sampler, state in zip(samplers_of(loader), start.samplers):
+        if state is not None:
+            sampler.load_state_dict(state)
+
+
+def _draw(generator: Any) -> int:
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def draw_epoch(loader: Any, start: EpochStart) -> tuple[int, int | None, Iterator[Any]]:
+    """The epoch's base seed, a DataPipe dataset's shared seed (else None) and the index
+    sampler's iterator, drawn in torch's order: a new iterator draws the shared seed, then
+    the base seed (and with workers one more shared seed, which torch's first reset draws
+    and never uses); persistent workers' later epochs only a new shared seed."""
+    datapipe = isinstance(loader.dataset, IterDataPipe)
+    shared_seed = _draw(loader.generator) if datapipe and start.draws_base_seed else None
+    indices = iter(loader._index_sampler)
+    if start.draws_base_seed:
+        base_seed = _draw(loader.generator)
+        if datapipe and loader.num_workers > 0:
+            _draw(loader.generator)
+    else:
+        base_seed = start.base_seed  # type: ignore[assignment]
+        if datapipe:
+            shared_seed = _draw(loader.generator)
+    return base_seed, shared_seed, indices
+
+
+def deal(batches: list[Any], workers: int) -> list[list[Any]]:
+    """Index batch i to worker i % workers, as torch's round-robin does."""
+    return [batches[w::workers] for w in range(workers)]

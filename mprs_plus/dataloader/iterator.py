@@ -1,0 +1,356 @@
+"""One epoch of a ``DataLoader``: what ``iter(loader)`` returns.
+
+    in this process (num_workers=0)   the sampler, lazily; torch's fetcher; a restore draws
+                                      the handed-out batches again and re-reads their samples
+    in workers                        the epoch's index batches dealt round-robin in each
+                                      worker's ``WorkerEpoch``; the runtime's reader yields
+                                      their batches; a restore passes each worker's count
+                                      to the runtime, which has the worker skip them
+
+It counts what the loop received (checkpoints), records the dataset states workers send
+along, and raises errors as torch's loader does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
+
+from . import state as loader_state
+from .epochs import EpochStart, deal
+from .errors import is_fatal, torch_error
+from .stage import BatchFailure, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
+from .workers import LoaderRun, open_feeding
+
+if TYPE_CHECKING:
+    from .loader import DataLoader
+
+
+_MIRROR_END = object()
+
+
+class LoaderIterator:
+    """One epoch of a ``DataLoader``, what ``iter(loader)`` returns."""
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        start: EpochStart,
+        indices: Iterator[Any],
+        restore: dict[str, Any] | None,
+        shared_seed: int | None = None,
+        carried: dict[int, tuple[int, Any]] | None = None,
+        send_carried: bool = False,
+    ) -> None:
+        self._loader_ref = weakref.ref(loader)
+        self._shared_seed = shared_seed  # a DataPipe dataset's, as torch draws it
+        self._distributed = _get_distributed_settings()
+        self._length = _length_or_none(loader)
+        self._timeout = loader.timeout
+        self.start = start
+        self.finished = False
+        self._workers = loader.num_workers
+        self._restore = restore
+        # Per worker: (batches of this epoch its dataset state covers, that state).
+        self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else dict(carried or {})
+        self._send_states = restore is not None or send_carried  # else the workers hold them already
+        self._owns_run = False
+        self._run: LoaderRun | None = None
+        self._mirror: Iterator[Any] | None = None  # a sampler without len(): see _in_workers
+        self._yielded = restore["consumed"][0] if restore and loader.num_workers == 0 else 0
+        # Batches the loop received, counted on from a restored state: with batches copied
+        # to a device ahead of the loop, the reads run ahead of them.
+        self._handed = sum(restore["consumed"]) if restore else 0
+        self._ahead = 0
+        self._feeding: Any = None
+        self._in_order = loader.in_order
+        self._kind = loader._dataset_kind
+        # An iterable dataset whose len() the loop asked before this epoch: torch warns
+        # once the epoch yields more than that.
+        self._length_said = loader._IterableDataset_len_called if self._kind == _DatasetKind.Iterable else None
+        self._dataset_name = repr(loader.dataset)
+        if self._workers == 0:
+            self._stage: LoaderStage | None = LoaderStage(loader._job())
+            self._items = self._in_process(loader, indices)
+            self._feeding = open_feeding(loader._options())
+            if self._feeding is not None:  # pinned, or on the device, as with workers
+                self._items = self._feeding.iterate(self._items)
+                self._ahead = self._feeding.ahead
+        else:
+            self._stage = None
+            self._items = self._in_workers(loader, indices)
+
+    def __iter__(self) -> LoaderIterator:
+        return self
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this DataLoader's dataset has no len()")
+        return self._length
+
+    def __next__(self) -> Any:
+        try:
+            item = next(self._items)
+        except StopIteration:
+            self._finish()
+            raise
+        except Exception as exc:
+            self._failed(exc)
+            mapped = torch_error(exc, self._timeout)
+            if mapped is None:
+                raise
+            raise mapped from None
+        self._handed += 1
+        if self._length_said is not None and self._handed > self._length_said:
+            self._warn_past_length()
+        if self._mirror is not None:
+            self._follow(1)
+        if type(item) is BatchFailure:  # that batch's error; the epoch goes on, as torch's does
+            error = item[0].rebuild()
+            raise (torch_error(error, self._timeout) or error) from None
+        if type(item) is WithState:
+            batch, worker, count, dataset_state = item
+            self._worker_states[worker] = (count, dataset_state)
+            return batch
+        return item
+
+    # -- in this process -----------------------------------------------------------------
+
+    def _in_process(self, loader: DataLoader, indices: Iterator[Any]) -> Iterator[Any]:
+        """Set up now (an iterable dataset's ``iter()`` is taken by ``iter(loader)``, as
+        torch's); the batches, lazily from the sampler, as torch's single process makes them.
+        A restored epoch reads its first batches' samples again and drops them (map-style),
+        or goes on from the dataset's recorded state and replays the batches after it."""
+        stage = self._stage
+        if stage is None:
+            raise RuntimeError("internal error: no stage for an in-process epoch")
+        count, dataset_state = self._worker_states.get(0, (0, None)) if self._restore is not None else (0, None)
+        # The batches handed out before the state are drawn again first (the sampler draws
+        # before any sample is read, as in the run recorded); those after the dataset's
+        # recorded state (all of them without one) are read again and dropped.
+        skipped = list(itertools.islice(indices, self._yielded))[count:]
+        stage.begin(
+            WorkerEpoch(0, 1, self.start.base_seed or 0, None, dataset_state, shared_seed=self._shared_seed,
+                        distributed=self._distributed),
+            in_worker=False,
+        )
+        iterable = loader._dataset_kind == _DatasetKind.Iterable
+        fetch = stage._fetcher.fetch if iterable else make_fetcher(stage.job).fetch
+        if iterable:
+            for index in skipped:
+                with contextlib.suppress(StopIteration):
+                    fetch(index)
+        else:
+            replay(stage.job, skipped)
+        return _Fetched(self, indices, fetch)
+
+    # -- in workers ----------------------------------------------------------------------
+
+    def _in_workers(self, loader: DataLoader, indices: Iterator[Any]) -> Iterator[Any]:
+        """Start the epoch in the workers now (as ``iter()`` of torch's loader does): each
+        worker gets its round-robin share of the epoch's index batches (map-style) or runs
+        its replica (an iterable dataset); returns the batches as the runtime reads them."""
+        workers = loader.num_workers
+        if loader.prefetch_factor == 0:
+            raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
+        base_seed = self.start.base_seed or 0
+        shares: list[list[Any] | None] = [None] * workers
+        sampler = None
+        if loader._dataset_kind == _DatasetKind.Map:
+            if has_len(loader._index_sampler):
+                shares = list(deal(list(indices), workers))  # type: ignore[arg-type]
+            else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
+                sampler = (loader._index_sampler, torch.get_rng_state())
+                # The main process's own iterator follows, as torch's main process draws:
+                # prefetch_factor batches per worker at the start, then one per batch received.
+                # (after the workers' copies are made: begin_epoch pickles them).
+                self._mirror = indices
+        parts = []
+        for w in range(workers):
+            count, dataset_state = self._worker_states.get(w, (0, None)) if self._send_states else (0, None)
+            parts.append(
+                WorkerEpoch(
+                    w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed
+                )
+            )
+        run = loader._run if loader.persistent_workers else None
+        if run is None:
+            run = LoaderRun(loader)
+            if loader.persistent_workers:
+                loader._run = run
+            else:
+                self._owns_run = True
+        self._run = run
+        self._ahead = run.feeding.ahead if run.feeding is not None else 0
+        skips: tuple[int, ...] = ()
+        next_worker = 0
+        if self._restore is not None:
+            skips, next_worker = tuple(self._restore["consumed"]), self._restore["next_worker"]
+        try:
+            run.runtime.begin_epoch(None, EpochOrders(parts), skips if any(skips) else (), next_worker)
+            self._follow(loader.prefetch_factor * workers + sum(skips))
+        except Exception as exc:
+            mapped = torch_error(exc, self._timeout)
+            if mapped is None:
+                raise
+            raise mapped from None
+        return iter(run.main)
+
+    def _warn_past_length(self) -> None:
+        """torch's warning, in torch's words (code that filters it keeps working)."""
+        import warnings
+
+        message = (
+            f"Length of IterableDataset {self._dataset_name} was reported to be {self._length_said}"
+            f"(when accessing len(dataloader)), but {self._handed} samples have been fetched. "
+        )
+        if self._workers > 0:
+            message += (
+                "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                "IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+            )
+        warnings.warn(message, stacklevel=3)
+
+    def _follow(self, batches: int) -> None:
+        """Advance the main process's own sampler iterator by ``batches``, dropping them
+        (the workers draw the same from their copies): its generators move as torch's."""
+        mirror = self._mirror
+        if mirror is None:
+            return
+        for _ in range(batches):
+            if next(mirror, _MIRROR_END) is _MIRROR_END:
+                self._mirror = None
+                return
+
+    def _failed(self, exc: BaseException) -> None:
+        """An epoch that raised ends its own workers, as torch's does; persistent workers
+        stay for the next epoch unless the runtime itself failed (a worker died, a timeout)."""
+        if self._owns_run:
+            self._stop_owned()
+            return
+        loader = self._loader_ref()
+        if loader is not None and loader._run is self._run and is_fatal(exc):
+            run, loader._run = loader._run, None
+            if run is not None:
+                run.stop()
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            loader = self._loader_ref()
+            if loader is not None and self._workers and not self._owns_run:  # persistent workers
+                loader._carry = {w: (0, state) for w, (_, state) in self._worker_states.items()}
+            self._stop_owned()
+
+    def _abandon(self) -> None:
+        self._stop_owned()
+
+    def _stop_owned(self) -> None:
+        run, self._run = self._run, None
+        if run is not None and self._owns_run:
+            run.stop()
+        feeding, self._feeding = self._feeding, None
+        if feeding is not None:
+            feeding.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stop_owned()
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        loader = self._loader_ref()
+        if loader is None:
+            raise RuntimeError("internal error: a loader's iterator outlived its loader")
+        if self._ahead and self._handed < (self._yielded if self._workers == 0 else self._read()):
+            return loader_state.running(loader, self.start, *self._handed_counts(), dict(self._worker_states))
+        if self._workers == 0:
+            consumed, next_worker = [self._yielded], 0
+            states = dict(self._worker_states)
+            stage = self._stage
+            if stage is not None and has_state(stage.job.dataset):
+                states[0] = (self._yielded, dataset_state(stage.job.dataset, stage._fetcher))
+        else:
+            cursor = self._cursor()
+            if cursor is None:
+                consumed, next_worker = list(self._restore["consumed"]) if self._restore else [0] * self._workers, (
+                    self._restore["next_worker"] if self._restore else 0
+                )
+            else:
+                consumed, next_worker = list(cursor.consumed), cursor.next_worker
+            states = dict(self._worker_states)
+        return loader_state.running(loader, self.start, consumed, next_worker, states)
+
+    def _cursor(self) -> Any:
+        """The runtime's read cursor of this epoch, None before its first read; a
+        RuntimeError once this epoch's workers are gone."""
+        from ..errors import ServiceClosedError
+
+        if self._run is None:
+            return None
+        try:
+            return self._run.runtime.read_cursor()
+        except ServiceClosedError:
+            raise RuntimeError(
+                "this DataLoader iterator's workers were stopped (an error, or load_state_dict() on its loader): "
+                "take the state from a running iterator, or from the loader between epochs"
+            ) from None
+
+    def _read(self) -> int:
+        cursor = self._cursor()
+        return sum(cursor.consumed) if cursor is not None else self._handed
+
+    def _handed_counts(self) -> tuple[list[int], int]:
+        """Per worker, the batches the loop received, when batches were read ahead of it
+        (copied to the device): map-style batches in order are dealt i % N, so the first n
+        batches are worker w's first len(range(w, n, N)). Other loaders can only be counted
+        as read, which would skip the batches on their way to the device."""
+        if self._kind == _DatasetKind.Iterable or (self._workers and not self._in_order):
+            raise ValueError(
+                "state_dict() while batches are on their way to the device (device=) needs a map-style dataset "
+                "read in order (in_order=True): take the state between epochs, or leave device=None"
+            )
+        n, workers = self._handed, max(self._workers, 1)
+        return [len(range(w, n, workers)) for w in range(workers)], n % workers
+
+
+def has_len(sampler: Any) -> bool:
+    try:
+        len(sampler)
+    except TypeError:
+        return False
+    return True
+
+
+def _length_or_none(loader: DataLoader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+class _Fetched:
+    """The batches of an epoch in this process, one ``next()`` each, as torch's single
+    process makes them: not a generator, so that a batch that raises leaves the epoch
+    going on (a generator that raised is done)."""
+
+    def __init__(self, owner: LoaderIterator, indices: Iterator[Any], fetch: Any) -> None:
+        self._owner = owner
+        self._indices = indices
+        self._fetch = fetch
+
+    def __iter__(self) -> _Fetched:
+        return self
+
+    def __next__(self) -> Any:
+        index = next(self._indices)
+        self._owner._yielded += 1
+        return self._fetch(index)  # an iterable dataset's end is its fetcher's StopIteration

@@ -1,0 +1,222 @@
+"""``mprs_plus.DataLoader``: torch's ``DataLoader`` API, run by the service's runtime.
+
+    DataLoader.__iter__ --> draw the epoch in this process, as torch does (epochs.py)
+                        --> an epoch (iterator.py): num_workers=0 fetches and collates here,
+                            lazily, as torch does; else the plan of one DataPipe,
+                            LoaderStage (stage.py), replicated in every worker, runs on the
+                            runtime (workers.py): begin_epoch(no seed generator, each
+                            worker's WorkerEpoch: its round-robin share of the index
+                            batches), then the workers are read round-robin (or as ready)
+    state_dict()        --> what drew the epoch + the runtime's read cursor (state.py)
+    errors              --> torch's types and wording (errors.py)
+
+Persistent workers keep one runtime for the loader's life; otherwise every epoch starts
+its own, and stops it when the epoch ends or its iterator is dropped, as torch does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, TypeVar
+
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data.dataloader import _DatasetKind
+
+from . import state as loader_state
+from .epochs import EpochStart, capture_start, draw_epoch, set_start
+from .iterator import LoaderIterator
+from .stage import LoaderStage, _Job
+from .workers import LoaderRun
+
+
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(_TorchDataLoader[_T_co]):
+    """torch's ``DataLoader``, with the same arguments, defaults, attributes and batches,
+    run by mprs_plus's workers; plus ``StatefulDataLoader``'s ``state_dict()`` and
+    ``load_state_dict()``, exact at any batch.
+
+    Beyond torch's arguments (keyword only):
+        snapshot_every_n_steps: an iterable dataset with ``state_dict()`` has its state
+            taken in each worker every n batches (``StatefulDataLoader``'s argument); a
+            restore replays at most n - 1 batches of a worker. Map-style datasets need none.
+        device: with ``pin_memory=True``, e.g. ``"cuda"``: batches reach the loop already
+            on that device, copied on the service's own stream ahead of the loop.
+        backend: where the workers run: None for processes of this host,
+            ``mprs_plus.RayBackend(...)`` for Ray actors (the same batches).
+        collect_stats: keep live statistics for ``stats()``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        snapshot_every_n_steps: int = 1,
+        device: Any = None,
+        backend: Any = None,
+        collect_stats: bool = True,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if isinstance(snapshot_every_n_steps, bool) or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0:
+            raise ValueError(
+                f"snapshot_every_n_steps must be an int >= 0 (0: only at a worker's end), got {snapshot_every_n_steps!r}"
+            )
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.device = device
+        self.backend = backend
+        self.collect_stats = collect_stats
+        self._options()  # checked now, as torch checks its own arguments
+        self._run: LoaderRun | None = None  # persistent workers: the runtime kept across epochs
+        self._current: weakref.ref[LoaderIterator] | None = None
+        self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
+        self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
+        # Persistent workers: each worker's dataset state as its last epoch left it (a
+        # dataset with state_dict()), which a state taken between epochs carries.
+        self._carry: dict[int, tuple[int, Any]] = {}
+        from ..runtime.main.family import Family
+
+        self._family = Family.new()
+
+    # -- iterating ---------------------------------------------------------------------
+
+    def __iter__(self) -> LoaderIterator:  # type: ignore[override]
+        restore, self._restore = self._restore, None
+        persistent = self.persistent_workers and self.num_workers > 0
+        carried, send = dict(self._carry) if persistent else {}, False
+        if restore is not None:
+            # What drew the recorded epoch (or, between epochs, what the next one draws
+            # from), set back: the draws below repeat the uninterrupted run's.
+            start = EpochStart.from_dict(restore["start"])
+            set_start(self, start)
+            if persistent:
+                self._base_seed = None if start.draws_base_seed else start.base_seed
+            if restore["phase"] != loader_state.RUNNING:
+                # Nothing of the epoch was handed out: it begins as any other, its workers
+                # loading the dataset states the recorded ones carried.
+                carried, send, restore = dict(restore["worker_states"]), True, None
+        else:
+            start = capture_start(self, self._base_seed, not (persistent and self._base_seed is not None))
+        base_seed, shared_seed, indices = draw_epoch(self, start)
+        start = start._replace(base_seed=base_seed)
+        if persistent:
+            self._base_seed = base_seed
+        previous = self._current() if self._current is not None else None
+        if previous is not None and persistent:
+            previous._abandon()  # its epoch ends: the workers move on to this one, as torch's reset does
+        iterator = LoaderIterator(self, start, indices, restore, shared_seed, carried, send)
+        self._current = weakref.ref(iterator)
+        return iterator
+
+    def _options(self) -> Any:
+        from ..options import Options
+
+        context = self.multiprocessing_context
+        if context is not None and not isinstance(context, str):
+            context = context.get_start_method()
+        return Options(
+            num_workers=self.num_workers,
+            multiprocessing_context=context,
+            worker_prefetch_cnt=self.prefetch_factor or 0,
+            main_prefetch_cnt=0,
+            in_order=self.in_order,
+            timeout=self.timeout or None,
+            collect_stats=self.collect_stats,
+            backend=self.backend,
+            pin_memory=bool(self.pin_memory),
+            device=self.device,
+        )
+
+    def _job(self) -> _Job:
+        return _Job(
+            self.dataset,
+            self._dataset_kind,
+            self._auto_collation,
+            self.collate_fn,
+            self.drop_last,
+            self.batch_size,
+            self.worker_init_fn,
+            self.snapshot_every_n_steps,
+        )
+
+    # -- what the service adds -------------------------------------------------------------
+
+    def stats(self) -> Any:
+        """A snapshot of what every worker has done, with a sentence naming the bottleneck
+        (``stats().summary()``); empty before the first epoch or without workers."""
+        return self._family.stats()
+
+    def explain(self) -> str:
+        """The loader's plan as text: what runs in the workers and in this process."""
+        from ..plan import plan
+
+        if self.num_workers == 0:
+            work = f"this process draws, fetches from {type(self.dataset).__name__} and collates every batch"
+        elif self._dataset_kind == _DatasetKind.Iterable:
+            work = f"each worker iterates its own replica of {type(self.dataset).__name__} and collates its batches"
+        else:
+            sampler = type(self.batch_sampler if self.batch_sampler is not None else self.sampler).__name__
+            work = (
+                f"the main process draws index batches from {sampler}; each worker fetches its share "
+                f"(batch i goes to worker i % {self.num_workers}) from {type(self.dataset).__name__} and collates it"
+            )
+        header = f"mprs_plus.DataLoader: {work}; LoaderStage is that work.\n"
+        return header + plan(LoaderStage(self._job()), self.num_workers).explain()
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position: restore it with ``load_state_dict()`` on a loader built the
+        same way, and its next epoch goes on exactly after the last batch handed out here."""
+        current = self._current() if self._current is not None else None
+        if current is not None and not current.finished:
+            return current.state_dict()
+        if self._restore is not None:
+            return dict(self._restore)
+        start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))
+        return loader_state.between(self, start, self._carry if self.persistent_workers else None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume ``state_dict`` (from ``state_dict()`` of a loader built the same way) with
+        the next ``iter()``. A state of another dataset length, batch size, worker count or
+        dataset kind is a ``ValueError``."""
+        self._restore = loader_state.check(self, state_dict)
+        self._current = None  # state_dict() now reports the loaded state, until the next iter()
+        run, self._run = self._run, None
+        if run is not None:  # persistent workers seeded for another run: the restore starts its own
+            run.stop()
+            self._base_seed = None

@@ -1,0 +1,396 @@
+"""What a worker runs for ``mprs_plus.DataLoader``: torch's worker protocol as one DataPipe.
+
+    main process                                   worker w (one LoaderStage replica)
+    epoch's index batches, dealt round-robin  --Reset(WorkerEpoch w)-->  seed, worker info,
+    (batch i to worker i % N)                                            worker_init_fn (first
+                                                                         epoch of the process)
+                                                                         fetch + collate each
+                                                                         index batch --> lane
+
+``LoaderStage`` is the worker segment of the loader's plan: the runtime replicates it in each
+worker and iterates it every epoch. The epoch's work arrives in the runtime's per-epoch
+reset: ``WorkerEpoch`` holds one worker's share of the index batches (map-style) or nothing
+(an iterable dataset, whose replica yields its own batches), and applies torch's seeding
+when the process starts. Batches are made by torch's own fetchers (``__getitems__``,
+``collate_fn``, ``drop_last``, its iterable-dataset auto-collation), so they are torch's.
+
+Seeding, as torch's worker loop does it: ``random`` and ``torch`` with ``base_seed + w``,
+numpy's global generator with ``_generate_state(base_seed, w)``, then
+``get_worker_info()`` is set and ``worker_init_fn(w)`` runs; a process is seeded once, so
+persistent workers carry their generators' states across epochs, as torch's do.
+
+The stage keeps everything heavy (the dataset, the collate function) in a plain holder
+(``_Job``): graph walks (ours, and torch's ``traverse_dps``, which pickles what it walks)
+see one DataPipe and nothing behind it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
+from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data.dataloader import _DatasetKind
+
+
+class _Job:
+    """What every replica needs, set once per loader: not a DataPipe, not a collection."""
+
+    __slots__ = ("dataset", "kind", "auto_collation", "collate_fn", "drop_last", "batch_size", "worker_init_fn", "snapshot_every")
+
+    def __init__(
+        self,
+        dataset: Any,
+        kind: int,
+        auto_collation: bool,
+        collate_fn: Any,
+        drop_last: bool,
+        batch_size: int | None,
+        worker_init_fn: Any,
+        snapshot_every: int,
+    ) -> None:
+        self.dataset = dataset
+        self.kind = kind
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.batch_size = batch_size
+        self.worker_init_fn = worker_init_fn
+        self.snapshot_every = snapshot_every  # iterable datasets with state: every n batches (0: at the end only)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
+
+
+class BatchFailure(tuple):
+    """A batch whose fetch or collate raised, in its place: ``(RemoteError,)``. As with
+    torch's loader, the loop gets that exception at that batch's turn, and the epoch goes on
+    with the next batches (the worker's stream does not end)."""
+
+    __slots__ = ()
+
+
+def failed_batch(exc: Exception, stage: LoaderStage) -> BatchFailure:
+    from ..runtime.data_messages import RemoteError, describe_process
+    from ..segment import Segment
+
+    return BatchFailure((RemoteError.capture(exc, describe_process(Segment.WORKER, stage.worker_id)),))
+
+
+class WithState(tuple):
+    """A batch of a worker whose iterable dataset has state: ``(batch, worker, count, state)``,
+    the dataset's ``state_dict()`` after the worker's ``count``-th batch of the epoch. The
+    main process records the state and hands the batch on."""
+
+    __slots__ = ()
+
+
+# The state of a replica whose dataset ended with its last batch: its ``state_dict()`` may
+# already read as a fresh start (a dataset that resets at its end), so it is not asked.
+EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
+
+
+def dataset_state(dataset: Any, fetcher: Any) -> Any:
+    return EXHAUSTED if getattr(fetcher, "ended", False) else dataset.state_dict()
+
+
+def has_state(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+def seed_worker(base_seed: int, worker_id: int) -> int:
+    """torch's seeding of worker ``worker_id``: ``random``, ``torch``, numpy's global generator."""
+    from ..runtime.child.seeding import seed_numpy  # numpy.random seeded now, or when first imported
+
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch_worker.HAS_NUMPY:
+        seed_numpy(torch_worker._generate_state(base_seed, worker_id))
+    return seed
+
+
+def collate_tensors_privately() -> None:
+    """In this worker process, have ``default_collate`` stack tensors into ordinary memory.
+
+    In a worker, torch's collate stacks a batch into a new torch shared-memory storage
+    (a file of ``/dev/shm``) so that its own queues pass it on without a copy. Here the
+    channel copies every large tensor into its lend area anyway: the file would cost a
+    second copy, and ``/dev/shm`` room that a container may not have. Same values, same
+    checks (torch's own function runs, without the worker-only branch); a collate
+    function a user put in ``default_collate_fn_map`` stays."""
+    from torch.utils.data._utils import collate
+
+    if collate.default_collate_fn_map.get(torch.Tensor) is collate.collate_tensor_fn:
+        collate.default_collate_fn_map[torch.Tensor] = _collate_tensors
+
+
+def _collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    from torch.utils.data._utils import collate
+
+    info, torch_worker._worker_info = torch_worker._worker_info, None  # torch's worker-only branch off
+    try:
+        return collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    finally:
+        torch_worker._worker_info = info
+
+
+class LoaderStage(IterDataPipe):
+    """One worker's replica of the loader: fetches and collates its share of each epoch."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.worker_id = 0
+        self.num_workers = 1
+        self._seeded = False
+        self._epoch: WorkerEpoch | None = None
+        self._fetcher: Any = None
+        self._dataset_state: Any = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoaderStage:
+        # The runtime copies a worker segment before handing it to the workers; the copy
+        # shares the job: a dataset is never copied in this process (it may be large, or
+        # hold objects shared with the workers, such as locks), as torch's loader hands
+        # its own to its workers.
+        return LoaderStage(self.job)
+
+    def apply_sharding(self, num_instances: int, instance_id: int, sharding_group: Any = None) -> None:
+        """The worker's shard is its share of the index batches (map-style), set each epoch;
+        an iterable dataset shards itself with ``get_worker_info()``, as with torch."""
+        self.worker_id, self.num_workers = instance_id, num_instances
+
+    def __len__(self) -> int:
+        epoch = self._epoch
+        if epoch is None or epoch.batches is None:
+            raise TypeError("this epoch's batches are made as they come: they have no len()")
+        return len(epoch.batches)
+
+    def begin(self, epoch: WorkerEpoch, in_worker: bool = True) -> None:
+        """The runtime's per-epoch reset, in the worker: seed the process once, then set
+        up this epoch's fetcher (an iterable dataset's ``iter()`` is taken here, as torch's
+        worker does when an epoch begins). ``in_worker=False``: the main process itself
+        (``num_workers=0``), which torch does not seed."""
+        job = self.job
+        self.worker_id, self.num_workers = epoch.worker_id, epoch.num_workers
+        if epoch.shared_seed is not None and isinstance(job.dataset, IterDataPipe):
+            shared = torch.Generator()
+            shared.manual_seed(epoch.shared_seed)
+            job.dataset = graph_settings.apply_random_seed(job.dataset, shared)
+        if not in_worker and not self._seeded and isinstance(job.dataset, (IterDataPipe, MapDataPipe)):
+            self._seeded = True  # torch's single process shards a DataPipe across ranks once
+            graph_settings.apply_sharding(job.dataset, *epoch.distributed)
+        if in_worker and not self._seeded:
+            self._seeded = True
+            seed = seed_worker(epoch.base_seed, epoch.worker_id)
+            torch_worker._worker_info = torch_worker.WorkerInfo(
+                id=epoch.worker_id, num_workers=epoch.num_workers, seed=seed, dataset=job.dataset
+            )
+            collate_tensors_privately()
+            if isinstance(job.dataset, (IterDataPipe, MapDataPipe)):  # torch's DataPipe sharding
+                world_size, rank = epoch.distributed
+                graph_settings.apply_sharding(
+                    job.dataset, epoch.num_workers * world_size, epoch.worker_id * world_size + rank
+                )
+            if job.worker_init_fn is not None:
+                job.worker_init_fn(epoch.worker_id)
+        self._epoch = epoch
+        self._fetcher = None
+        if epoch.dataset_state is not None and epoch.dataset_state != EXHAUSTED:
+            job.dataset.load_state_dict(epoch.dataset_state)  # a restore: the dataset as it was recorded
+        if job.kind == _DatasetKind.Iterable:
+            self._fetcher = make_fetcher(job)
+            self._fetcher.ended = epoch.dataset_state == EXHAUSTED
+
+    def resume_from(self, skip: int) -> Iterator[Any]:
+        """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
+        Map-style: the samples of the skipped batches are read again and dropped, not
+        collated, so that whatever ``__getitem__`` draws from the worker's generators is
+        drawn again and the batches after them are the uninterrupted run's; a dataset with
+        a recorded state (set in ``begin``) replays only the batches after it. An iterable
+        dataset goes on from its recorded state and replays only the batches after it."""
+        epoch = self._epoch
+        if epoch is None:
+            raise RuntimeError("internal error: a loader stage resumed before its epoch began")
+        done = epoch.state_count  # batches the recorded dataset state already covers
+        if epoch.batches is not None:
+            replay(self.job, epoch.batches[done:skip])
+            return _map_batches(self, epoch.batches[skip:], skip, len(epoch.batches))
+        if epoch.sampler is not None:
+            share = own_share(epoch, *epoch.sampler)
+            replay(self.job, itertools.islice(share, done, skip))
+            return _map_batches(self, share, skip)
+        return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
+
+
+def make_fetcher(job: _Job) -> Any:
+    return _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, job.collate_fn, job.drop_last)
+
+
+def _dropped(samples: Any) -> None:
+    return None
+
+
+def replay(job: _Job, batches: Iterable[Any]) -> None:
+    """Read the samples of ``batches`` of a map-style dataset and drop them (a restore)."""
+    fetch = _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, _dropped, job.drop_last).fetch
+    for indices in batches:
+        fetch(indices)
+
+
+def own_share(epoch: WorkerEpoch, sampler: Any, rng_state: Any) -> Iterator[Any]:
+    """This worker's index batches (i % N == w) of a sampler without ``len()``, drawn from
+    the worker's copy of it. Its draws from torch's global generator are made with the
+    main process's generator as the epoch left it (``rng_state``), kept apart from the
+    worker's own generator, which the samples draw from: every worker's copy yields the
+    batches the main process's sampler would have yielded, one at a time, so an
+    infinite sampler is no list."""
+    batches = iter(sampler)
+    main_state = rng_state
+    number = 0
+    while True:
+        own_state = torch.get_rng_state()
+        torch.set_rng_state(main_state)
+        try:
+            indices = next(batches)
+        except StopIteration:
+            return
+        finally:
+            main_state = torch.get_rng_state()
+            torch.set_rng_state(own_state)
+        if number % epoch.num_workers == epoch.worker_id:
+            yield indices
+        number += 1
+
+
+def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, total: int | None = None) -> Iterator[Any]:
+    """Fetch and collate each index batch; a dataset with ``state_dict()`` sends its state
+    along every ``snapshot_every`` batches and with the worker's last one (its state at
+    the epoch's end, which persistent workers carry into the next)."""
+    job = stage.job
+    fetch = make_fetcher(job).fetch
+    stateful = has_state(job.dataset)
+    every = job.snapshot_every
+    for indices in batches:
+        try:
+            batch = fetch(indices)
+        except Exception as exc:  # user code: that batch's error, and the epoch goes on
+            count += 1
+            yield failed_batch(exc, stage)
+            continue
+        if not stateful:
+            yield batch
+            continue
+        count += 1
+        if (every and count % every == 0) or count == total:
+            yield WithState((batch, stage.worker_id, count, job.dataset.state_dict()))
+        else:
+            yield batch
+
+
+def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> Iterator[Any]:
+    """The replica's batches, as torch's iterable fetcher makes them; a dataset with state
+    sends its ``state_dict()`` along every ``snapshot_every`` batches. The first ``replay``
+    batches are made and dropped (a restore without a recorded state for them)."""
+    job, fetcher = stage.job, stage._fetcher
+    request = [None] * job.batch_size if job.auto_collation else None
+    stateful = has_state(job.dataset)
+    every = job.snapshot_every
+    while True:
+        try:
+            batch = fetcher.fetch(request)
+        except StopIteration:
+            return
+        except Exception as exc:  # the dataset's iterator raised: that batch's error; a
+            count += 1  # generator that raised is done, and the next fetch ends the stream
+            if replay <= 0:
+                yield failed_batch(exc, stage)
+            else:
+                replay -= 1
+            continue
+        count += 1
+        if replay > 0:
+            replay -= 1
+            continue
+        if stateful and ((every and count % every == 0) or fetcher.ended):
+            yield WithState((batch, stage.worker_id, count, dataset_state(job.dataset, fetcher)))
+        else:
+            yield batch
+
+
+def _iterate_stage(stage: LoaderStage) -> Iterator[Any]:
+    epoch = stage._epoch
+    if epoch is None:
+        raise RuntimeError("internal error: a loader stage iterated before its epoch began")
+    if epoch.batches is not None:
+        return _map_batches(stage, epoch.batches, 0, len(epoch.batches))
+    if epoch.sampler is not None:
+        return _map_batches(stage, own_share(epoch, *epoch.sampler))
+    return _iterable_batches(stage, 0, epoch.state_count)
+
+
+# Assigned after the class is made, as the runtime's own readers are: torch's DataPipe
+# metaclass wraps an ``__iter__`` of the class body with per-item bookkeeping.
+LoaderStage.__iter__ = _iterate_stage  # type: ignore[method-assign]
+
+
+class WorkerEpoch:
+    """One worker's part of an epoch, sent in the runtime's reset; applied to the stage."""
+
+    __slots__ = (
+        "worker_id", "num_workers", "base_seed", "batches", "dataset_state", "state_count", "sampler", "shared_seed",
+        "distributed",
+    )
+
+    def __init__(
+        self,
+        worker_id: int,
+        num_workers: int,
+        base_seed: int,
+        batches: list[Any] | None,
+        dataset_state: Any = None,
+        state_count: int = 0,
+        sampler: tuple[Any, Any] | None = None,
+        shared_seed: int | None = None,
+        distributed: tuple[int, int] = (1, 0),
+    ) -> None:
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.base_seed = base_seed
+        self.batches = batches  # None: an iterable dataset
+        self.dataset_state = dataset_state  # a restore: the replica's recorded state ...
+        self.state_count = state_count  # ... after this many of its batches
+        # A sampler without len(): (the index sampler, torch's global generator state as
+        # the epoch's base seed left it); its batches are drawn in the worker (own_share).
+        self.sampler = sampler
+        self.shared_seed = shared_seed  # a DataPipe dataset: seeds its random DataPipes, as torch does
+        self.distributed = distributed  # (world size, rank) when the epoch began
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
+
+    def __call__(self, stage: LoaderStage) -> LoaderStage:
+        stage.begin(self)
+        return stage
+
+
+class EpochOrders:
+    """The per-epoch reset function for all workers: ``for_worker(w)`` is worker w's part
+    (the runtime asks for it, so each worker receives only its own share)."""
+
+    def __init__(self, parts: Sequence[WorkerEpoch]) -> None:
+        self.parts = list(parts)
+
+    def for_worker(self, worker: int) -> WorkerEpoch:
+        return self.parts[worker]

@@ -1,0 +1,55 @@
+"""The runtime of a ``DataLoader``'s workers: the loader's plan (one ``LoaderStage``,
+replicated in every worker) handed to the one runtime, fed to the device if asked.
+
+It lives as long as something holds it: the loader (persistent workers) or an epoch's
+iterator, as torch's iterator keeps its workers after its loader is gone. The runtime
+stops itself once unreachable (``ServiceRuntime``'s finalizer), and so does the feeding."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .stage import LoaderStage
+
+if TYPE_CHECKING:
+    from .loader import DataLoader
+
+
+class LoaderRun:
+    """One runtime of the loader's workers and the plan it runs."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        from ..plan import plan
+        from ..runtime.main.service import open_runtime
+
+        options = loader._options()
+        stage = LoaderStage(loader._job())
+        self.plan = plan(stage, loader.num_workers)
+        self.feeding = open_feeding(options)
+        if self.feeding is not None:
+            self.plan = self.plan._replace(delivery=self.feeding.delivery)
+        self.runtime = open_runtime(stage, self.plan, options)
+        main = self.runtime.start()
+        loader._family.started(self.runtime.figures)
+        if self.feeding is not None:
+            self.runtime.figures.feeding = self.feeding.counters
+            main = self.feeding.wrap(main)
+            weakref.finalize(self, self.feeding.close)
+        self.main = main
+
+    def stop(self) -> None:
+        self.runtime.stop()
+        feeding, self.feeding = self.feeding, None
+        if feeding is not None:
+            feeding.close()
+
+
+def open_feeding(options: Any) -> Any:
+    """``pin_memory`` / ``device``: the runtime's feeding, None where none is asked for (or,
+    with a warning, where there is no accelerator)."""
+    if not options.pin_memory:
+        return None
+    from ..runtime.main.feeding import open_feeding as open_runtime_feeding
+
+    return open_runtime_feeding(options.pin_memory, options.device, options.device_prefetch)

@@ -1,0 +1,453 @@
+"""mprs_plus.DataLoader side by side with torch's own DataLoader: the same batches for the
+same seed (worker randomness included), torch's worker protocol, its errors, a clean end."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from torch.utils.data import BatchSampler, Dataset, SequentialSampler, get_worker_info
+from torch.utils.data import DataLoader as TorchDataLoader
+
+from mprs_plus import DataLoader
+from loader_datasets import Nested, Randomized, Ranges, add_one, gen, plain, run, sum_collate
+
+pytestmark = pytest.mark.timeout(120)
+
+CASES = {
+    "sequential": lambda cls, w: cls(Randomized(), batch_size=4, num_workers=w),
+    "shuffle": lambda cls, w: cls(Randomized(), batch_size=4, shuffle=True, num_workers=w),
+    "shuffle_generator": lambda cls, w: cls(Randomized(), batch_size=3, shuffle=True, num_workers=w, generator=gen()),
+    "drop_last": lambda cls, w: cls(Randomized(), batch_size=5, shuffle=True, drop_last=True, num_workers=w),
+    "batch_sampler": lambda cls, w: cls(
+        Randomized(), batch_sampler=BatchSampler(SequentialSampler(range(23)), 6, False), num_workers=w
+    ),
+    "no_batching": lambda cls, w: cls(Randomized(7), batch_size=None, shuffle=True, num_workers=w),
+    "collate_fn": lambda cls, w: cls(Randomized(), batch_size=4, collate_fn=sum_collate, num_workers=w),
+    "worker_init_fn": lambda cls, w: cls(
+        Randomized(), batch_size=4, num_workers=w, worker_init_fn=add_one if w else None
+    ),
+    "nested": lambda cls, w: cls(Nested(), batch_size=4, num_workers=w),
+}
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_batches_as_torch(case, workers):
+    make = CASES[case]
+    expected = run(TorchDataLoader, lambda cls: make(cls, workers))
+    assert run(DataLoader, lambda cls: make(cls, workers)) == expected
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_persistent_workers_keep_their_processes_and_generators(workers):
+    def make(cls):
+        return cls(Randomized(), batch_size=4, shuffle=True, num_workers=workers, persistent_workers=True)
+
+    assert run(DataLoader, make, epochs=3) == run(TorchDataLoader, make, epochs=3)
+
+    class Pid(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return os.getpid()
+
+    loader = DataLoader(Pid(), batch_size=2, num_workers=workers, persistent_workers=True)
+    first = {int(p) for batch in loader for p in batch}
+    second = {int(p) for batch in loader for p in batch}
+    assert first == second and os.getpid() not in first
+
+
+def test_iterable_dataset_replicas_interleave_as_torch():
+    for workers in (0, 1, 2):
+        for kwargs in ({"batch_size": 2}, {"batch_size": 3, "drop_last": True}, {"batch_size": None}):
+
+            def make(cls, kwargs=kwargs, workers=workers):
+                return cls(Ranges(), num_workers=workers, **kwargs)
+
+            assert run(DataLoader, make) == run(TorchDataLoader, make), (workers, kwargs)
+
+
+def test_in_order_false_yields_every_batch_once():
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, in_order=False)
+    indices = sorted(i for batch in loader for i in batch["index"].tolist())
+    assert indices == list(range(23))
+
+
+def test_worker_info_is_none_in_the_main_process_and_set_in_workers():
+    assert get_worker_info() is None
+    seen = {(b["worker"].tolist()[0], b["seed"].tolist()[0]) for b in DataLoader(Randomized(8), batch_size=2, num_workers=2)}
+    torch.manual_seed(1)
+    base = torch.empty((), dtype=torch.int64).random_().item()
+    assert {w for w, _ in seen} == {0, 1}
+    torch.manual_seed(1)
+    seeds = {w: s for w, s in {(b["worker"].tolist()[0], b["seed"].tolist()[0]) for b in DataLoader(Randomized(8), batch_size=2, num_workers=2)}}
+    assert seeds == {0: base, 1: base + 1}
+    assert get_worker_info() is None
+
+
+def test_start_methods(start_method):
+    def make(cls):
+        return cls(Randomized(9), batch_size=2, shuffle=True, num_workers=2, multiprocessing_context=start_method)
+
+    assert run(DataLoader, make, epochs=1) == run(TorchDataLoader, make, epochs=1)
+
+
+def test_constructor_and_attributes_are_torchs():
+    dataset = Randomized()
+    ours, theirs = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2), TorchDataLoader(
+        dataset, batch_size=4, shuffle=True, num_workers=2
+    )
+    assert isinstance(ours, TorchDataLoader)
+    for name in ("dataset", "batch_size", "drop_last", "num_workers", "prefetch_factor", "pin_memory", "timeout",
+                 "worker_init_fn", "persistent_workers", "in_order", "generator", "pin_memory_device"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert type(ours.sampler) is type(theirs.sampler) and type(ours.batch_sampler) is type(theirs.batch_sampler)
+    assert len(ours) == len(theirs) == 6
+    assert len(iter(ours)) == 6
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        DataLoader(dataset, prefetch_factor=2)
+    with pytest.raises(ValueError, match="persistent_workers"):
+        DataLoader(dataset, persistent_workers=True)
+    with pytest.raises(ValueError, match="should not be set"):
+        ours.batch_size = 3
+    with pytest.raises(TypeError):
+        len(DataLoader(Ranges()))
+
+
+def test_recreated_as_libraries_do():
+    """Lightning and Accelerate re-create a loader from its attributes with a new sampler."""
+    loader = DataLoader(Randomized(), batch_size=4, num_workers=1, collect_stats=False, snapshot_every_n_steps=3)
+    sampler = torch.utils.data.distributed.DistributedSampler(loader.dataset, num_replicas=2, rank=1, shuffle=False)
+    again = type(loader)(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, collect_stats=loader.collect_stats, device=loader.device,
+        backend=loader.backend, snapshot_every_n_steps=loader.snapshot_every_n_steps,
+    )
+    indices = [i for batch in again for i in batch["index"].tolist()]
+    assert indices == list(sampler)
+
+
+# -- errors and lifecycle ----------------------------------------------------------------
+
+
+class FailsAt(Dataset):
+    def __init__(self, bad):
+        self.bad = bad
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"bad sample {i}")
+        return i
+
+
+def test_a_worker_exception_is_raised_as_torch_raises_it():
+    def first_error(loader):
+        # Caught here and let go: the epoch's iterator, in the traceback's frames, goes with
+        # it, and its workers too (the leak check looks).
+        try:
+            list(loader)
+        except Exception as exc:
+            return type(exc), str(exc)
+        return None
+
+    kind, text = first_error(DataLoader(FailsAt(3), batch_size=2, num_workers=2))
+    assert kind is ValueError
+    assert text.startswith("Caught ValueError in DataLoader worker process 1.\nOriginal Traceback (most recent call last):")
+    assert "bad sample 3" in text and "__getitem__" in text
+
+
+def test_an_exception_without_workers_is_the_original():
+    with pytest.raises(ValueError, match="^bad sample 3$"):
+        list(DataLoader(FailsAt(3), batch_size=2))
+
+
+class KillsItself(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def test_a_killed_worker_is_a_runtime_error_naming_its_pid():
+    loader = DataLoader(KillsItself(), batch_size=2, num_workers=2)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Killed") as caught:
+        list(loader)
+    assert type(caught.value) is RuntimeError
+
+
+class Stalls(Dataset):
+    def __init__(self):
+        self.never = threading.Event()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            self.never.wait(60)
+        return i
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.never = threading.Event()
+
+
+def test_timeout_is_a_runtime_error():
+    loader = DataLoader(Stalls(), batch_size=1, num_workers=1, timeout=1)
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 1 seconds") as caught:
+        list(loader)
+    assert type(caught.value) is RuntimeError
+
+
+def test_break_and_del_leave_nothing():
+    # the no_leaks fixture checks that no process nor shared memory is left
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2)
+    for _ in loader:
+        break
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, persistent_workers=True)
+    for _ in loader:
+        break
+    del loader
+
+
+def test_interpreter_exit_mid_epoch_leaves_nothing(tmp_path):
+    script = tmp_path / "exit_mid_epoch.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, torch
+            from mprs_plus import DataLoader
+            loader = DataLoader(torch.arange(1000).reshape(100, 10), batch_size=2, num_workers=2, persistent_workers=True)
+            it = iter(loader)
+            next(it)
+            print(*(link.process.pid for link in loader._run.runtime._topology.started()), flush=True)
+            sys.exit(0)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive
+
+
+def test_nothing_about_deprecated_datapipes_is_printed(tmp_path):
+    """Neither in the main process nor in a worker, under any start method: this path does
+    not load torchdata, whose DataPipes print a deprecation banner when first imported."""
+    script = tmp_path / "quiet.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, torch
+            from mprs_plus import DataLoader
+            if __name__ == "__main__":
+                for method in ("fork", "spawn", "forkserver"):
+                    loader = DataLoader(torch.arange(6), batch_size=3, num_workers=2, multiprocessing_context=method)
+                    assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+                print(sorted(name for name in sys.modules if name.startswith("torchdata")))
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, "-W", "default", str(script)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "deprecated" not in done.stderr and "WARNING!" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_samplers_without_len_even_infinite(workers):
+    import itertools
+
+    from loader_datasets import Endless, Unsized
+
+    def endless(cls):
+        torch.manual_seed(7)
+        random.seed(7)
+        np.random.seed(7)
+        loader = cls(Randomized(), batch_size=3, sampler=Endless(23), num_workers=workers)
+        epochs = [[plain(b) for b in itertools.islice(loader, 7)] for _ in range(2)]
+        return epochs, torch.rand(1).item()  # the main process's generator moved as torch's
+
+    assert endless(DataLoader) == endless(TorchDataLoader)
+
+    def finite(cls):
+        return cls(Randomized(), batch_size=4, sampler=Unsized(23, 5), num_workers=workers)
+
+    assert run(DataLoader, finite) == run(TorchDataLoader, finite)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_datapipe_dataset_is_sharded_and_seeded_as_torch_does(workers, persistent):
+    from loader_datasets import datapipe
+
+    if persistent and not workers:
+        pytest.skip("persistent workers need workers")
+
+    def make(cls):
+        return cls(datapipe(), batch_size=3, num_workers=workers, persistent_workers=persistent)
+
+    assert run(DataLoader, make, epochs=3) == run(TorchDataLoader, make, epochs=3)
+
+
+def test_a_loader_in_a_reference_cycle_is_stopped_by_the_garbage_collector():
+    import gc
+
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, persistent_workers=True)
+    loader.myself = loader  # a cycle: only the garbage collector frees it
+    batches = iter(loader)
+    next(batches)
+    pids = [link.process.pid for link in loader._run.runtime._topology.started()]
+    del batches, loader
+    gc.collect()
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=10)
+    assert not alive
+
+
+def test_a_context_object_as_multiprocessing_context():
+    import multiprocessing
+
+    def make(cls):
+        return cls(Randomized(6), batch_size=2, num_workers=2, multiprocessing_context=multiprocessing.get_context("spawn"))
+
+    assert run(DataLoader, make, epochs=1) == run(TorchDataLoader, make, epochs=1)
+
+
+class FailsOnce(Dataset):
+    """Sample 3 fails in the first epoch only (the flag lives in the persistent worker)."""
+
+    def __init__(self):
+        self.failed = False
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i == 3 and not self.failed:
+            self.failed = True
+            raise KeyError(i)
+        return i
+
+
+def test_persistent_workers_go_on_after_an_exception_in_a_worker():
+    loader = DataLoader(FailsOnce(), batch_size=2, num_workers=2, persistent_workers=True)
+    with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process 1"):
+        list(loader)
+    pids = {link.process.pid for link in loader._run.runtime._topology.started()}
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5]]
+    assert {link.process.pid for link in loader._run.runtime._topology.started()} == pids
+
+
+def test_two_iterators_of_one_loader_run_side_by_side():
+    """Without persistent workers each iterator has its own workers, as with torch."""
+    loader = DataLoader(Randomized(8), batch_size=2, num_workers=2)
+    pairs = [(a["index"].tolist(), b["index"].tolist()) for a, b in zip(loader, loader)]
+    assert pairs == [([0, 1], [0, 1]), ([2, 3], [2, 3]), ([4, 5], [4, 5]), ([6, 7], [6, 7])]
+
+
+def outcomes(loader):
+    """Each next() of an epoch: the batch, or the exception's type and first line."""
+    found, batches = [], iter(loader)
+    while True:
+        try:
+            found.append(next(batches).tolist())
+        except StopIteration:
+            return found
+        except Exception as exc:
+            found.append((type(exc).__name__, str(exc).splitlines()[0]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_goes_on_after_a_batch_that_raised(workers):
+    class Every3rd(Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            if i % 5 == 3:
+                raise ValueError(f"bad sample {i}")
+            return i
+
+    def make(cls):
+        return cls(Every3rd(), batch_size=2, num_workers=workers)
+
+    ours, theirs = outcomes(make(DataLoader)), outcomes(make(TorchDataLoader))
+    assert ours == theirs
+    assert ours[1] == ("ValueError", "Caught ValueError in DataLoader worker process 1." if workers else "bad sample 3")
+
+
+class SharedCounter(Dataset):
+    """Holds a multiprocessing lock and counter, as datasets that synchronize their workers
+    do: objects that only cross to a child by inheritance or at its start, never copied."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self.count = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        with self.count.get_lock():
+            self.count.value += 1
+        return i
+
+
+def test_the_dataset_reaches_the_workers_as_with_torch_never_copied_here():
+    # fork only: under spawn the runtime pickles a segment itself, where such objects refuse
+    # (the page says so)
+    dataset = SharedCounter()
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+    assert dataset.count.value == 6  # the workers counted in the very object of this process
+    assert DataLoader[int] is not None  # generic, as torch's class
+
+
+def test_an_iterable_dataset_longer_than_its_len_warns_as_torch():
+    class Claims4(torch.utils.data.IterableDataset):
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            return iter(range(6))
+
+    loader = DataLoader(Claims4(), batch_size=None, num_workers=1)
+    assert len(loader) == 4
+    with pytest.warns(UserWarning, match=r"but 5 samples have been fetched\. For multiprocessing data-loading"):
+        assert [int(x) for x in loader] == list(range(6))
+
+
+def test_an_iterator_keeps_its_workers_after_its_loader_is_gone():
+    """As torch's: ``iter(DataLoader(...))`` alone, persistent workers or not."""
+    for persistent in (False, True):
+        batches = iter(DataLoader(Randomized(8), batch_size=2, num_workers=2, persistent_workers=persistent))
+        import gc
+
+        gc.collect()
+        assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]

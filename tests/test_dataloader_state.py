@@ -1,0 +1,288 @@
+"""mprs_plus.DataLoader's state_dict()/load_state_dict(): a state taken at any batch restores,
+in a new loader built the same way, to exactly the rest of the uninterrupted run."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+
+from mprs_plus import DataLoader
+from loader_datasets import Randomized, gen, plain
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Squares(Dataset):
+    """Deterministic samples: in the main process the samples' randomness would be the
+    user's own generators, which no loader records."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return {"index": i, "square": torch.tensor([i * i])}
+
+
+def seed_all(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def check_every_batch(make, epochs=2):
+    """For every k: k batches, state_dict(), a new loader restored from it yields the rest
+    of the epoch and then the next epochs of the uninterrupted run."""
+    seed_all(5)
+    reference = make()
+    full = [[plain(batch) for batch in reference] for _ in range(epochs)]
+    for k in range(len(full[0]) + 1):
+        seed_all(5)
+        loader = make()
+        batches = iter(loader)
+        head = [plain(next(batches)) for _ in range(k)]
+        state = json.loads(json.dumps(loader.state_dict()))  # plain data: JSON keeps all of it
+        del batches, loader
+        seed_all(99)  # the restore, not the global seed, must decide what comes
+        restored = make()
+        restored.load_state_dict(state)
+        rest = [[plain(batch) for batch in restored] for _ in range(epochs)]
+        assert head + rest[0] == full[0], f"epoch after a state at batch {k}"
+        assert rest[1:] == full[1:], f"later epochs after a state at batch {k}"
+
+
+@pytest.mark.parametrize("generator", [False, True])
+def test_every_batch_in_process(generator):
+    check_every_batch(lambda: DataLoader(Squares(), batch_size=3, shuffle=True, generator=gen() if generator else None))
+
+
+@pytest.mark.parametrize("generator", [False, True])
+def test_every_batch_with_workers_and_their_randomness(generator):
+    check_every_batch(
+        lambda: DataLoader(Randomized(), batch_size=3, shuffle=True, num_workers=2, generator=gen() if generator else None)
+    )
+
+
+def test_every_batch_as_ready():
+    """in_order=False: the same set of batches, the rest of the epoch exactly once."""
+    seed_all(5)
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, in_order=False)
+    batches = iter(loader)
+    head = [next(batches)["index"].tolist() for _ in range(4)]
+    state = loader.state_dict()
+    del batches, loader
+    restored = DataLoader(Randomized(), batch_size=2, num_workers=2, in_order=False)
+    restored.load_state_dict(state)
+    rest = [batch["index"].tolist() for batch in restored]
+    assert sorted(i for batch in head + rest for i in batch) == list(range(23))
+
+
+class EpochSampler(Sampler):
+    """A sampler with state: its epoch number decides its order (as a DistributedSampler's)."""
+
+    def __init__(self, n):
+        self.n = n
+        self.epoch = 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
+        self.epoch += 1
+        return iter(order)
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+def test_a_sampler_with_state_is_restored():
+    def make():
+        return DataLoader(Squares(), batch_size=4, sampler=EpochSampler(20), num_workers=2)
+
+    seed_all(5)
+    reference = make()
+    full = [[plain(b) for b in reference] for _ in range(3)]
+    loader = make()
+    list(loader)
+    batches = iter(loader)
+    head = [plain(next(batches)) for _ in range(2)]
+    state = loader.state_dict()
+    del batches, loader
+    restored = make()
+    restored.load_state_dict(state)
+    assert head + [plain(b) for b in restored] == full[1]
+    assert [plain(b) for b in restored] == full[2]
+
+
+class Counter(IterableDataset):
+    """Each worker counts its own numbers; its state is where it is, and whether it was loaded."""
+
+    def __init__(self):
+        self.position = 0
+        self.loaded = False
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        limit = 11 + 3 * worker
+        while self.position < limit:
+            value = self.position * workers + worker
+            self.position += 1
+            yield {"value": value, "loaded": self.loaded}
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+        self.loaded = True
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("every", [1, 2])
+def test_an_iterable_dataset_state_is_taken_in_each_worker(workers, every):
+    def make():
+        return DataLoader(Counter(), batch_size=2, num_workers=workers, snapshot_every_n_steps=every)
+
+    def values(batch):
+        return batch["value"].tolist()
+
+    full = [values(b) for b in make()]
+    for k in range(1, len(full)):
+        loader = make()
+        batches = iter(loader)
+        head = [values(next(batches)) for _ in range(k)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del batches, loader
+        restored = make()
+        restored.load_state_dict(state)
+        rest = list(restored)
+        assert head + [values(b) for b in rest] == full, k
+        if every == 1 or workers == 0:
+            # a worker that had handed out batches goes on from its dataset's loaded state:
+            # nothing of its epoch is replayed
+            started = {batch[0] % max(workers, 1) for batch in head}
+            for batch in rest:
+                worker = batch["value"][0].item() % max(workers, 1)
+                assert batch["loaded"].all() == (worker in started)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"batch_size": 4},
+        {"num_workers": 0},
+        {"dataset": Randomized(22)},
+    ],
+)
+def test_a_state_of_another_loader_is_a_value_error(changed):
+    arguments = {"dataset": Randomized(), "batch_size": 3, "num_workers": 2}
+    loader = DataLoader(**arguments)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    del batches, loader
+    other = DataLoader(**{**arguments, **changed})
+    with pytest.raises(ValueError, match="built differently"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="state_dict"):
+        other.load_state_dict({"not": "ours"})
+
+
+def test_every_batch_with_a_sampler_without_len():
+    from loader_datasets import Unsized
+
+    check_every_batch(lambda: DataLoader(Randomized(), batch_size=3, sampler=Unsized(23, 4), num_workers=2))
+
+
+def test_persistent_workers_restore_in_their_first_epoch_and_between_epochs():
+    check_every_batch(lambda: DataLoader(Randomized(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True))
+
+    def make():
+        return DataLoader(Squares(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+
+    seed_all(5)
+    reference = make()
+    full = [[plain(b) for b in reference] for _ in range(3)]
+    seed_all(5)
+    loader = make()
+    list(loader)
+    state = loader.state_dict()  # between epochs: what the next one draws from
+    del loader
+    seed_all(99)
+    restored = make()
+    restored.load_state_dict(state)
+    assert [[plain(b) for b in restored] for _ in range(2)] == full[1:]
+
+
+class DrawsWithState(Dataset):
+    """A map-style dataset with state, as StatefulDataLoader's tests write them: its state
+    is the worker's generator, so a restore that loads it draws on from there."""
+
+    def __init__(self):
+        self.loaded = 0
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return {"index": i, "draw": torch.rand(1), "loaded": self.loaded}
+
+    def state_dict(self):
+        return {"rng": torch.get_rng_state().tolist()}
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        self.loaded += 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_map_style_dataset_state_is_taken_and_loaded(workers):
+    def make(every=1):
+        return DataLoader(DrawsWithState(), batch_size=2, shuffle=True, num_workers=workers, snapshot_every_n_steps=every)
+
+    def plain_of(batch):
+        return batch["index"].tolist(), batch["draw"].tolist()
+
+    seed_all(3)
+    full = [plain_of(b) for b in make()]
+    for every in (1, 4):
+        for k in (1, 5, 9):
+            seed_all(3)
+            loader = make(every)
+            batches = iter(loader)
+            head = [plain_of(next(batches)) for _ in range(k)]
+            state = loader.state_dict()
+            del batches, loader
+            restored = make(every)
+            restored.load_state_dict(state)
+            rest = list(restored)
+            assert head + [plain_of(b) for b in rest] == full, (every, k)
+            if every == 1 and k >= workers:  # every worker had a state recorded: each loaded it
+                assert all(bool(b["loaded"].eq(1).all()) for b in rest)
+
+
+def test_persistent_workers_carry_their_dataset_state_between_epochs():
+    """State taken between epochs restores a persistent worker's dataset as the epoch left it."""
+
+    def make():
+        return DataLoader(DrawsWithState(), batch_size=3, num_workers=2, persistent_workers=True)
+
+    seed_all(3)
+    reference = make()
+    full = [[b["draw"].tolist() for b in reference] for _ in range(2)]
+    seed_all(3)
+    loader = make()
+    list(loader)
+    state = loader.state_dict()
+    del loader
+    restored = make()
+    restored.load_state_dict(state)
+    assert [b["draw"].tolist() for b in restored] == full[1]
