@@ -4,7 +4,8 @@ from setuptools import find_packages, setup
 # pool); pure Python over numpy, and optional at run time (n/a without it).
 # ray[data]: the Ray comparison (benchmarks/ray_compare.py) runs a simulated two-node cluster
 # and Ray Data as a contender; optional at run time as well (n/a without it).
-BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8", "ray[data]>=2.60"]
+# pillow: the loader comparison (benchmarks/loader_compare.py) decodes JPEGs with it.
+BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8", "ray[data]>=2.60", "pillow>=9.0"]
 # MkDocs: the docs are Markdown, the format of the README and of the pages' examples that
 # the tests run; mkdocstrings renders the API reference from the docstrings.
 DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0"]

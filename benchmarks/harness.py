@@ -300,6 +300,11 @@ class MeasurementTimeout(Exception):
     pass
 
 
+class NotApplicable(Exception):
+    """Raised by a runner whose contender cannot take the workload (a loader that refuses its
+    arguments): the cell is n/a with this reason as its note, not a failure."""
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str = "the measurement") -> Iterator[None]:
     """Raise ``MeasurementTimeout`` in the main thread if the block runs past ``seconds``.
@@ -521,6 +526,8 @@ def _measure(workload: Workload, contender: str, settings: Settings, cell: Cell)
     try:
         with deadline(limit):
             values = dict(workload.runners[contender](settings))
+    except NotApplicable as exc:
+        cell.status, cell.note = NOT_APPLICABLE, str(exc)
     except Exception as exc:
         cell.errors.append(describe(exc))
         if cell.status != OK:

@@ -369,3 +369,186 @@ def test_ray_comparison_records_ray_as_not_applicable_when_it_is_not_installed(m
     for contender in ("mprs_plus-ray", "ray-data"):
         assert cells[contender].status == harness.NOT_APPLICABLE and not cells[contender].errors
         assert cells[contender].note == missing[contender]
+
+
+# -- torch's loader API: mprs_plus.DataLoader beside its peers ---------------------------------
+
+LOADER_WORKLOADS = {"ints", "rows", "tensors_1mib", "cpu_2ms", "jpeg", "state_every_batch", "first_batch"}
+
+
+def _our_loader_missing() -> bool:
+    from benchmarks.workloads import loaders
+
+    return loaders.our_loader().cls is None
+
+
+@pytest.mark.timeout(150)
+def test_loader_comparison_quick_run_prints_its_table_and_leaves_no_process(tmp_path: Path) -> None:
+    """``benchmarks/loader_compare.py --quick`` runs every workload and contender once and
+    prints its table with a verdict per target (no figure is checked). While mprs_plus has no
+    DataLoader, the stand-in plays its part. Every process of the run, its loaders' workers
+    included, carries a marker in its environment: none may outlive the run."""
+    marker = f"loader-compare-{os.getpid()}-{tmp_path.name}"
+    options = ["--quick", "--no-progress", "--out", str(tmp_path)]
+    if _our_loader_missing():
+        options.append("--stand-in")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/loader_compare.py", *options],
+        cwd=ROOT,
+        env={**_env(), "LOADER_COMPARE_RUN": marker},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    left = [p for p in psutil.process_iter() if _environment_of(p).get("LOADER_COMPARE_RUN") == marker]
+    for process in left:
+        process.kill()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not left, f"processes outlived the run: {[p.pid for p in left]}"
+
+    assert "| workload | unit | mprs_plus | DataLoader | StatefulDataLoader | SPDL | reference | ratio | target | verdict |" in done.stdout
+    [result_file] = tmp_path.glob("loaders-*.json")
+    result = json.loads(result_file.read_text())
+    assert set(result["workloads"]) == LOADER_WORKLOADS
+    for name, workload in result["workloads"].items():
+        for contender, cell in workload["contenders"].items():
+            assert cell["status"] in STATUSES, (name, contender)
+            assert not cell["killed_pids"], (name, contender)  # every loader ended its workers
+            if cell["status"] == "failed":
+                assert cell["errors"], (name, contender)
+        assert workload["contenders"]["mprs_plus"]["status"] == "ok", (name, workload["contenders"]["mprs_plus"]["errors"])
+    # mprs_plus's figures come from its worker processes, not from loading in the main process.
+    [first] = result["workloads"]["first_batch"]["contenders"]["mprs_plus"]["details"]
+    assert first["processes"] >= result["settings"]["num_workers"]
+    state = result["workloads"]["state_every_batch"]["contenders"]
+    assert state["SPDL"]["status"] == "n/a" and "state_dict" in state["SPDL"]["note"]
+    assert all(detail["states_taken"] > 0 for detail in state["mprs_plus"]["details"])
+    targeted = [line for line in result["lines"] if line["threshold"] is not None]
+    assert len(targeted) == 8  # the bar: one target per workload, two for the state
+    for line in targeted:
+        assert line["verdict"] in ("PASS", "MISS"), line
+        assert f"| {line['verdict']} |" in done.stdout
+    assert result["environment"]["versions"]["pillow"]
+    assert not os.path.exists(result["environment"]["jpeg_folder"]), "the generated JPEGs were left behind"
+
+
+def _environment_of(process: psutil.Process) -> dict[str, str]:
+    try:
+        return process.environ()
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        return {}
+
+
+def test_loader_comparison_records_a_refusal_as_not_applicable_with_the_reason() -> None:
+    """SPDL's loader refuses an iterable dataset: n/a with its reason, not a failure."""
+    pytest.importorskip("spdl.dataloader")
+    from benchmarks import harness
+    from benchmarks.workloads import loaders
+    from benchmarks.workloads._shared import ShardedRange, identity
+
+    settings = harness.Settings(quick=True, budget_s=0.05)
+    our = loaders.our_loader(stand_in=True)
+
+    def runner(s: harness.Settings) -> dict[str, float]:
+        open_ = lambda: loaders.open_loader(loaders.SPDL, our, s, ShardedRange(64, identity), batch_size=8)  # noqa: E731
+        return loaders.throughput(open_, s, samples=64, batch_size=8)
+
+    workload = harness.Workload(
+        name="stream",
+        title="an iterable dataset",
+        description="ints from an IterableDataset",
+        metrics=(loaders.SAMPLES,),
+        runners={loaders.SPDL: runner},
+    )
+    cell = harness.Cell()
+    harness._measure(workload, loaders.SPDL, settings, cell)
+    assert cell.status == harness.NOT_APPLICABLE and not cell.errors
+    assert "refuses" in cell.note and "IterableDataset is not supported" in cell.note
+
+
+@pytest.mark.parametrize("stop_early", [False, True], ids=["whole-epoch", "stopped-early"])
+def test_loader_comparison_spdl_loader_ends_its_workers_and_removes_its_dataset_copy(stop_early: bool) -> None:
+    """SPDL copies the dataset into a shared-memory segment it never removes; the
+    comparison's close() ends SPDL's workers and removes that segment."""
+    pytest.importorskip("spdl.dataloader")
+    from benchmarks import harness
+    from benchmarks.workloads import loaders
+
+    settings = harness.Settings(quick=True, shutdown_limit_s=15.0)
+    our = loaders.our_loader(stand_in=True)
+    with harness.deadline(60, "the SPDL loader"):
+        loader = loaders.open_loader(loaders.SPDL, our, settings, loaders.Ints(640), batch_size=64)
+        try:
+            segment = loader.loader._shmem.name
+            assert _shm_exists(segment)
+            batches = []
+            for batch in loader:
+                batches.append(batch.tolist())
+                if stop_early and len(batches) == 2:
+                    break
+                children = harness.child_processes()
+            batch = None
+        finally:
+            problem = harness.close_within(loader, settings)
+    assert problem is None
+    # SPDL yields batches as they complete (its default in_order=False): whole batches, any order.
+    assert all(b == list(range(b[0], b[0] + 64)) and b[0] % 64 == 0 for b in batches), batches
+    assert len(batches) == (2 if stop_early else 10) and len({b[0] for b in batches}) == len(batches)
+    assert children, "SPDL's workers are processes"
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"SPDL's workers outlived close(): {alive}"
+    assert not _shm_exists(segment), "the dataset's copy was left in /dev/shm"
+
+
+def test_loader_comparison_without_our_loader_reports_no_data_with_the_reason(monkeypatch) -> None:
+    """While mprs_plus has no DataLoader, its column is n/a, saying why, and every target is
+    without data; the peers still run."""
+    import mprs_plus
+    from benchmarks import harness, loader_compare
+    from benchmarks.workloads import loaders
+
+    # Neither the attribute nor its module: "from mprs_plus import DataLoader" now fails.
+    monkeypatch.delattr(mprs_plus, "DataLoader", raising=False)
+    monkeypatch.setitem(sys.modules, "mprs_plus.dataloader", None)
+    our = loaders.our_loader()
+    assert our.cls is None and "--stand-in" in our.missing
+    selected = [(w, bars) for w, bars in loaders.workloads(our, []) if w.name == "first_batch"]
+    settings = harness.Settings(quick=True, repetitions=1, shutdown_limit_s=15.0)
+    results = loader_compare.run(selected, settings, our, progress=False)
+    cells = results.cells["first_batch"]
+    assert cells["mprs_plus"].status == harness.NOT_APPLICABLE and "not importable" in cells["mprs_plus"].note
+    assert cells["DataLoader"].status == harness.OK, cells["DataLoader"].errors
+    [line] = loader_compare.summarize(results, {w.name: bars for w, bars in selected})
+    assert line.verdict.word == "NO DATA"
+    assert "not importable" in loader_compare.table(results, [line])
+
+
+def test_loader_comparison_takes_each_ratio_against_its_reference() -> None:
+    """Pure: the best peer is the fastest that ran, a time's ratio is the reference's time
+    over mprs_plus's, and each target's verdict follows its threshold."""
+    from benchmarks import harness, loader_compare
+    from benchmarks.workloads import loaders
+
+    every = loaders.workloads(loaders.OurLoader(None), [])
+    selected = [(w, bars) for w, bars in every if w.name in ("cpu_2ms", "first_batch")]
+    workloads = [w for w, _ in selected]
+    cells = {w.name: {c: harness.Cell() for c in loaders.CONTENDERS} for w in workloads}
+
+    def measured(workload: str, contender: str, metric: str, *values: float) -> None:
+        cells[workload][contender] = harness.Cell(status=harness.OK, samples={metric: list(values)})
+
+    measured("cpu_2ms", "mprs_plus", "throughput", 900.0, 1000.0, 950.0)  # median 950
+    measured("cpu_2ms", "DataLoader", "throughput", 800.0)
+    measured("cpu_2ms", "StatefulDataLoader", "throughput", 1000.0)
+    cells["cpu_2ms"]["SPDL"] = harness.Cell(status=harness.FAILED, errors=["RuntimeError: broke"])
+    measured("first_batch", "mprs_plus", "first_batch", 0.020)
+    measured("first_batch", "DataLoader", "first_batch", 0.030)
+    results = harness.Results(harness.Settings(), {"cpu_model": "a CPU", "usable_cores": 2}, workloads, cells, [])
+
+    cpu, first = loader_compare.summarize(results, {w.name: bars for w, bars in selected})
+    assert cpu.reference == "StatefulDataLoader" and cpu.ratio == pytest.approx(0.95)
+    assert cpu.verdict.word == "MISS"
+    assert first.reference == "DataLoader" and first.ratio == pytest.approx(1.5)  # 30 ms over 20 ms
+    assert first.verdict.word == "PASS"
+    text = loader_compare.table(results, [cpu, first])
+    assert "best: StatefulDataLoader 1k" in text and "| failed |" in text and "SPDL: RuntimeError: broke" in text
