@@ -451,3 +451,27 @@ def test_an_iterator_keeps_its_workers_after_its_loader_is_gone():
 
         gc.collect()
         assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(
+    "make_sampler",
+    [
+        lambda g: SequentialSampler(range(103)),
+        lambda g: torch.utils.data.RandomSampler(range(103), generator=g),
+        lambda g: torch.utils.data.RandomSampler(range(103), replacement=True, num_samples=77, generator=g),
+        lambda g: torch.utils.data.RandomSampler(range(103)),  # seeded from torch's global generator
+    ],
+)
+def test_an_epoch_drawn_in_one_go_is_torchs_batch_sampler_step_by_step(make_sampler, drop_last):
+    from mprs_plus.dataloader.epochs import draw_batches
+
+    def draw(fast):
+        torch.manual_seed(5)
+        g = gen()
+        batch_sampler = BatchSampler(make_sampler(g), 10, drop_last)
+        indices = iter(batch_sampler)
+        batches = draw_batches(batch_sampler, indices) if fast else list(indices)
+        return batches, g.get_state().tolist(), torch.rand(1).item()
+
+    assert draw(fast=True) == draw(fast=False)

@@ -188,27 +188,38 @@ class TorchStyleLoader(harness.Loader):
     loader's ``shutdown()`` or ``close()`` where it has one; and it drops the iterator, whose
     finalizer stops whatever is left (mprs_plus.DataLoader's iterator stops its workers
     there). Then ``after_close`` (SPDL's shared memory).
+
+    ``in_loop`` hands the batches through the same Python loop as ``state_every_batch``,
+    without taking the state: the reference it is compared with then differs from it by
+    the ``state_dict()`` call alone, not by the loop around it.
     """
 
     def __init__(
-        self, loader: Any, *, state_every_batch: bool = False, after_close: Callable[[], None] | None = None
+        self,
+        loader: Any,
+        *,
+        state_every_batch: bool = False,
+        in_loop: bool = False,
+        after_close: Callable[[], None] | None = None,
     ) -> None:
         self.loader = loader
         self.states_taken = 0
         self._state_every_batch = state_every_batch
+        self._in_loop = in_loop or state_every_batch
         self._after_close = after_close
         self._iterator: Any = None
         super().__init__(loader, self._shutdown)
 
     def __iter__(self) -> Iterator[Any]:
         self._iterator = iter(self.loader)
-        return self._with_state(self._iterator) if self._state_every_batch else self._iterator
+        return self._loop(self._iterator) if self._in_loop else self._iterator
 
-    def _with_state(self, iterator: Iterator[Any]) -> Iterator[Any]:
+    def _loop(self, iterator: Iterator[Any]) -> Iterator[Any]:
         for batch in iterator:
             yield batch
-            self.loader.state_dict()
-            self.states_taken += 1
+            if self._state_every_batch:
+                self.loader.state_dict()
+                self.states_taken += 1
 
     def _shutdown(self) -> None:
         iterator, self._iterator = self._iterator, None
@@ -235,6 +246,7 @@ def open_loader(
     batch_size: int,
     shuffle: bool = False,
     state_every_batch: bool = False,
+    in_loop: bool = False,
 ) -> TorchStyleLoader:
     """The contender's loader over ``dataset`` with torch's arguments (see the module's doc)."""
     arguments = dict(batch_size=batch_size, shuffle=shuffle, num_workers=settings.num_workers)
@@ -242,7 +254,7 @@ def open_loader(
     if contender in (MPRS_PLUS, MPRS_PLUS_NO_STATE):
         if our.cls is None:
             raise RuntimeError(our.missing)
-        return TorchStyleLoader(our.cls(dataset, **arguments), state_every_batch=state_every_batch)
+        return TorchStyleLoader(our.cls(dataset, **arguments), state_every_batch=state_every_batch, in_loop=in_loop)
     if contender == TORCH:
         return TorchStyleLoader(torch.utils.data.DataLoader(dataset, **arguments))
     if contender == TORCH_NO_WORKERS:
@@ -351,7 +363,14 @@ def _run(
 
     def open_() -> TorchStyleLoader:
         loader = open_loader(
-            contender, our, settings, dataset, batch_size=batch_size, shuffle=shuffle, state_every_batch=state
+            contender,
+            our,
+            settings,
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            state_every_batch=state,
+            in_loop=measure == "state",
         )
         opened.append(loader)
         return loader

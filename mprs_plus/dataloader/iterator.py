@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
 
+from ..errors import ServiceClosedError
 from . import state as loader_state
-from .epochs import EpochStart, deal
+from .epochs import EpochStart, deal, draw_batches
 from .errors import is_fatal, torch_error
 from .stage import BatchFailure, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
 from .workers import LoaderRun, open_feeding
@@ -54,6 +55,7 @@ class LoaderIterator:
         self._length = _length_or_none(loader)
         self._timeout = loader.timeout
         self.start = start
+        self._fixed_state: dict[str, Any] | None = None
         self.finished = False
         self._workers = loader.num_workers
         self._restore = restore
@@ -164,7 +166,7 @@ class LoaderIterator:
         sampler = None
         if loader._dataset_kind == _DatasetKind.Map:
             if has_len(loader._index_sampler):
-                shares = list(deal(list(indices), workers))  # type: ignore[arg-type]
+                shares = list(deal(draw_batches(loader._index_sampler, indices), workers))
             else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
                 sampler = (loader._index_sampler, torch.get_rng_state())
                 # The main process's own iterator follows, as torch's main process draws:
@@ -271,7 +273,7 @@ class LoaderIterator:
         if loader is None:
             raise RuntimeError("internal error: a loader's iterator outlived its loader")
         if self._ahead and self._handed < (self._yielded if self._workers == 0 else self._read()):
-            return loader_state.running(loader, self.start, *self._handed_counts(), dict(self._worker_states))
+            return self._running(loader, *self._handed_counts(), dict(self._worker_states))
         if self._workers == 0:
             consumed, next_worker = [self._yielded], 0
             states = dict(self._worker_states)
@@ -287,13 +289,20 @@ class LoaderIterator:
             else:
                 consumed, next_worker = list(cursor.consumed), cursor.next_worker
             states = dict(self._worker_states)
-        return loader_state.running(loader, self.start, consumed, next_worker, states)
+        return self._running(loader, consumed, next_worker, states)
+
+    def _running(self, loader: DataLoader, consumed: list[int], next_worker: int, states: dict[int, Any]) -> dict[str, Any]:
+        # What stays the same through the epoch (the loader's shape, the epoch's start) is
+        # built once: a state after every batch costs the loop little (each state still
+        # gets dicts of its own).
+        fixed = self._fixed_state
+        if fixed is None:
+            fixed = self._fixed_state = loader_state.running(loader, self.start, [], 0, {})
+        return {**fixed, "shape": dict(fixed["shape"]), "start": dict(fixed["start"]), "consumed": consumed, "next_worker": next_worker, "worker_states": states}
 
     def _cursor(self) -> Any:
         """The runtime's read cursor of this epoch, None before its first read; a
         RuntimeError once this epoch's workers are gone."""
-        from ..errors import ServiceClosedError
-
         if self._run is None:
             return None
         try:
