@@ -69,6 +69,7 @@ WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES, SKIPPED = 0, 1, 2, 3, 4
 READ_POS, ITEMS_READ, RECEIVER_CLOSED, LENT_READ = 8, 9, 10, 11
 RX_SLEEPING, RX_RESCUES = 16, 17  # a Sleeper counts its rescues in the word after its flag
 TX_SLEEPING, TX_RESCUES = 24, 25
+LENT_IN_PLACE, LENT_COPIED = 32, 33  # the sender's lend figures (``_lend.py``): line 4
 
 HEADER = 32  # bytes; frames start on multiples of it, so a header never wraps
 MESSAGE = 0x4D5347  # "MSG": anything else in a header is corruption, i.e. a bug here
@@ -116,7 +117,8 @@ class Endpoint:
         written, write_pos = ctl[ITEMS_WRITTEN], ctl[WRITE_POS]
         queued = write_pos - ctl[READ_POS]
         sent = write_pos - ctl[SKIPPED] + ctl[LENT_BYTES]
-        return Traffic(written, sent, written - ctl[ITEMS_READ], queued, ctl[RX_RESCUES] + ctl[TX_RESCUES])
+        rescues = ctl[RX_RESCUES] + ctl[TX_RESCUES]
+        return Traffic(written, sent, written - ctl[ITEMS_READ], queued, rescues, ctl[LENT_IN_PLACE], ctl[LENT_COPIED])
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""
