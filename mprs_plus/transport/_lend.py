@@ -545,7 +545,7 @@ class LendArea:
         region = self._region
         if self._inherited or nbytes < LEND_MIN or region is None or region.mapping is None:
             return None
-        unsent = sum(b.nbytes for b in self._borrows.values() if not b.sent)
+        unsent = sum(b.nbytes for b in self._borrows.values() if b.alive and not b.sent)
         if unsent and unsent + nbytes > self._borrow_limit:
             return None
         place = self._reserve_one(nbytes)
