@@ -30,6 +30,10 @@ Large buffers: the lend area (``_lend.py``, the rings' own machinery)
                  ``[RELEASE, slot]`` to the credit pipe; the sender reads it, then may
                  write the extent again
 
+    A buffer the sending process built in an extent it borrowed (``borrow``) is published
+    the same way without the copy in; its extent is written again only once the RELEASE
+    came and the producer's root died (``_lend.py``, Built in place).
+
     Each hand-over is a ``write`` followed by the peer's ``read`` of the same bytes, which
     the kernel orders with everything each side did before and does after: no argument
     about the processor's memory ordering is needed, so this holds on every machine
