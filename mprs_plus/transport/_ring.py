@@ -19,6 +19,8 @@ no copy out (``_lend.py``).
     |         rx_rescues   (consumer: wake-ups the watchdog had to stand in for)|
     | line 3  tx_sleeping  (set by the producer, cleared by whoever wakes it) |
     |         tx_rescues   (producer: the same)                              |
+    | line 4  lent_in_place  lent_copied  (producer: large buffers sent      |
+    |         from where they were built, and copied in; _lend.py)          |
     | words 64..319: the state of each lend slot (rules in _lend.py)         |
     +-----------------------------------------------------------------------+
     data ring: positions count bytes forever; offset = position % size
@@ -59,6 +61,7 @@ from collections.abc import Iterable
 from multiprocessing import reduction
 from typing import Any
 
+from ._lend import LENT_COPIED, LENT_IN_PLACE  # the sender's lend figures: line 4
 from ._memory import PAGE, SharedRegion
 from ._wakeup import Sleeper
 from .errors import ChannelClosed
@@ -69,7 +72,6 @@ WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES, SKIPPED = 0, 1, 2, 3, 4
 READ_POS, ITEMS_READ, RECEIVER_CLOSED, LENT_READ = 8, 9, 10, 11
 RX_SLEEPING, RX_RESCUES = 16, 17  # a Sleeper counts its rescues in the word after its flag
 TX_SLEEPING, TX_RESCUES = 24, 25
-LENT_IN_PLACE, LENT_COPIED = 32, 33  # the sender's lend figures (``_lend.py``): line 4
 
 HEADER = 32  # bytes; frames start on multiples of it, so a header never wraps
 MESSAGE = 0x4D5347  # "MSG": anything else in a header is corruption, i.e. a bug here
