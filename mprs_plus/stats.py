@@ -47,6 +47,11 @@ class ProcessStats:
     # an item, and until it first got one (its start, not its steady state); 0: not yet.
     first_ask_s: float = 0.0
     first_item_s: float = 0.0
+    # Large buffers it sent: built straight into the memory that crosses (a batch that
+    # default_collate stacked into the channel's lend area), so never copied by it; and
+    # those it copied into that memory.
+    large_built_in_place: int = 0
+    large_copied_in: int = 0
 
     @property
     def busy_fraction(self) -> float:
@@ -103,6 +108,8 @@ def make_process_stats(role: Segment, index: int, pid: int, rows: list[dict[str,
         receiving_s=total("receiving"),
         first_ask_s=total("first_ask"),
         first_item_s=total("first_item"),
+        large_built_in_place=int(total("lent_in_place")),
+        large_copied_in=int(total("lent_copied")),
     )
 
 
@@ -215,6 +222,13 @@ class Stats:
             lines.append(
                 f"  {refused:,} connection{'s' if refused != 1 else ''} refused at the {' and '.join(roles)} ports "
                 "(they did not prove the service's secret)"
+            )
+        built = sum(p.large_built_in_place for p in self.processes)
+        copied_in = sum(p.large_copied_in for p in self.processes)
+        if built or copied_in:
+            lines.append(
+                f"  large buffers sent: {built:,} built straight into shared memory (no copy), "
+                f"{copied_in:,} copied into it"
             )
         large = self.large_buffers
         if large.lent or large.copied:

@@ -4,8 +4,8 @@ runs again with ``MPRS_PLUS_TRANSPORT=pipe``, as part of the suite's own command
 
 The transport's tests (channels, lending, page locking, processes, portable paths), the
 service end to end, stop, faults, stuck reads and ordering, checkpoints, worker errors,
-release of memory and descriptors, zero copy and fork safety, statistics, start-up and
-pausing. The tests that look inside the rings skip themselves there; the docs and the
+release of memory and descriptors, zero copy and fork safety, statistics, start-up,
+pausing, and batches collated straight into the lend area. The tests that look inside the rings skip themselves there; the docs and the
 tests of everything above the transport (planning, options, the Ray backend) run once."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SUBSET = [
     "tests/test_lifecycle_state.py",
     "tests/test_run_ahead.py",
     "tests/test_pause.py",
+    "tests/test_dataloader_in_place.py",
 ]
 
 

@@ -119,13 +119,17 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
 
 
 def collate_tensors_privately() -> None:
-    """In this worker process, have ``default_collate`` stack tensors into ordinary memory.
+    """In this worker process, have ``default_collate`` stack tensors into the memory that
+    crosses to the main process, or else into ordinary memory.
 
     In a worker, torch's collate stacks a batch into a new torch shared-memory storage
-    (a file of ``/dev/shm``) so that its own queues pass it on without a copy. Here the
-    channel copies every large tensor into its lend area anyway: the file would cost a
-    second copy, and ``/dev/shm`` room that a container may not have. Same values, same
-    checks (torch's own function runs, without the worker-only branch); a collate
+    (a file of ``/dev/shm``) so that its own queues pass it on without a copy. Here a
+    large batch (``LEND_MIN`` bytes or more) is stacked straight into an extent of the
+    worker's output channel's lend area (``_stack_into_channel``), which the channel then
+    publishes without copying it; any other goes to ordinary memory, which the channel
+    copies as it copies any item: a ``/dev/shm`` file would cost a second copy, and room
+    that a container may not have. Same values, same checks (torch's own function runs,
+    without the worker-only branch, wherever the batch is not built in place); a collate
     function a user put in ``default_collate_fn_map`` stays."""
     from torch.utils.data._utils import collate
 
@@ -136,11 +140,63 @@ def collate_tensors_privately() -> None:
 def _collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> Any:
     from torch.utils.data._utils import collate
 
+    stacked = _stack_into_channel(batch)
+    if stacked is not None:
+        return stacked
     info, torch_worker._worker_info = torch_worker._worker_info, None  # torch's worker-only branch off
     try:
         return collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     finally:
         torch_worker._worker_info = info
+
+
+# Bytes; a smaller batch is stacked in ordinary memory (the transport copies it anyway).
+_IN_PLACE_MIN = 128 << 10  # the transport's LEND_MIN
+
+
+def _stack_into_channel(batch: Sequence[Any]) -> torch.Tensor | None:
+    """``torch.stack(batch)`` built in memory the worker's output channel lends it
+    (``borrow_for_current_lane``), or None where torch's own path must make it: a batch
+    under ``_IN_PLACE_MIN`` bytes, anything but plain contiguous CPU tensors of one dtype
+    and one shape (nested, sparse, other layouts, subclasses, autograd, conjugate or
+    negative bits), a thread that runs no lane, or no room in the channel. The result is
+    torch's, value for value: contiguous, of the elements' dtype, ``(len(batch), *shape)``.
+
+    The buffer goes back to the channel when the tensor is sent and read, or when it dies
+    unsent (a collate function that raises later, a batch dropped): the transport ties it
+    to the buffer's lifetime, and ``torch.frombuffer`` keeps the buffer alive with it."""
+    from ..runtime.child.lanes import borrow_for_current_lane
+
+    first = batch[0]
+    if first.is_nested or first.layout is not torch.strided:
+        return None  # torch's path raises its own error for these
+    kind, dtype, shape = type(first), first.dtype, first.shape
+    for tensor in batch:
+        if (
+            type(tensor) is not kind
+            or tensor.dtype != dtype
+            or tensor.shape != shape
+            or tensor.layout is not torch.strided
+            or tensor.device.type != "cpu"
+            or tensor.requires_grad
+            or tensor.is_nested
+            or tensor.is_quantized
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or not tensor.is_contiguous()
+        ):
+            return None
+    if kind is not torch.Tensor:
+        return None  # a subclass keeps torch's path, which knows how to make one
+    nbytes = len(batch) * first.numel() * first.element_size()
+    if nbytes < _IN_PLACE_MIN:
+        return None
+    buffer = borrow_for_current_lane(nbytes)
+    if buffer is None:
+        return None
+    out = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(len(batch), *shape)
+    del buffer  # the tensor holds it now: the extent lives exactly as long as the tensor
+    return torch.stack(batch, 0, out=out)
 
 
 class LoaderStage(IterDataPipe):

@@ -20,6 +20,9 @@ Fields, per process:
     queued        messages written to this process's output channels and not yet read
     rescues       wake-ups on those channels that the transport's watchdog stood in for
                   (either end; always 0 unless the transport has a bug)
+    lent_in_place large buffers sent on those channels from the memory they were built in,
+                  without a copy (a worker's batch stacked into the lend area)
+    lent_copied   large buffers copied into those channels' lend areas
     in_service    main process only: seconds inside the main segment's ``next()``, that is
                   not in the user's loop (its own DataPipes, reading, waiting included)
     receiving     main process only: seconds taking messages out of the channels and
@@ -60,6 +63,8 @@ FIELDS = (
     "receiving",
     "first_ask",
     "first_item",
+    "lent_in_place",
+    "lent_copied",
 )
 (
     _ITEMS_IN,
@@ -76,6 +81,8 @@ FIELDS = (
     _RECEIVING,
     _FIRST_ASK,
     _FIRST_ITEM,
+    _LENT_IN_PLACE,
+    _LENT_COPIED,
 ) = range(len(FIELDS))
 
 
@@ -157,3 +164,5 @@ class StatsWriter:
             table[base + _MESSAGES_OUT] = sum(t.messages for t in traffic)
             table[base + _QUEUED] = sum(t.queued_messages for t in traffic)
             table[base + _RESCUES] = sum(t.rescues for t in traffic)
+            table[base + _LENT_IN_PLACE] = sum(t.lent_in_place for t in traffic)
+            table[base + _LENT_COPIED] = sum(t.lent_copied for t in traffic)

@@ -8,6 +8,8 @@ the runtime calls nothing else on them:
     Sender.send(obj, timeout)   # blocks while the channel is full: backpressure; timeout
                                 #   (0: a try) then TimeoutError, nothing sent
     Sender.peer_waiting()       # -> the receiver is blocked waiting for data now
+    Sender.borrow(nbytes)       # -> a writable buffer in the memory a message crosses in, to
+                                #    build a large buffer in and send it uncopied; or None
     Sender.close()              # end of stream
     Receiver.recv(timeout)      # -> obj | raises EndOfStream / ChannelBroken / TimeoutError
     Receiver.skip()             # -> True: the next message was dropped unread; False: none

@@ -98,8 +98,31 @@ Page-locked lend areas: a copy to a device may still read an extent the user dro
     lent are copied into memory the locker allocates (page-locked too). A forked child
     never calls the locker: it is the parent's (the child inherits no device context).
 
+Built in place: a sender's own process writes a buffer straight into an extent
+    ``LendArea.borrow(nbytes)`` reserves an extent for the sending process itself and
+    returns a writable uint8 ndarray over it (the *root*, as above), or None at once when
+    there is no lend area, no free extent or slot, the buffer would be under
+    ``LEND_MIN``, or the sender's unsent borrowed bytes would pass the ring's size: it
+    never waits. The producer builds its buffer in that memory (a batch stacked there).
+    When a message then carries an out-of-band buffer that lies within a borrowed extent
+    (``reserve`` compares addresses), the frame names that extent and ``fill`` copies
+    nothing: the bytes are where the receiver reads them already. An extent is sent this
+    way once; a second buffer in it (or in it again) is copied as any other.
+
+    The extent goes back to the free list only when both are done with it: the
+    receiver (its state word FREE, as for any lent buffer) and the producer (its root
+    died: a weak reference). A borrowed extent that is never sent (the batch was dropped,
+    the collate function raised later, the process stops) thus goes back once its root
+    dies, and a sent one is never refilled under a producer that still holds it. The
+    weak reference's callback only marks the borrow dead; ``reap``, in the sending
+    thread, returns the extent. Only the thread that sends may borrow (the area has one
+    writer). A child forked while the producer holds a borrowed root gets private pages
+    for it, as for a lent one, and its extent waits for that copy.
+
 ``lending()`` reports what this process's receivers did; ``stats()`` of the service shows
-it for the main process.
+it for the main process. A sender counts the large buffers it sent built in place and
+those it copied in, in the control page (``LENT_IN_PLACE``, ``LENT_COPIED``), so that
+``traffic()`` reports them at both ends.
 """
 
 from __future__ import annotations
@@ -121,6 +144,9 @@ HOLD_FACTOR = 2  # a receiver lends its user up to this many times the ring at a
 LEND_FACTOR = 4  # the lend area is this many times the ring: in flight, held, and slack
 SLOTS = 256  # extents one channel can have lent at a time
 SLOT_BASE = 64  # control word of slot 0's state (lines 0-3 are the ring's, _ring.py)
+# Control words the sender counts its large buffers in, built in place and copied in
+# (line 4; the pipe transport's control page uses them too), so both ends report them.
+LENT_IN_PLACE, LENT_COPIED = 32, 33
 FREE, LENT = 0, 1
 LENT_BIT = 1 << 63  # in a buffer's length word: the frame holds [offset, slot], not bytes
 DESCRIPTOR = 16  # bytes of [offset, slot] in a frame
@@ -184,6 +210,9 @@ class _Holding:
         # Roots dropped in a page-locking receiver, waiting for their fence:
         # (key, views, slot, length, fence token, a view that keeps the mapping mapped).
         self.awaiting: list[tuple[int, LentViews, int, int, Any, memoryview]] = []
+        # Extents borrowed by this process's senders whose roots live: id of the weak
+        # reference to the root -> (that reference, its borrow).
+        self.borrowed: dict[int, tuple[weakref.ref[Any], _Borrow]] = {}
 
 
 _holding = _Holding()
@@ -192,12 +221,13 @@ _holding = _Holding()
 def _before_fork() -> None:
     """Pin what is lent now, and (``LentViews.take``) what is lent until the fork returns."""
     h = _holding
-    if not h.roots and not h.receivers:
+    if not h.roots and not h.receivers and not h.borrowed:
         return  # nothing is lent, and nothing can be before the fork
     _libc()  # loaded here, so that the child only copies
     h.fork_pipes[threading.get_ident()] = _fork_pipe()
     h.forking += 1
     h.pinned.update(h.roots)
+    h.pinned.update(id(borrow) for _ref, borrow in list(h.borrowed.values()))
 
 
 def _fork_pipe() -> tuple[int, int]:
@@ -241,7 +271,9 @@ def _after_fork_in_child() -> None:
     if not inherited.fork_pipes:
         return
     failed = False
-    for ref, _views, _slot, _length in list(inherited.roots.values()):
+    roots = [ref for ref, _views, _slot, _length in list(inherited.roots.values())]
+    roots += [ref for ref, _borrow in list(inherited.borrowed.values())]
+    for ref in roots:
         root = ref()
         if root is not None and not _privatize(root.__array_interface__["data"][0], root.nbytes):
             failed = True
@@ -434,21 +466,67 @@ def _free(views: LentViews, slot: int) -> None:
         pass  # the channel was released here: nobody is left to give it back to
 
 
+class _Borrow:
+    """An extent ``LendArea.borrow`` lent to its own process: where, how long, and whose
+    it is now (the module's docstring, Built in place)."""
+
+    __slots__ = ("slot", "offset", "nbytes", "sent", "alive")
+
+    def __init__(self, slot: int, offset: int, nbytes: int) -> None:
+        self.slot = slot
+        self.offset = offset
+        self.nbytes = nbytes
+        self.sent = False  # a frame published it: the receiver gives it back, as any lent buffer
+        self.alive = True  # the producer's root lives: the extent is not refilled under it
+
+
+def _borrow_dropped(ref: weakref.ref[Any]) -> None:
+    """The root of a borrowed extent died (any thread): mark it; ``reap`` returns it."""
+    entry = _holding.borrowed.pop(id(ref), None)
+    if entry is not None:
+        entry[1].alive = False
+
+
+def _forked_copy_pending(borrow: _Borrow) -> bool:
+    """A child forked while ``borrow``'s root lived may still be copying its extent (or
+    could not, and may read it as long as it lives)."""
+    h = _holding
+    key = id(borrow)
+    if key in h.pinned:
+        _settle()
+    return key in h.pinned or key in h.kept
+
+
 class LendArea:
     """The sender's side: which extents of the area are free, and which slots lend what.
 
     Extents are page-aligned. A best-fit free list first, then space never used (a bump
     pointer), then coalescing of neighbours; freed extents are found by reading the state
-    words of the lent slots (``reap``), which costs the receiver nothing."""
+    words of the lent slots (``reap``), which costs the receiver nothing.
 
-    def __init__(self, ctl: memoryview, area: memoryview) -> None:
+    ``region`` (the channel's mapping) lets the area lend extents to its own process
+    (``borrow``); without it, ``borrow`` gives None."""
+
+    def __init__(self, ctl: memoryview, area: memoryview, region: SharedRegion | None = None) -> None:
         self._ctl = ctl
         self._area = area
+        self._region = region
         self._capacity = area.nbytes
         self._top = 0
         self._free: list[tuple[int, int]] = []  # (offset, size)
         self._lent: dict[int, tuple[int, int]] = {}  # slot -> (offset, size)
         self._slots = list(range(SLOTS - 1, -1, -1))
+        self._borrows: dict[int, _Borrow] = {}  # slot -> the borrow it lends, while it does
+        self._placed: list[_Borrow] = []  # borrows the frame being sent publishes in place
+        self._base = -1  # the area's address in this process, once a borrow needed it
+        self._frombuffer: Any = None
+        self._uint8: Any = None
+        # Unsent borrowed bytes are held to the ring's size (a quarter of the area), so
+        # that what a producer builds ahead never takes the room lending needs.
+        self._borrow_limit = self._capacity // LEND_FACTOR
+        # Large buffers sent from the extent they were built in (no copy), and copied into
+        # an extent: counted in the control page, where both ends read them.
+        self._figures = region.ctl if region is not None else None
         # An endpoint that lent buffers in another process before it was handed here
         # (the service never does this) does not know which extents are still held:
         # it sends through the ring rather than risk lending one of them again.
@@ -459,44 +537,123 @@ class LendArea:
         """Bytes of ``buffers`` that are large enough to be lent."""
         return sum(b.nbytes for b in buffers if b.nbytes >= LEND_MIN)
 
+    def borrow(self, nbytes: int) -> Any | None:
+        """A writable uint8 ndarray of ``nbytes`` over a reserved extent, for this process
+        to build a buffer in and then send (the module's docstring, Built in place); None
+        at once when there is no room, no mapping, or ``nbytes`` is under ``LEND_MIN``.
+        Only the sending thread may call it."""
+        region = self._region
+        if self._inherited or nbytes < LEND_MIN or region is None or region.mapping is None:
+            return None
+        unsent = sum(b.nbytes for b in self._borrows.values() if b.alive and not b.sent)
+        if unsent and unsent + nbytes > self._borrow_limit:
+            return None
+        place = self._reserve_one(nbytes)
+        if place is None:
+            return None
+        offset, slot = place
+        if self._frombuffer is None:
+            import numpy
+
+            self._frombuffer, self._uint8 = numpy.frombuffer, numpy.dtype(numpy.uint8)
+        # Over the mapping itself, not a view of it: the region can release its views
+        # while the root lives, and the root alone then keeps the memory mapped.
+        root = self._frombuffer(region.mapping, self._uint8, nbytes, region.lend_start + offset)
+        if self._base < 0:
+            self._base = root.__array_interface__["data"][0] - offset
+        borrow = self._borrows[slot] = _Borrow(slot, offset, nbytes)
+        h = _holding
+        ref = weakref.ref(root, _borrow_dropped)
+        h.borrowed[id(ref)] = (ref, borrow)
+        if h.forking:
+            h.pinned.add(id(borrow))  # another thread forks now: the child may inherit it
+        return root
+
     def reserve(self, buffers: list[memoryview]) -> list[tuple[int, int] | None] | None:
         """An (offset, slot) per buffer that goes through the area, None per buffer that
         goes through the ring; None when none is lent. Reserved slots are LENT from now on:
-        ``fill`` them, or ``unreserve`` them if the frame is not sent."""
+        ``fill`` them, or ``unreserve`` them if the frame is not sent. A buffer that lies
+        in an extent borrowed and not sent yet is placed there, where it is already."""
+        self._placed = []
         if self._inherited:
             return None
         places: list[tuple[int, int] | None] = []
         any_lent = False
         for buffer in buffers:
-            place = self._reserve_one(buffer.nbytes) if buffer.nbytes >= LEND_MIN else None
+            place = None
+            if buffer.nbytes >= LEND_MIN:
+                if self._borrows:
+                    place = self._built_here(buffer)
+                if place is None:
+                    place = self._reserve_one(buffer.nbytes)
             places.append(place)
             any_lent = any_lent or place is not None
         return places if any_lent else None
 
+    def _built_here(self, buffer: memoryview) -> tuple[int, int] | None:
+        """(offset, slot) of the unsent borrowed extent ``buffer`` lies in, marked sent."""
+        if self._base < 0:
+            return None
+        address = self._frombuffer(buffer, self._uint8).__array_interface__["data"][0]
+        offset = address - self._base
+        if not 0 <= offset < self._capacity:
+            return None
+        end = offset + buffer.nbytes
+        for borrow in self._borrows.values():
+            if not borrow.sent and borrow.offset <= offset and end <= borrow.offset + borrow.nbytes:
+                borrow.sent = True
+                self._placed.append(borrow)
+                return offset, borrow.slot
+        return None
+
     def fill(self, buffers: list[memoryview], places: list[tuple[int, int] | None]) -> int:
-        """Copy the lent buffers into their extents; the bytes lent."""
-        area, lent = self._area, 0
+        """Copy the lent buffers into their extents (those built in place are there
+        already); the bytes lent."""
+        area, lent, copied = self._area, 0, 0
+        in_place = {borrow.slot for borrow in self._placed}
         for buffer, place in zip(buffers, places):
             if place is not None:
-                offset = place[0]
-                area[offset : offset + buffer.nbytes] = buffer
+                if place[1] not in in_place:
+                    offset = place[0]
+                    area[offset : offset + buffer.nbytes] = buffer
+                    copied += 1
                 lent += buffer.nbytes
+        figures = self._figures
+        if figures is not None:
+            figures[LENT_COPIED] += copied
+            figures[LENT_IN_PLACE] += len(in_place)
         return lent
 
     def unreserve(self, places: list[tuple[int, int] | None]) -> None:
-        """Take back reservations of a frame that was never published."""
+        """Take back reservations of a frame that was never published; a borrowed extent
+        it would have published stays its producer's."""
+        placed = {borrow.slot: borrow for borrow in self._placed}
+        self._placed = []
         for place in places:
             if place is not None:
-                self._ctl[SLOT_BASE + place[1]] = FREE
+                borrow = placed.get(place[1])
+                if borrow is not None:
+                    borrow.sent = False
+                else:
+                    self._ctl[SLOT_BASE + place[1]] = FREE
         self.reap()
 
     def reap(self) -> None:
-        """Return the extents of slots the receiver gave back to the free list."""
-        ctl, freed = self._ctl, []
+        """Return to the free list the extents of slots the receiver gave back, and of
+        borrowed extents both the receiver (if it was sent them) and the producer are done
+        with."""
+        ctl, freed, borrows = self._ctl, [], self._borrows
         for slot in self._lent:
-            if ctl[SLOT_BASE + slot] == FREE:
-                freed.append(slot)
+            borrow = borrows.get(slot) if borrows else None
+            if borrow is None:
+                if ctl[SLOT_BASE + slot] == FREE:
+                    freed.append(slot)
+            elif not borrow.alive and (not borrow.sent or ctl[SLOT_BASE + slot] == FREE):
+                if not _forked_copy_pending(borrow):
+                    freed.append(slot)
         for slot in freed:
+            if borrows.pop(slot, None) is not None:
+                ctl[SLOT_BASE + slot] = FREE  # one never sent is still LENT, by this end
             self._free.append(self._lent.pop(slot))
             self._slots.append(slot)
 

@@ -19,6 +19,8 @@ no copy out (``_lend.py``).
     |         rx_rescues   (consumer: wake-ups the watchdog had to stand in for)|
     | line 3  tx_sleeping  (set by the producer, cleared by whoever wakes it) |
     |         tx_rescues   (producer: the same)                              |
+    | line 4  lent_in_place  lent_copied  (producer: large buffers sent      |
+    |         from where they were built, and copied in; _lend.py)          |
     | words 64..319: the state of each lend slot (rules in _lend.py)         |
     +-----------------------------------------------------------------------+
     data ring: positions count bytes forever; offset = position % size
@@ -59,6 +61,7 @@ from collections.abc import Iterable
 from multiprocessing import reduction
 from typing import Any
 
+from ._lend import LENT_COPIED, LENT_IN_PLACE  # the sender's lend figures: line 4
 from ._memory import PAGE, SharedRegion
 from ._wakeup import Sleeper
 from .errors import ChannelClosed
@@ -116,7 +119,8 @@ class Endpoint:
         written, write_pos = ctl[ITEMS_WRITTEN], ctl[WRITE_POS]
         queued = write_pos - ctl[READ_POS]
         sent = write_pos - ctl[SKIPPED] + ctl[LENT_BYTES]
-        return Traffic(written, sent, written - ctl[ITEMS_READ], queued, ctl[RX_RESCUES] + ctl[TX_RESCUES])
+        rescues = ctl[RX_RESCUES] + ctl[TX_RESCUES]
+        return Traffic(written, sent, written - ctl[ITEMS_READ], queued, rescues, ctl[LENT_IN_PLACE], ctl[LENT_COPIED])
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""

@@ -47,7 +47,7 @@ class ShmSender(Endpoint):
         self._recycle_at = min(self._size // 2, RECYCLE_AT)
         self._encoder = Encoder()
         self._torn = False  # a streamed frame was interrupted half-written
-        self._area = LendArea(region.ctl, region.lend) if region.lend_size else None
+        self._area = LendArea(region.ctl, region.lend, region) if region.lend_size else None
 
     def _extra_state(self) -> tuple[Any, ...]:
         return (self._capacity_items,)
@@ -105,6 +105,14 @@ class ShmSender(Endpoint):
             close_fds(fds)
             raise
         return cls(region, space_r, data_w, capacity_items)
+
+    def borrow(self, nbytes: int) -> Any | None:
+        """A writable buffer of ``nbytes`` in this channel's lend area, for a message this
+        sender sends next to carry without a copy (``_lend.py``, Built in place); None at
+        once where there is no room. Call it from the thread that sends."""
+        if self._area is None or not self._open or self._torn:
+            return None
+        return self._area.borrow(nbytes)
 
     def lent_extents(self) -> int:
         """Bytes of the lend area lent or in flight now, after taking back what the

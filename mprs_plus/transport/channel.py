@@ -6,6 +6,7 @@ one thread waits for any of several receivers, whatever carries their messages.
       peer_waiting() -> bool                   skip() -> bool
       watch(*waitables)                        poll() -> bool, has_input() -> bool
       traffic() -> Traffic                     watch(*waitables), traffic()
+      borrow(nbytes) -> buffer | None
       close(), release()                       close(), release()
                                                wait(timeout, also)           one receiver
                                                arm() / disarm(woken, ...)    several at once
@@ -105,6 +106,15 @@ class Sender(Protocol):
         """The receiver is blocked waiting for a message right now, as far as this end can
         tell without a system call (False where it cannot tell): a caller holding
         messages back to batch them should send now."""
+        ...
+
+    def borrow(self, nbytes: int) -> Any | None:
+        """A writable buffer of ``nbytes`` (``len``, the buffer protocol) in the memory a
+        message of this channel crosses in, for the caller to build a large buffer in and
+        then send it without a copy; None, at once and without waiting, where the
+        transport has no such memory or no room now (build it anywhere else then). Only
+        the thread that sends may call it; the memory goes back when the buffer is sent
+        and read, or dropped unsent (``_lend.py``, Built in place)."""
         ...
 
     def watch(self, *waitables: Waitable) -> None:

@@ -30,6 +30,10 @@ Large buffers: the lend area (``_lend.py``, the rings' own machinery)
                  ``[RELEASE, slot]`` to the credit pipe; the sender reads it, then may
                  write the extent again
 
+    A buffer the sending process built in an extent it borrowed (``borrow``) is published
+    the same way without the copy in; its extent is written again only once the RELEASE
+    came and the producer's root died (``_lend.py``, Built in place).
+
     Each hand-over is a ``write`` followed by the peer's ``read`` of the same bytes, which
     the kernel orders with everything each side did before and does after: no argument
     about the processor's memory ordering is needed, so this holds on every machine
@@ -75,7 +79,20 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from . import _frame
-from ._lend import DESCRIPTOR, FREE, HOLD_FACTOR, LEND_FACTOR, LEND_MIN, LENT_BIT, SLOT_BASE, SLOTS, LendArea, LentViews
+from ._lend import (
+    DESCRIPTOR,
+    FREE,
+    HOLD_FACTOR,
+    LEND_FACTOR,
+    LEND_MIN,
+    LENT_BIT,
+    LENT_COPIED,
+    LENT_IN_PLACE,
+    SLOT_BASE,
+    SLOTS,
+    LendArea,
+    LentViews,
+)
 from ._lend import lending as lending
 from ._memory import PAGE, SharedRegion
 from ._ring import MIN_RING
@@ -146,7 +163,9 @@ class _Endpoint:
         ctl = self._ctl
         written, read = ctl[ITEMS_WRITTEN], ctl[ITEMS_READ]
         sent, taken = ctl[BYTES_WRITTEN], ctl[BYTES_READ]
-        return Traffic(written, sent, max(0, written - read), max(0, sent - taken))
+        return Traffic(
+            written, sent, max(0, written - read), max(0, sent - taken), 0, ctl[LENT_IN_PLACE], ctl[LENT_COPIED]
+        )
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""
@@ -180,7 +199,7 @@ class PipeSender(_Endpoint):
 
     def _setup(self) -> None:
         region = self._region
-        self._area = LendArea(self._states, region.lend) if region.lend_size else None  # type: ignore[arg-type]
+        self._area = LendArea(self._states, region.lend, region) if region.lend_size else None  # type: ignore[arg-type]
         self._encoder = Encoder()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -251,6 +270,18 @@ class PipeSender(_Endpoint):
     def peer_waiting(self) -> bool:
         """Unknown through a pipe: always False (a batching caller relies on its timer)."""
         return False
+
+    def borrow(self, nbytes: int) -> Any | None:
+        """A writable buffer of ``nbytes`` in this channel's lend area, for a message this
+        sender sends next to carry without a copy (``_lend.py``, Built in place); None at
+        once where there is no room. Call it from the thread that sends."""
+        if self._area is None or self._conn is None:
+            return None
+        try:
+            self._take_credits()  # extents the receiver gave back
+        except (ChannelBroken, ChannelClosed):
+            return None
+        return self._area.borrow(nbytes)
 
     def lent_extents(self) -> int:
         """Bytes of the lend area lent or in flight now (for tests and statistics)."""

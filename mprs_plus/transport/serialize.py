@@ -2,6 +2,7 @@
 
     obj --Encoder.encode--> pickle stream (small) + [large buffers, zero-copy views]
                             the channel copies each buffer straight into shared memory
+                            (none that was built there: ``Sender.borrow``)
     pickle.loads(stream, buffers=[...]) --> obj
 
 Buffers of ``INLINE_LIMIT`` bytes or more go out of band; smaller ones stay in the

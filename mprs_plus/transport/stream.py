@@ -652,6 +652,10 @@ class StreamSender(_StreamEndpoint):
         """Unknown over a stream: always False (a batching caller relies on its timer)."""
         return False
 
+    def borrow(self, nbytes: int) -> None:
+        """No lend area over a stream: buffers are built in ordinary memory."""
+        return None
+
     def traffic(self) -> Traffic:
         """Messages and bytes written so far, and those not yet read (as the credits say)."""
         sock = self._sock

@@ -11,6 +11,7 @@ import pickle
 import threading
 import time
 
+import numpy as np
 import pytest
 from transport_peers import FailsToUnpickle, wait_until
 
@@ -96,6 +97,20 @@ def test_the_endpoints_implement_the_protocols(ends):
     sender, receiver = ends
     assert isinstance(sender, Sender)
     assert isinstance(receiver, Receiver)
+
+
+def test_a_borrowed_buffer_or_none_and_what_is_built_there_arrives(ends):
+    """``borrow`` gives a writable buffer of the size asked, or None where the transport
+    has no memory to lend; either way the message built with it arrives equal."""
+    sender, receiver = ends
+    buffer = sender.borrow(256 << 10)
+    if buffer is None:
+        buffer = bytearray(256 << 10)  # what a producer does then: any memory of its own
+    assert len(buffer) == 256 << 10
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    array[:5] = list(b"built")
+    sender.send(array)
+    assert bytes(receiver.recv(timeout=5)[:5]) == b"built"
 
 
 def test_messages_arrive_in_order_and_equal(ends):

@@ -518,6 +518,10 @@ class RaySender:
         """Unknown: the child's reads are not seen from here."""
         return False
 
+    def borrow(self, nbytes: int) -> None:
+        """No lend area here: buffers are built in ordinary memory."""
+        return None
+
     def close(self) -> None:
         """End of stream: the receiver gets every message sent, then ``EndOfStream``."""
         if not self._open:

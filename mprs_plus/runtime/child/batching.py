@@ -156,6 +156,12 @@ class Batcher:
         with self._lock:
             self._send_items()
 
+    def borrow(self, nbytes: int) -> Any | None:
+        """The channel's ``Sender.borrow``, under the lock that keeps its one writer at a
+        time (the flusher thread sends too): memory the next sends can carry uncopied."""
+        with self._lock:
+            return self._sender.borrow(nbytes)
+
     def finish(self, kind: Kind, payload: Any = None) -> None:
         """Flush, then send the epoch's last message (END or ERROR)."""
         with self._lock:

@@ -16,6 +16,11 @@ Rules that keep a child free of deadlocks:
   while writing a channel; lanes that share nothing have no lock at all;
 * nothing waits for the listener, and the listener waits only on its channel.
 
+A worker lane also lends the code it runs memory of its channel to build a large item in
+(``borrow_for_current_lane``: a batch stacked straight into the lend area, sent without a
+copy; ``transport/_lend.py``, Built in place). Only the lane's own thread gets it: it is
+the thread that sends, so the borrowed item goes out through the channel it was lent by.
+
 A message that cannot be sent (an item that does not pickle) ends that lane's epoch with
 an ERROR carrying the reason (``batching.py``), instead of killing the child.
 
@@ -44,6 +49,7 @@ def enter_lane(lane: Lane) -> None:
     """Make ``lane`` the calling thread's lane (its thread runs nothing else)."""
     _current.flush = lane.flush
     _current.stats = lane.stats
+    _current.borrow = lane.borrow
     if lane.stats is not None:
         lane.stats.start()
     if lane.liveness is not None:
@@ -53,6 +59,14 @@ def enter_lane(lane: Lane) -> None:
 def current_lane_stats() -> StatsWriter | None:
     """The statistics row of the calling thread's lane, if it keeps one."""
     return getattr(_current, "stats", None)
+
+
+def borrow_for_current_lane(nbytes: int) -> Any | None:
+    """A writable buffer of ``nbytes`` in the output channel of the calling thread's lane,
+    for an item about to be produced there (see the module's docstring); None at once when
+    the thread runs no lane, the lane deals to several channels, or there is no room."""
+    borrow = getattr(_current, "borrow", None)
+    return None if borrow is None else borrow(nbytes)
 
 
 def flush_current_lane() -> None:
@@ -80,6 +94,7 @@ class Lane(Protocol):
     def fail(self, error: RemoteError) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
+    def borrow(self, nbytes: int) -> Any | None: ...
 
 
 class OutputLane:
@@ -101,6 +116,7 @@ class OutputLane:
             stats.channels = (sender,)
         self._batcher = Batcher(sender, 0, max_items=max_items, where=where, to="the main process")
         self.emit = self._batcher.add
+        self.borrow = self._batcher.borrow
         self.next_item = _exhausted
 
     def begin(self, datapipe: Any) -> None:
@@ -179,6 +195,9 @@ class DealLane:
     def flush(self) -> None:
         for batcher in self._batchers:
             batcher.flush()
+
+    def borrow(self, nbytes: int) -> None:
+        return None  # which worker's channel an item goes to is known only once it is made
 
     def close(self) -> None:
         for batcher in self._batchers:

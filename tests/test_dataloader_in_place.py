@@ -1,0 +1,181 @@
+"""``default_collate`` in a worker of ``mprs_plus.DataLoader`` stacks a large batch straight
+into the memory that crosses to the main process (its output channel's lend area), and the
+channel publishes it without copying it: torch's batches, value for value, with no copy in
+the worker. Anything unusual, or too small, takes torch's own path unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from mprs_plus import DataLoader
+from mprs_plus.dataloader import stage
+from mprs_plus.runtime.child import lanes
+
+pytestmark = pytest.mark.timeout(120)
+
+SAMPLE = 64 << 10  # float32 elements: 256 KiB a sample
+
+
+class Rows(Dataset):
+    """Sample i: 256 KiB of float32, its index then a ramp (every batch of 4 is 1 MiB)."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        row = torch.arange(SAMPLE, dtype=torch.float32)
+        row[0] = i
+        return row
+
+
+class Small(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": torch.full((16,), i), "y": i}
+
+
+def worker_figures(loader) -> tuple[int, int]:
+    workers = [p for p in loader.stats().processes if p.role == "worker"]
+    return sum(p.large_built_in_place for p in workers), sum(p.large_copied_in for p in workers)
+
+
+def test_large_batches_are_torchs_and_the_workers_copy_none_of_them():
+    ours = DataLoader(Rows(), batch_size=4, num_workers=2)
+    theirs = torch.utils.data.DataLoader(Rows(), batch_size=4)
+    count = 0
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.dtype == reference.dtype and mine.shape == reference.shape == (4, SAMPLE)
+        assert torch.equal(mine, reference)
+        count += 1
+        del mine  # its extent goes back before the next batch
+    built, copied = worker_figures(ours)
+    assert count == 6 and built == 6 and copied == 0
+    assert "6 built straight into shared memory (no copy), 0 copied into it" in ours.stats().summary()
+
+
+def test_small_batches_take_torchs_path():
+    loader = DataLoader(Small(), batch_size=3, num_workers=2)
+    batches = list(loader)
+    reference = list(torch.utils.data.DataLoader(Small(), batch_size=3))
+    assert len(batches) == len(reference) == 4
+    for mine, theirs in zip(batches, reference):
+        assert torch.equal(mine["x"], theirs["x"]) and torch.equal(mine["y"], theirs["y"])
+    assert worker_figures(loader) == (0, 0)
+
+
+class Failed(Exception):
+    pass
+
+
+def collate_then_fail(batch):
+    """default_collate builds the batch (in place), then the user's code raises for two
+    batches of every three: the built batch is dropped unsent."""
+    stacked = default_collate(batch)
+    if int(stacked[0, 0]) % 12 != 0:
+        raise Failed(f"batch starting at sample {int(stacked[0, 0])} rejected after collating")
+    return stacked
+
+
+def test_a_collate_that_raises_after_building_gives_the_memory_back(monkeypatch):
+    """Each worker drops 20 MiB of batches built in its channel's 16 MiB lend area: were an
+    extent of a dropped batch kept, the batches after it could not be built in place."""
+    from mprs_plus.runtime.main import service
+
+    monkeypatch.setattr(service, "_DATA_BYTES", 4 << 20)  # a 4 MiB ring: a 16 MiB lend area
+    loader = DataLoader(Rows(120), batch_size=8, num_workers=2, collate_fn=collate_then_fail)  # 2 MiB batches
+    iterator = iter(loader)
+    kept, failed = [], 0
+    for _ in range(15):
+        try:
+            batch = next(iterator)
+        except Failed as exc:
+            assert "Caught Failed in DataLoader worker process" in str(exc) and "rejected after collating" in str(exc)
+            failed += 1
+        else:
+            kept.append(int(batch[0, 0]))
+            del batch
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert failed == 10 and kept == [0, 24, 48, 72, 96]
+    built, copied = worker_figures(loader)
+    assert built == 5 and copied == 0
+
+
+# -- which batches are built in place (no processes: a fake lane lends ordinary memory) ---
+
+
+@pytest.fixture
+def lent(monkeypatch):
+    """The calling thread's lane, faked: it lends numpy buffers and remembers them."""
+    buffers: list[np.ndarray] = []
+
+    def borrow(nbytes: int) -> np.ndarray:
+        buffers.append(np.empty(nbytes, dtype=np.uint8))
+        return buffers[-1]
+
+    monkeypatch.setattr(lanes, "borrow_for_current_lane", borrow)
+    return buffers
+
+
+def built_in(tensor: torch.Tensor, buffers: list[np.ndarray]) -> bool:
+    return any(tensor.data_ptr() == b.__array_interface__["data"][0] for b in buffers)
+
+
+def collate(batch):
+    return stage._collate_tensors(batch)
+
+
+def test_a_plain_large_batch_is_stacked_into_the_lent_buffer(lent):
+    batch = [torch.randn(256, 128) for _ in range(4)]  # 512 KiB
+    out = collate(batch)
+    assert built_in(out, lent) and len(lent) == 1
+    assert out.is_contiguous() and out.dtype == torch.float32 and out.shape == (4, 256, 128)
+    assert torch.equal(out, torch.stack(batch))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: [torch.ones(16) for _ in range(4)],  # too small
+        lambda: [torch.ones(256, 128), torch.ones(256, 128, dtype=torch.float64)],  # mixed dtypes
+        lambda: [torch.ones(256, 128).t() for _ in range(4)],  # not contiguous
+        lambda: [torch.ones(256, 128, requires_grad=True) for _ in range(4)],
+        lambda: [torch.ones(256, 128), torch.ones(128, 256)],  # shapes differ: torch's error
+        lambda: [torch.ones(256, 128), np.ones((256, 128), dtype=np.float32)],  # not all tensors
+        lambda: [torch.nn.Parameter(torch.ones(256, 128), requires_grad=False) for _ in range(2)],  # a subclass
+    ],
+    ids=["small", "mixed dtypes", "non-contiguous", "requires_grad", "shapes differ", "not all tensors", "subclass"],
+)
+def test_anything_unusual_takes_torchs_own_path(lent, make):
+    batch = make()
+    try:
+        expected = torch.utils.data._utils.collate.collate_tensor_fn(batch)
+    except Exception as exc:  # torch's own error: ours must be the same
+        with pytest.raises(type(exc)):
+            collate(batch)
+    else:
+        out = collate(batch)
+        assert type(out) is type(expected) and out.dtype == expected.dtype and torch.equal(out, expected)
+        assert out.stride() == expected.stride()
+    assert lent == []  # nothing was borrowed
+
+
+def test_no_room_takes_torchs_own_path(monkeypatch):
+    monkeypatch.setattr(lanes, "borrow_for_current_lane", lambda nbytes: None)
+    batch = [torch.randn(256, 128) for _ in range(4)]
+    assert torch.equal(collate(batch), torch.stack(batch))
+
+
+def test_outside_a_lane_nothing_is_borrowed():
+    """The thread that runs no lane (the main process, or a user's thread in a worker)."""
+    assert lanes.borrow_for_current_lane(1 << 20) is None
+    batch = [torch.randn(256, 128) for _ in range(4)]
+    assert torch.equal(collate(batch), torch.stack(batch))
