@@ -17,7 +17,7 @@ from torch.utils.data import BatchSampler, Dataset, SequentialSampler, get_worke
 from torch.utils.data import DataLoader as TorchDataLoader
 
 from mprs_plus import DataLoader
-from loader_datasets import Nested, Randomized, Ranges, add_one, gen, plain, run, sum_collate
+from loader_datasets import Nested, Ragged, Randomized, Ranges, add_one, gen, nest, plain, rows, run, sum_collate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,6 +44,21 @@ def test_same_batches_as_torch(case, workers):
     make = CASES[case]
     expected = run(TorchDataLoader, lambda cls: make(cls, workers))
     assert run(DataLoader, lambda cls: make(cls, workers)) == expected
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batching", ["none", "collate_fn"])
+def test_nested_tensors_arrive_as_with_torch(workers, batching):
+    """Nested tensors (small, and over the shared-memory size) cross as torch's own
+    reduction sends them: no single shape or storage to lend."""
+    options = {"batch_size": None} if batching == "none" else {"batch_size": 2, "collate_fn": nest}
+
+    def epoch(cls):
+        return [rows(batch) for batch in cls(Ragged(), num_workers=workers, **options)]
+
+    ours = epoch(DataLoader)
+    assert ours == epoch(TorchDataLoader)
+    assert len(ours) == (7 if batching == "none" else 4) and len(ours[0][0]) == 40_000
 
 
 @pytest.mark.parametrize("workers", [1, 2])
