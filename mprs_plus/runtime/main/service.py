@@ -384,7 +384,7 @@ def _wire_children(
             tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
         )
         supervisor.prepare(link, dispatch_main, setup)
-    windowed = options.items_ahead is not None and options.backend is None and ctx is not None
+    windowed = options.items_ahead is not None and supervisor.placement.on_this_host and ctx is not None
     windows: dict[int, ItemWindow] = {}
     for link in topology.workers:
         link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
