@@ -290,9 +290,13 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     END or ERROR sent)."""
     lock, next_item, emit, stats, window = lane.lock, lane.next_item, lane.emit, lane.stats, lane.window
     clock = time.perf_counter
+
+    def interrupted() -> bool:
+        return inbox.interrupt
+
     try:
         while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
-            if window is not None and not window.take(lane.flush, lambda: inbox.interrupt):
+            if window is not None and not window.take(lane.flush, interrupted):
                 return False  # interrupted while waiting for the main process to hand out an item
             if lock is not None and not lock.acquire(blocking=False):
                 lane.flush()  # never wait for the compute lock holding unsent items
