@@ -34,6 +34,9 @@ class _Fields(NamedTuple):
     pin_memory: bool = False
     device: Any = None
     device_prefetch: int = 2
+    # Items each worker output may produce beyond those the main process handed out (its
+    # window: ``runtime/window.py``), as torch's ``prefetch_factor``; None: its channel bounds it.
+    items_ahead: int | None = None
 
 
 class Options(_Fields):
@@ -77,6 +80,10 @@ class Options(_Fields):
         _non_negative_int("device_prefetch", self.device_prefetch)
         if self.device_prefetch == 0:
             raise ValueError("device_prefetch must be >= 1 (items copied to the device ahead of the loop)")
+        if self.items_ahead is not None:
+            _non_negative_int("items_ahead", self.items_ahead)
+            if self.items_ahead == 0:
+                raise ValueError("items_ahead must be >= 1 (items a worker may produce ahead), or None")
         _non_negative_int("num_workers", self.num_workers)
         _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
         _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)

@@ -119,3 +119,26 @@ def datapipe(n=20):
     from torch.utils.data.datapipes.iter import IterableWrapper
 
     return IterableWrapper(range(n)).shuffle().sharding_filter().map(noisy)
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Each sample a nested tensor of rows of different lengths; every third one over
+    128 KiB, the size from which tensors travel through shared memory."""
+
+    def __len__(self):
+        return 7
+
+    def __getitem__(self, i):
+        size = 40_000 if i % 3 == 0 else 3
+        return torch.nested.nested_tensor([torch.full((size + k,), float(i)) for k in range(i % 3 + 1)])
+
+
+def nest(samples):
+    """A collate function that keeps nested tensors: one nested tensor of every sample's rows."""
+    return torch.nested.nested_tensor([row for sample in samples for row in sample.unbind()])
+
+
+def rows(batch):
+    """A nested tensor as its rows' values, to compare exactly."""
+    assert batch.is_nested
+    return [row.tolist() for row in batch.unbind()]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import numpy as np
 import psutil
@@ -17,7 +18,7 @@ from torch.utils.data import BatchSampler, Dataset, SequentialSampler, get_worke
 from torch.utils.data import DataLoader as TorchDataLoader
 
 from mprs_plus import DataLoader
-from loader_datasets import Nested, Randomized, Ranges, add_one, gen, plain, run, sum_collate
+from loader_datasets import Nested, Ragged, Randomized, Ranges, add_one, gen, nest, plain, rows, run, sum_collate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,6 +45,21 @@ def test_same_batches_as_torch(case, workers):
     make = CASES[case]
     expected = run(TorchDataLoader, lambda cls: make(cls, workers))
     assert run(DataLoader, lambda cls: make(cls, workers)) == expected
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batching", ["none", "collate_fn"])
+def test_nested_tensors_arrive_as_with_torch(workers, batching):
+    """Nested tensors (small, and over the shared-memory size) cross as torch's own
+    reduction sends them: no single shape or storage to lend."""
+    options = {"batch_size": None} if batching == "none" else {"batch_size": 2, "collate_fn": nest}
+
+    def epoch(cls):
+        return [rows(batch) for batch in cls(Ragged(), num_workers=workers, **options)]
+
+    ours = epoch(DataLoader)
+    assert ours == epoch(TorchDataLoader)
+    assert len(ours) == (7 if batching == "none" else 4) and len(ours[0][0]) == 40_000
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -441,6 +457,48 @@ def test_an_iterable_dataset_longer_than_its_len_warns_as_torch():
     assert len(loader) == 4
     with pytest.warns(UserWarning, match=r"but 5 samples have been fetched\. For multiprocessing data-loading"):
         assert [int(x) for x in loader] == list(range(6))
+
+
+class Claims5(torch.utils.data.IterableDataset):
+    """Says 5 samples and yields up to 16 in each replica; sample 12 fails (with workers, a
+    batch of its own that the loop gets as an exception; without, the end of the epoch).
+    torch compares its count of batches returned with len(dataset)."""
+
+    def __len__(self):
+        return 5
+
+    def __iter__(self):
+        for i in range(16):
+            if i == 12:
+                raise ValueError("sample 12")
+            yield i
+
+
+def length_warnings(cls, **options):
+    """Per ``next()``: the batch or the error's type, and the length warnings it gave."""
+    loader = cls(Claims5(), **options)
+    len(loader)  # what torch's warning compares with, read when the iterator is made
+    batches, seen = iter(loader), []
+    while True:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                outcome = plain(next(batches))
+            except StopIteration:
+                break
+            except ValueError as error:
+                outcome = type(error).__name__
+        said = [str(w.message).replace(repr(loader.dataset), "DATASET") for w in caught if "Length of" in str(w.message)]
+        seen.append((outcome, said))
+    return seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batching", [{"batch_size": None}, {"batch_size": 2}, {"batch_size": 2, "drop_last": True}])
+def test_an_iterable_dataset_longer_than_its_len_warns_at_torchs_batch(workers, batching):
+    ours = length_warnings(DataLoader, num_workers=workers, **batching)
+    assert ours == length_warnings(TorchDataLoader, num_workers=workers, **batching)
+    assert any(said for _, said in ours)
 
 
 def test_an_iterator_keeps_its_workers_after_its_loader_is_gone():

@@ -286,3 +286,101 @@ def test_persistent_workers_carry_their_dataset_state_between_epochs():
     restored = make()
     restored.load_state_dict(state)
     assert [b["draw"].tolist() for b in restored] == full[1]
+
+
+# -- a state taken before the first batch, or before iter() at all (StatefulDataLoader allows both)
+
+
+def _identity(batch):
+    return batch
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_a_state_taken_before_iter_restores_to_the_start(workers, persistent):
+    def make():
+        return DataLoader(Squares(), batch_size=3, shuffle=True, num_workers=workers, persistent_workers=persistent)
+
+    seed_all(5)
+    loader = make()
+    initial = loader.state_dict()  # before iter(): the next epoch's draws start from here
+    epochs = [[plain(b) for b in loader] for _ in range(2)]
+    batches = iter(loader)
+    next(batches), next(batches)
+    loader.load_state_dict(initial)  # the same loader, mid-epoch
+    assert loader.state_dict() == initial  # until the next iter(), the state is the loaded one
+    assert [[plain(b) for b in loader] for _ in range(2)] == epochs
+    seed_all(99)
+    fresh = make()
+    fresh.load_state_dict(json.loads(json.dumps(initial)))  # a new loader built the same way
+    assert [[plain(b) for b in fresh] for _ in range(2)] == epochs
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_a_state_loaded_into_a_loader_that_took_none_yet(workers, persistent):
+    def make():
+        return DataLoader(Squares(), batch_size=3, shuffle=True, num_workers=workers, persistent_workers=persistent)
+
+    for taken_at in (0, 2, 5):
+        seed_all(5)
+        loader = make()
+        batches = iter(loader)
+        for _ in range(taken_at):
+            next(batches)
+        state = loader.state_dict()
+        rest = [plain(b) for b in batches]
+        del batches, loader
+        seed_all(99)
+        restored = make()
+        assert restored.state_dict() != state  # its own initial state, taken before loading
+        restored.load_state_dict(state)
+        assert restored.state_dict() == state
+        assert [plain(b) for b in restored] == rest, taken_at
+
+
+class OwnIterator(IterableDataset):
+    """Its own iterator, set up by ``__iter__`` (torchdata's tests' ``CountIterCallsIter``):
+    its state only loads once ``iter()`` was called. Every sample says how many times
+    ``__iter__`` ran in its process."""
+
+    def __init__(self, length=60):
+        self.length = length
+        self.iter_calls = 0
+
+    def __iter__(self):
+        self.iter_calls += 1
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        share = self.length // workers
+        self.position, self.end = share * worker, share * (worker + 1)
+        return self
+
+    def __next__(self):
+        if self.position >= self.end:
+            raise StopIteration
+        self.position += 1
+        return self.position - 1, self.iter_calls
+
+    def state_dict(self):
+        return {"position": self.position, "end": self.end}
+
+    def load_state_dict(self, state):
+        self.position, self.end = state["position"], state["end"]
+
+
+@pytest.mark.parametrize("cls", ["StatefulDataLoader", "mprs_plus"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_that_is_its_own_iterator_restores_and_is_iterated_once(cls, workers):
+    if cls == "StatefulDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader as make
+    else:
+        make = DataLoader
+    loader = make(OwnIterator(), num_workers=workers, collate_fn=_identity)
+    batches = iter(loader)
+    head = [sample for _ in range(40) for sample in next(batches)]  # batches of one sample
+    state = loader.state_dict()
+    del batches, loader
+    restored = make(OwnIterator(), num_workers=workers, collate_fn=_identity)
+    restored.load_state_dict(state)
+    rest = [sample for batch in restored for sample in batch]
+    assert sorted(value for value, _ in head + rest) == list(range(60))
+    assert {calls for _, calls in rest} == {1}  # iter() once in each process, after the restore too

@@ -35,6 +35,7 @@ class Placement(Protocol):
     """Where one service's children run and over what their channels go (see above)."""
 
     start_at_once: bool  # start every child in start(), even under fork
+    on_this_host: bool  # the children share this host's memory (semaphores, shared counters)
 
     def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Sender, Receiver]: ...
 

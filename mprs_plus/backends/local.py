@@ -25,6 +25,7 @@ class LocalPlacement:
     """A ``Placement`` (``backends/__init__.py``) on this host."""
 
     start_at_once = False  # under fork the children start with the first epoch (service.py)
+    on_this_host = True
 
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx

@@ -69,6 +69,9 @@ class LoaderIterator:
         # Batches the loop received, counted on from a restored state: with batches copied
         # to a device ahead of the loop, the reads run ahead of them.
         self._handed = sum(restore["consumed"]) if restore else 0
+        # Batches returned to the loop (a worker's error is not one), as torch counts them
+        # for its warning about an iterable dataset longer than its len().
+        self._returned = self._handed
         self._ahead = 0
         self._feeding: Any = None
         self._in_order = loader.in_order
@@ -109,13 +112,14 @@ class LoaderIterator:
                 raise
             raise mapped from None
         self._handed += 1
-        if self._length_said is not None and self._handed > self._length_said:
-            self._warn_past_length()
         if self._mirror is not None:
             self._follow(1)
         if type(item) is BatchFailure:  # that batch's error; the epoch goes on, as torch's does
             error = item[0].rebuild()
             raise (torch_error(error, self._timeout) or error) from None
+        self._returned += 1
+        if self._length_said is not None and self._returned > self._length_said:
+            self._warn_past_length()
         if type(item) is WithState:
             batch, worker, count, dataset_state = item
             self._worker_states[worker] = (count, dataset_state)
@@ -210,7 +214,7 @@ class LoaderIterator:
 
         message = (
             f"Length of IterableDataset {self._dataset_name} was reported to be {self._length_said}"
-            f"(when accessing len(dataloader)), but {self._handed} samples have been fetched. "
+            f"(when accessing len(dataloader)), but {self._returned} samples have been fetched. "
         )
         if self._workers > 0:
             message += (

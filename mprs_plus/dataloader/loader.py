@@ -153,6 +153,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             multiprocessing_context=context,
             worker_prefetch_cnt=self.prefetch_factor or 0,
             main_prefetch_cnt=0,
+            # torch's promise: a worker fetches at most prefetch_factor batches beyond those
+            # the loop received (a channel message may hold many small batches).
+            items_ahead=(self.prefetch_factor or None) if self.num_workers > 0 else None,
             in_order=self.in_order,
             timeout=self.timeout or None,
             collect_stats=self.collect_stats,

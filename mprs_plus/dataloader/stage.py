@@ -96,10 +96,22 @@ class WithState(tuple):
 # The state of a replica whose dataset ended with its last batch: its ``state_dict()`` may
 # already read as a fresh start (a dataset that resets at its end), so it is not asked.
 EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
+# The state of an iterable dataset that is its own iterator (``__iter__`` returns self), kept
+# under this key: it is the iterator's state, which ``__iter__`` may set up, so a restore
+# loads it after ``iter()`` (torchdata's order), where any other is loaded before.
+OWN_ITERATOR = "mprs_plus.DataLoader: its own iterator's state"
 
 
 def dataset_state(dataset: Any, fetcher: Any) -> Any:
-    return EXHAUSTED if getattr(fetcher, "ended", False) else dataset.state_dict()
+    if getattr(fetcher, "ended", False):
+        return EXHAUSTED
+    if getattr(fetcher, "dataset_iter", None) is dataset:
+        return {OWN_ITERATOR: dataset.state_dict()}
+    return dataset.state_dict()
+
+
+def _own_iterator_state(state: Any) -> bool:
+    return type(state) is dict and len(state) == 1 and OWN_ITERATOR in state
 
 
 def has_state(dataset: Any) -> bool:
@@ -259,11 +271,15 @@ class LoaderStage(IterDataPipe):
                 job.worker_init_fn(epoch.worker_id)
         self._epoch = epoch
         self._fetcher = None
-        if epoch.dataset_state is not None and epoch.dataset_state != EXHAUSTED:
-            job.dataset.load_state_dict(epoch.dataset_state)  # a restore: the dataset as it was recorded
+        state = epoch.dataset_state
+        after_iter = _own_iterator_state(state)
+        if state is not None and state != EXHAUSTED and not after_iter:
+            job.dataset.load_state_dict(state)  # a restore: the dataset as it was recorded
         if job.kind == _DatasetKind.Iterable:
-            self._fetcher = make_fetcher(job)
-            self._fetcher.ended = epoch.dataset_state == EXHAUSTED
+            self._fetcher = make_fetcher(job)  # iter(dataset): once per epoch, restored or not
+            if after_iter:
+                self._fetcher.dataset_iter.load_state_dict(state[OWN_ITERATOR])
+            self._fetcher.ended = state == EXHAUSTED
 
     def resume_from(self, skip: int) -> Iterator[Any]:
         """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.

@@ -31,6 +31,7 @@ Rooms by process: a module's folder says where its code runs.
       data_messages.py     child -> next process: items, end, remote errors
       mux.py               several channels read as one
       liveness.py          which child lanes sleep in a channel wait (a stuck read's evidence)
+      window.py            items a worker lane may produce beyond those handed out (prefetch_factor)
       pausing.py           pause/resume a segment's DataPipes, in graph order
       segments.py          runnable copies of a Plan's segments (built in main, run in children)
       stats.py             the shared statistics table and its writers

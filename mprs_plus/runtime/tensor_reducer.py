@@ -78,6 +78,7 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
     if (
         tensor.device.type != "cpu"
         or tensor.layout is not torch.strided
+        or tensor.is_nested  # strided-layout nested tensors have no single shape or storage
         or tensor.requires_grad
         or tensor.is_quantized
         or tensor.is_conj()

@@ -176,6 +176,7 @@ def _first_line(exc: BaseException) -> str:
 
 class RayPlacement:
     start_at_once = True  # no fork to save: every actor starts while the first epoch is sent
+    on_this_host = False  # actors on any node of the cluster
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend

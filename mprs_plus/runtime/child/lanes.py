@@ -40,6 +40,7 @@ from .batching import Batcher
 from ..data_messages import Kind, RemoteError
 from ..liveness import LaneLiveness
 from ..stats import StatsWriter
+from ..window import ItemWindow
 
 # The lane running in the current thread, so that an input about to block can flush it.
 _current = threading.local()
@@ -84,6 +85,7 @@ class Lane(Protocol):
     lock: threading.Lock | None  # shared by lanes that share DataPipes; None when alone
     stats: StatsWriter | None  # this lane's row of live statistics; None when not collected
     liveness: LaneLiveness | None  # where it says it sleeps in a channel wait; always kept by a service
+    window: ItemWindow | None  # items it may produce beyond those handed out (window.py); None: its channel bounds it
 
     next_item: Callable[[], Any]
     emit: Callable[[Any], None]
@@ -108,10 +110,12 @@ class OutputLane:
         max_items: int = 64,
         stats: StatsWriter | None = None,
         liveness: LaneLiveness | None = None,
+        window: ItemWindow | None = None,
     ) -> None:
         self.lock = lock
         self.stats = stats
         self.liveness = liveness
+        self.window = window
         if stats is not None:
             stats.channels = (sender,)
         self._batcher = Batcher(sender, 0, max_items=max_items, where=where, to="the main process")
@@ -125,6 +129,8 @@ class OutputLane:
 
     def set_epoch(self, epoch: int) -> None:
         self._batcher.epoch = epoch
+        if self.window is not None:
+            self.window.reopen()
 
     def finish(self) -> None:
         self._batcher.finish(Kind.END)
@@ -154,6 +160,7 @@ class DealLane:
         self.lock = lock
         self.stats = stats
         self.liveness = liveness
+        self.window = None  # a dispatcher is bounded by its channels to the workers
         if stats is not None:
             stats.channels = tuple(senders)
         self._batchers = [

@@ -288,10 +288,16 @@ def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -
 def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     """Produce ``lane``'s items until interrupted (False) or until its stream ends (True:
     END or ERROR sent)."""
-    lock, next_item, emit, stats = lane.lock, lane.next_item, lane.emit, lane.stats
+    lock, next_item, emit, stats, window = lane.lock, lane.next_item, lane.emit, lane.stats, lane.window
     clock = time.perf_counter
+
+    def interrupted() -> bool:
+        return inbox.interrupt
+
     try:
         while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
+            if window is not None and not window.take(lane.flush, interrupted):
+                return False  # interrupted while waiting for the main process to hand out an item
             if lock is not None and not lock.acquire(blocking=False):
                 lane.flush()  # never wait for the compute lock holding unsent items
                 lock.acquire()

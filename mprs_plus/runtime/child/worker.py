@@ -112,6 +112,7 @@ class WorkerSetup(NamedTuple):
     reset_fn: Callable[..., Any] | None
     stats: tuple[Any, ...] = ()  # a StatsWriter per output lane, when statistics are collected
     liveness: tuple[Any, ...] = ()  # a LaneLiveness per output lane (liveness.py)
+    windows: tuple[Any, ...] = ()  # an ItemWindow per output lane, when the front end asks for one (window.py)
 
 
 def worker_main(setup: WorkerSetup) -> None:
@@ -148,8 +149,10 @@ def worker_main(setup: WorkerSetup) -> None:
     locks = make_locks(program.groups)
     stats = setup.stats or (None,) * len(setup.data)
     liveness = setup.liveness or (None,) * len(setup.data)
+    windows = setup.windows or (None,) * len(setup.data)
     lanes = [
-        OutputLane(sender, locks[k], where, stats=stats[k], liveness=liveness[k]) for k, sender in enumerate(setup.data)
+        OutputLane(sender, locks[k], where, stats=stats[k], liveness=liveness[k], window=windows[k])
+        for k, sender in enumerate(setup.data)
     ]
     control = SegmentControl(segment_root(program.outputs), count, reset, where, setup=prepare)
     loop = ChildLoop(setup.control, lanes, control, where, announce=_announcer(mux))

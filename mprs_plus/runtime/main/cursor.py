@@ -23,7 +23,7 @@ one too, at its end (``restore.MainCounter``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..data_messages import Kind
@@ -38,13 +38,21 @@ class ReadCursor:
     the recorded counts and turn: an in-order reader begins at ``next_worker``.
     """
 
-    __slots__ = ("consumed", "next_worker", "ended", "_restored")
+    __slots__ = ("consumed", "next_worker", "ended", "credits", "_restored")
 
-    def __init__(self, workers: int, next_worker: int = 0, consumed: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        workers: int,
+        next_worker: int = 0,
+        consumed: Sequence[int] = (),
+        credits: Sequence[Callable[[], None]] | None = None,
+    ) -> None:
         # A restored epoch counts on from what the user had before the checkpoint.
         self.consumed = list(consumed) if consumed else [0] * workers
         self.next_worker = next_worker
         self.ended = False
+        # Per worker, called with each item handed out: its item window (``window.py``).
+        self.credits = credits
         self._restored = sum(self.consumed)  # handed out before the checkpoint, by another process
 
     def handed(self) -> int:
@@ -57,7 +65,7 @@ def read_in_order(
 ) -> Iterator[Any]:
     if cursor is None:
         cursor = ReadCursor(len(channels))
-    consumed = cursor.consumed
+    consumed, credits = cursor.consumed, cursor.credits
     pending: list[deque[Any]] = [deque() for _ in channels]
     active = list(range(len(channels)))
     # A worker that ended before the restored position is dropped at its turn, as before.
@@ -71,6 +79,8 @@ def read_in_order(
             position = position + 1 if position + 1 < len(active) else 0
             consumed[worker_id] += 1
             cursor.next_worker = active[position]
+            if credits is not None:
+                credits[worker_id]()
             yield item
             continue
         message = take(channels[worker_id], epoch)
@@ -93,7 +103,7 @@ def read_as_ready(
 ) -> Iterator[Any]:
     if cursor is None:
         cursor = ReadCursor(len(channels))
-    consumed = cursor.consumed
+    consumed, credits = cursor.consumed, cursor.credits
     worker_of = {channel: w for w, channel in enumerate(channels)}
     open_channels = list(channels)
     take_any = mux.take_any
@@ -106,6 +116,8 @@ def read_as_ready(
             worker_id = worker_of[channel]
             for item in payload:
                 consumed[worker_id] += 1
+                if credits is not None:
+                    credits[worker_id]()
                 yield item
         elif kind == Kind.END:
             open_channels.remove(channel)

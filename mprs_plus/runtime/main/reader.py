@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from ...errors import PipelineStuckError, ServiceClosedError
@@ -32,6 +32,7 @@ from ..mux import ChannelMux, Message
 from .cursor import ReadCursor, read_as_ready, read_in_order
 from ..stats import StatsWriter
 from .topology import Topology
+from ..window import ItemWindow
 
 _LOG = logging.getLogger("mprs_plus")
 
@@ -230,6 +231,7 @@ class MainReader:
         timeout: float | None,
         stats: StatsWriter | None,
         asleep_for: Callable[[float], bool] | None = None,
+        windows: Mapping[int, ItemWindow] | None = None,
     ) -> None:
         channels = MainChannels(topology, gate, death_error, timeout, stats, asleep_for)
         self.epoch = 0
@@ -243,6 +245,11 @@ class MainReader:
         self._channels = [
             [position[id(receiver)] for receiver in topology.receivers_of(k)] for k in range(topology.outputs)
         ]
+        # Per output, each worker's item window, told of every item handed out (window.py).
+        self._credits: list[list[Callable[[], None]] | None] = [
+            [windows[id(receiver)].handed for receiver in topology.receivers_of(k)] if windows else None
+            for k in range(topology.outputs)
+        ]
         # What each output's reader handed out this epoch (checkpoints); None before the first.
         self.cursors: list[ReadCursor | None] = [None] * topology.outputs
         self._handed_before = 0  # items handed out in earlier epochs
@@ -255,7 +262,10 @@ class MainReader:
         self.epoch += 1
         self._mux.advance(self.epoch)
         self._handed_before = self.handed_out()
-        self.cursors = [ReadCursor(len(channels), next_worker, consumed) for channels in self._channels]
+        self.cursors = [
+            ReadCursor(len(channels), next_worker, consumed, credits)
+            for channels, credits in zip(self._channels, self._credits)
+        ]
         return self.epoch
 
     def iterate(self, branch: int) -> Iterator[Any]:

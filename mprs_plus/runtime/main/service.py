@@ -67,6 +67,7 @@ from .stats import ServiceClock, StatsView
 from .family import Figures
 from .state import Lifecycle, State
 from ..liveness import Liveness
+from ..window import ItemWindow
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
 from .topology import ChildLink, Topology, plan_topology
 from ..child.worker import WorkerSetup, worker_main
@@ -181,7 +182,7 @@ class ServiceRuntime:
         liveness = Liveness(self._ctx, topology.stats_rows)  # kept whatever the options: a stuck read's evidence
         lanes = [row for link in topology.children() for row in link.stats_rows]
         try:
-            _wire_children(self.plan, self.options, topology, supervisor, stats, liveness)
+            windows = _wire_children(self.plan, self.options, topology, supervisor, stats, liveness, self._ctx)
             self.lifecycle.advance(State.PREPARED)
             if self._ctx.get_start_method() != "fork" or supervisor.placement.start_at_once:
                 supervisor.launch_all()
@@ -196,6 +197,7 @@ class ServiceRuntime:
                 self.options.timeout,
                 stats.main if stats is not None else None,
                 lambda seconds: liveness.asleep_for(lanes, seconds),
+                windows,
             )
             self.figures.watch(stats, self._reader)
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
@@ -335,12 +337,15 @@ def _wire_children(
     supervisor: Supervisor,
     stats: StatsView | None,
     liveness: Liveness | None = None,
-) -> None:
+    ctx: Any = None,
+) -> dict[int, ItemWindow]:
     """Open every channel of ``topology``, fill in every link's endpoints (the one place
     that writes them) and freeze the topology; have the supervisor ready to start each
     child (dispatch process first). Every end is handed over as soon as it is open (to its
     link, or to the supervisor to hold for a child), so a failure half-way leaves the
-    supervisor able to release everything opened so far.
+    supervisor able to release everything opened so far. Returns the item window of each
+    worker data channel, by the ``id`` of its receiver, when the options ask for windows
+    (``Options.items_ahead``, workers of this host only: ``window.py``).
 
     Opening a channel commits no ring memory (pages are committed as messages first touch
     them, ``transport/_memory.py``), so this costs a few system calls per channel."""
@@ -379,15 +384,20 @@ def _wire_children(
             tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
         )
         supervisor.prepare(link, dispatch_main, setup)
+    windowed = options.items_ahead is not None and supervisor.placement.on_this_host and ctx is not None
+    windows: dict[int, ItemWindow] = {}
     for link in topology.workers:
         link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
         supervisor.hold(control_rx)
         senders = []
+        lane_windows = []
         for _ in range(link.lanes):
             tx, rx = channel(options.items_in_flight_per_worker, _DATA_BYTES)
             link.data += (rx,)
             supervisor.hold(tx)
             senders.append(tx)
+            if windowed:
+                lane_windows.append(windows.setdefault(id(rx), ItemWindow(ctx, options.items_ahead)))
         setup = WorkerSetup(
             worker_id=link.index,
             num_workers=len(topology.workers),
@@ -399,9 +409,11 @@ def _wire_children(
             reset_fn=options.worker_reset_fn,
             stats=stats.writers(link) if stats is not None else (),
             liveness=tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
+            windows=tuple(lane_windows),
         )
         supervisor.prepare(link, worker_main, setup)
     topology.freeze()
+    return windows
 
 
 def _prime_graph_walks(plan: Plan) -> None:
