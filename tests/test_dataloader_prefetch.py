@@ -1,5 +1,5 @@
-"""``prefetch_factor`` bounds what the workers fetch ahead of the loop, as with torch's
-DataLoader: after the loop received c batches, at most ``c + prefetch_factor * num_workers``
+"""A ``prefetch_factor`` passed to the loader bounds what the workers fetch ahead of the
+loop, as with torch's DataLoader: after the loop received c batches, at most ``c + prefetch_factor * num_workers``
 index batches were fetched, and the workers do fetch that far without waiting for the loop.
 
 Counted, not timed: the dataset records, in memory shared with the workers (fork), the
@@ -80,6 +80,24 @@ def test_the_workers_fetch_prefetch_factor_batches_each_ahead_of_the_loop(cls, p
         assert dataset.over.value == -1
     finally:
         del iterator  # a failed assertion's traceback must not keep the workers alive
+
+
+def test_left_at_its_default_the_workers_run_ahead_as_far_as_their_channels_let_them():
+    # torch's attribute still reads 2; the bound holds only where the user asked for it.
+    workers, batch_size, batches = 2, 3, 20
+    dataset = Watched(batches * batch_size)
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, multiprocessing_context="fork")
+    assert loader.prefetch_factor == TorchDataLoader(dataset, batch_size=batch_size, num_workers=workers).prefetch_factor
+    dataset.publish(batches * batch_size)
+    iterator = iter(loader)
+    try:
+        # Nothing received yet: the whole epoch is fetched, far past 2 batches per worker.
+        assert dataset.wait_fetched(batches * batch_size) == batches * batch_size
+        assert [next(iterator).tolist() for _ in range(batches)] == [
+            list(range(b * batch_size, (b + 1) * batch_size)) for b in range(batches)
+        ]
+    finally:
+        del iterator
 
 
 class Numbers(Dataset):

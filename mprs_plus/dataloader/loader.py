@@ -97,6 +97,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"snapshot_every_n_steps must be an int >= 0 (0: only at a worker's end), got {snapshot_every_n_steps!r}"
             )
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        # torch's attribute reads 2 with workers whatever was passed; the bound on what a
+        # worker fetches ahead follows what the user asked for (see _options).
+        self._prefetch_asked = prefetch_factor
         self.device = device
         self.backend = backend
         self.collect_stats = collect_stats
@@ -153,9 +156,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
             multiprocessing_context=context,
             worker_prefetch_cnt=self.prefetch_factor or 0,
             main_prefetch_cnt=0,
-            # torch's promise: a worker fetches at most prefetch_factor batches beyond those
-            # the loop received (a channel message may hold many small batches).
-            items_ahead=(self.prefetch_factor or None) if self.num_workers > 0 else None,
+            # A prefetch_factor the user passed is torch's promise: a worker fetches at most
+            # that many batches beyond those the loop received (a channel message may hold
+            # many small batches). Left at torch's default, the workers run as far ahead as
+            # their channels let them (bounded in bytes and items): a bound of 2 would keep
+            # every worker waiting on the loop after each small batch, at a third of the rate.
+            items_ahead=(self._prefetch_asked or None) if self.num_workers > 0 else None,
             in_order=self.in_order,
             timeout=self.timeout or None,
             collect_stats=self.collect_stats,
