@@ -182,6 +182,11 @@ def _stack_into_channel(batch: Sequence[Any]) -> torch.Tensor | None:
     first = batch[0]
     if first.is_nested or first.layout is not torch.strided:
         return None  # torch's path raises its own error for these
+    # The size first: most batches are small, and checking each element costs more than
+    # the copy it would save.
+    nbytes = len(batch) * first.numel() * first.element_size()
+    if nbytes < _IN_PLACE_MIN:
+        return None
     kind, dtype, shape = type(first), first.dtype, first.shape
     for tensor in batch:
         if (
@@ -200,9 +205,6 @@ def _stack_into_channel(batch: Sequence[Any]) -> torch.Tensor | None:
             return None
     if kind is not torch.Tensor:
         return None  # a subclass keeps torch's path, which knows how to make one
-    nbytes = len(batch) * first.numel() * first.element_size()
-    if nbytes < _IN_PLACE_MIN:
-        return None
     buffer = borrow_for_current_lane(nbytes)
     if buffer is None:
         return None
