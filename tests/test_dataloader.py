@@ -521,15 +521,30 @@ def test_an_iterator_keeps_its_workers_after_its_loader_is_gone():
         lambda g: torch.utils.data.RandomSampler(range(103)),  # seeded from torch's global generator
     ],
 )
-def test_an_epoch_drawn_in_one_go_is_torchs_batch_sampler_step_by_step(make_sampler, drop_last):
-    from mprs_plus.dataloader.epochs import draw_batches
+@pytest.mark.parametrize("workers", [1, 3])
+def test_an_epoch_drawn_in_one_go_is_torchs_batch_sampler_step_by_step(make_sampler, drop_last, workers):
+    import pickle
+
+    from mprs_plus.dataloader.epochs import deal, deal_epoch
 
     def draw(fast):
         torch.manual_seed(5)
         g = gen()
         batch_sampler = BatchSampler(make_sampler(g), 10, drop_last)
         indices = iter(batch_sampler)
-        batches = draw_batches(batch_sampler, indices) if fast else list(indices)
-        return batches, g.get_state().tolist(), torch.rand(1).item()
+        shares = deal_epoch(batch_sampler, indices, workers) if fast else deal(list(indices), workers)
+        return shares, g.get_state().tolist(), torch.rand(1).item()
 
-    assert draw(fast=True) == draw(fast=False)
+    (shares, *draws), (expected, *expected_draws) = draw(fast=True), draw(fast=False)
+    assert draws == expected_draws  # the same generators' draws
+    for share, batches in zip(shares, expected, strict=True):
+        share = pickle.loads(pickle.dumps(share))  # as the worker gets it
+        assert len(share) == len(batches)
+        assert list(share) == batches
+        assert all(type(i) is int for batch in share for i in batch)
+        assert [share[k] for k in range(-len(share), len(share))] == batches + batches
+        for start, stop in [(0, 0), (1, 3), (2, None), (5, 2), (-2, None), (0, 99)]:
+            assert list(share[start:stop]) == batches[start:stop]
+            assert len(share[start:stop]) == len(batches[start:stop])
+        with pytest.raises(IndexError):
+            share[len(share)]

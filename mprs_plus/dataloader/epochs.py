@@ -15,7 +15,9 @@ sets them back and draws the same epoch again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import operator
+from array import array
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -106,6 +108,67 @@ def draw_batches(index_sampler: Any, indices: Iterator[Any]) -> list[Any]:
     size = index_sampler.batch_size
     end = len(flat) - len(flat) % size if index_sampler.drop_last else len(flat)
     return [flat[i : i + size] for i in range(0, end, size)]
+
+
+def deal_epoch(index_sampler: Any, indices: Iterator[Any], workers: int) -> list[Sequence[Any]]:
+    """Every worker's share of the epoch's index batches, drawn now (``indices``: the
+    index sampler's iterator, not started yet), dealt as torch deals them.
+
+    Over torch's ``BatchSampler`` of a ``SequentialSampler`` or a ``RandomSampler`` (every
+    index a Python int), each share is an ``IndexBatches``: its indices in one array. A
+    list of lists costs about 40 bytes an index, in this process and in the worker, and
+    freeing it here after the workers were forked touches every page it lies on, which
+    the fork had made shared: the loop's first batch waited for those copies."""
+    if type(index_sampler) is not torch.utils.data.BatchSampler or type(index_sampler.sampler) not in _INT_SAMPLERS:
+        return deal(draw_batches(index_sampler, indices), workers)
+    flat = array("q", index_sampler.sampler)
+    size = index_sampler.batch_size
+    end = len(flat) - len(flat) % size if index_sampler.drop_last else len(flat)
+    shares = [array("q") for _ in range(workers)]
+    for number, start in enumerate(range(0, end, size)):
+        shares[number % workers] += flat[start : start + size]
+    return [IndexBatches(share, size) for share in shares]
+
+
+_INT_SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler)
+
+
+class IndexBatches(Sequence):  # type: ignore[type-arg]
+    """A worker's index batches, compact: their indices in one ``array('q')``, every batch
+    ``size`` long but the last. Reads as a list of lists of ints (a batch is a new list
+    of Python ints, as the sampler yields them); a slice is another ``IndexBatches``."""
+
+    __slots__ = ("_flat", "_size")
+
+    def __init__(self, flat: array, size: int) -> None:
+        self._flat = flat
+        self._size = size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (IndexBatches, (self._flat, self._size))
+
+    def __len__(self) -> int:
+        return -(-len(self._flat) // self._size)
+
+    def __getitem__(self, key: Any) -> Any:
+        size = self._size
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return IndexBatches(self._flat[start * size : max(start, stop) * size], size)
+        number = operator.index(key)
+        count = len(self)
+        if number < 0:
+            number += count
+        if not 0 <= number < count:
+            raise IndexError("index batch out of range")
+        return self._flat[number * size : (number + 1) * size].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        flat, size = self._flat, self._size
+        for start in range(0, len(flat), size):
+            yield flat[start : start + size].tolist()
 
 
 def deal(batches: list[Any], workers: int) -> list[list[Any]]:

@@ -24,7 +24,7 @@ from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
 
 from ..errors import ServiceClosedError
 from . import state as loader_state
-from .epochs import EpochStart, deal, draw_batches
+from .epochs import EpochStart, deal, deal_epoch
 from .errors import is_fatal, torch_error
 from .stage import BatchFailure, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
 from .workers import LoaderRun, open_feeding
@@ -166,11 +166,11 @@ class LoaderIterator:
         if loader.prefetch_factor == 0:
             raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
         base_seed = self.start.base_seed or 0
-        shares: list[list[Any] | None] = [None] * workers
+        shares: list[Any] = [None] * workers
         sampler = None
         if loader._dataset_kind == _DatasetKind.Map:
             if has_len(loader._index_sampler):
-                shares = list(deal(draw_batches(loader._index_sampler, indices), workers))
+                shares = deal_epoch(loader._index_sampler, indices, workers)
             else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
                 sampler = (loader._index_sampler, torch.get_rng_state())
                 # The main process's own iterator follows, as torch's main process draws:
