@@ -12,7 +12,6 @@ import torch
 from torch.utils.data import Dataset
 
 from mprs_plus import DataLoader
-from mprs_plus.transport import TRANSPORT
 from loader_datasets import Randomized, plain, run
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,7 +27,6 @@ class Rows(Dataset):
         return torch.full((64 << 10,), float(i))
 
 
-@pytest.mark.skipif(TRANSPORT != "shm", reason="only the shared-memory transport lends buffers")
 def test_large_batches_reach_the_loop_as_views_of_shared_memory():
     loader = DataLoader(Rows(), batch_size=2, num_workers=2)
     seen = 0
