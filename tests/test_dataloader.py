@@ -459,6 +459,22 @@ def test_an_iterable_dataset_longer_than_its_len_warns_as_torch():
         assert [int(x) for x in loader] == list(range(6))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("cls", [TorchDataLoader, DataLoader], ids=["torch", "mprs_plus"])
+def test_an_iterable_dataset_longer_than_its_len_is_quiet_when_len_was_not_asked(cls, workers):
+    class Claims4(torch.utils.data.IterableDataset):
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            return iter(range(6))
+
+    loader = cls(Claims4(), batch_size=None, num_workers=workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        assert sorted(int(x) for x in loader) == sorted(list(range(6)) * max(workers, 1))
+
+
 class Claims5(torch.utils.data.IterableDataset):
     """Says 5 samples and yields up to 16 in each replica; sample 12 fails (with workers, a
     batch of its own that the loop gets as an exception; without, the end of the epoch).

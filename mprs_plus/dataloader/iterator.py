@@ -344,10 +344,15 @@ def has_len(sampler: Any) -> bool:
 
 
 def _length_or_none(loader: DataLoader) -> int | None:
+    # len() of a loader over an iterable dataset records that the length was asked, for
+    # torch's warning when an epoch yields more: only the user's own call may count.
+    said = loader._IterableDataset_len_called
     try:
         return len(loader)
     except TypeError:
         return None
+    finally:
+        loader._IterableDataset_len_called = said
 
 
 class _Fetched:
