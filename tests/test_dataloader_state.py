@@ -384,3 +384,41 @@ def test_a_dataset_that_is_its_own_iterator_restores_and_is_iterated_once(cls, w
     rest = [sample for batch in restored for sample in batch]
     assert sorted(value for value, _ in head + rest) == list(range(60))
     assert {calls for _, calls in rest} == {1}  # iter() once in each process, after the restore too
+
+
+class CountsEpochs(IterableDataset):
+    """An iterable dataset whose state changes when an epoch ends: its epoch counter."""
+
+    def __init__(self):
+        self.epoch, self.position, self.resume = 0, 0, 0
+
+    def __iter__(self):
+        self.position, self.resume = self.resume, 0
+        for i in range(self.position, 5):
+            self.position = i + 1
+            yield (i, self.epoch)
+        self.position, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self):
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.resume, self.epoch = state["position"], state["epoch"]
+
+
+@pytest.mark.parametrize("cls", ["StatefulDataLoader", "mprs_plus"])
+def test_without_workers_a_state_between_epochs_carries_the_dataset_as_its_epoch_ended(cls):
+    if cls == "StatefulDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader as make
+    else:
+        make = DataLoader
+    loader = make(CountsEpochs(), num_workers=0, collate_fn=_identity)
+    list(loader)
+    state = loader.state_dict()
+    expected = [list(loader), list(loader)]
+    restored = make(CountsEpochs(), num_workers=0, collate_fn=_identity)
+    batches = iter(restored)
+    next(batches)  # a loader part-way through an epoch takes the state all the same
+    restored.load_state_dict(state)
+    assert [list(restored), list(restored)] == expected
+    assert expected[0][0] == [(0, 1)]  # the second epoch, as the dataset counted it

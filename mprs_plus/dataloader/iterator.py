@@ -136,7 +136,8 @@ class LoaderIterator:
         stage = self._stage
         if stage is None:
             raise RuntimeError("internal error: no stage for an in-process epoch")
-        count, dataset_state = self._worker_states.get(0, (0, None)) if self._restore is not None else (0, None)
+        restored = self._restore is not None or self._send_states  # a state mid-epoch, or between epochs
+        count, dataset_state = self._worker_states.get(0, (0, None)) if restored else (0, None)
         # The batches handed out before the state are drawn again first (the sampler draws
         # before any sample is read, as in the run recorded); those after the dataset's
         # recorded state (all of them without one) are read again and dropped.

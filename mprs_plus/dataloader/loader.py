@@ -25,7 +25,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
 from .iterator import LoaderIterator
-from .stage import LoaderStage, _Job
+from .stage import LoaderStage, _Job, has_state
 from .workers import LoaderRun
 
 
@@ -218,7 +218,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self._restore is not None:
             return dict(self._restore)
         start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))
-        return loader_state.between(self, start, self._carry if self.persistent_workers else None)
+        carried = self._carry if self.persistent_workers else None
+        if self.num_workers == 0 and has_state(self.dataset):
+            # Without workers the dataset itself goes from epoch to epoch, as a persistent
+            # worker's replica does: its state now (after the last epoch's end) starts the next.
+            carried = {0: (0, self.dataset.state_dict())}
+        return loader_state.between(self, start, carried)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume ``state_dict`` (from ``state_dict()`` of a loader built the same way) with
