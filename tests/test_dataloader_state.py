@@ -422,3 +422,54 @@ def test_without_workers_a_state_between_epochs_carries_the_dataset_as_its_epoch
     restored.load_state_dict(state)
     assert [list(restored), list(restored)] == expected
     assert expected[0][0] == [(0, 1)]  # the second epoch, as the dataset counted it
+
+
+class CountsEpochsPerWorker(IterableDataset):
+    """Each worker its own range (3 and 5 samples), and an epoch counter kept after the
+    last ``yield``: the dataset's state changes once its iterator is exhausted."""
+
+    sizes = (3, 5)
+
+    def __init__(self):
+        self.epoch, self.position, self.resume = 0, 0, 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        start = sum(self.sizes[:worker])
+        self.position, self.resume = self.resume, 0
+        for i in range(start + self.position, start + self.sizes[worker]):
+            self.position += 1
+            yield (i, self.epoch)
+        self.position, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self):
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.resume, self.epoch = state["position"], state["epoch"]
+
+
+@pytest.mark.parametrize("cls, in_order", [("StatefulDataLoader", True), ("mprs_plus", True), ("mprs_plus", False)])
+def test_persistent_workers_carry_the_dataset_state_their_epoch_ended_with(cls, in_order):
+    if cls == "StatefulDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader as make_loader
+    else:
+        make_loader = DataLoader
+
+    order = {} if in_order else {"in_order": False}  # StatefulDataLoader 0.9 reads in order only
+
+    def make():
+        return make_loader(CountsEpochsPerWorker(), num_workers=2, persistent_workers=True, collate_fn=_identity, **order)
+
+    loader = make()
+    first = list(loader)
+    state = loader.state_dict()
+    expected = [sorted(list(loader)), sorted(list(loader))]
+    restored = make()
+    batches = iter(restored)
+    next(batches)
+    restored.load_state_dict(state)
+    assert [sorted(list(restored)), sorted(list(restored))] == expected
+    assert sorted(first) == [[(i, 0)] for i in range(8)]
+    assert expected[0] == [[(i, 1)] for i in range(8)]  # the second epoch, as each replica counted it

@@ -26,7 +26,7 @@ from ..errors import ServiceClosedError
 from . import state as loader_state
 from .epochs import EpochStart, deal, deal_epoch
 from .errors import is_fatal, torch_error
-from .stage import BatchFailure, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
+from .stage import BatchFailure, EndState, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
 from .workers import LoaderRun, open_feeding
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ class LoaderIterator:
         # Per worker: (batches of this epoch its dataset state covers, that state).
         self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else dict(carried or {})
         self._send_states = restore is not None or send_carried  # else the workers hold them already
+        # Per worker: its iterable dataset's state once its iterator was exhausted (EndState).
+        self._end_states: dict[int, Any] = {}
         self._owns_run = False
         self._run: LoaderRun | None = None
         self._mirror: Iterator[Any] | None = None  # a sampler without len(): see _in_workers
@@ -112,6 +114,10 @@ class LoaderIterator:
                 raise
             raise mapped from None
         self._handed += 1
+        if type(item) is EndState:  # not a batch: a worker's dataset state at its end
+            worker, dataset_state = item
+            self._end_states[worker] = dataset_state
+            return self.__next__()
         if self._mirror is not None:
             self._follow(1)
         if type(item) is BatchFailure:  # that batch's error; the epoch goes on, as torch's does
@@ -254,6 +260,7 @@ class LoaderIterator:
             loader = self._loader_ref()
             if loader is not None and self._workers and not self._owns_run:  # persistent workers
                 loader._carry = {w: (0, state) for w, (_, state) in self._worker_states.items()}
+                loader._carry.update((w, (0, state)) for w, state in self._end_states.items())
             self._stop_owned()
 
     def _abandon(self) -> None:

@@ -93,6 +93,16 @@ class WithState(tuple):
     __slots__ = ()
 
 
+class EndState(tuple):
+    """What a worker whose iterable dataset has state sends once its iterator is exhausted:
+    ``(worker, state)``, the dataset's ``state_dict()`` as the end of the epoch left it. Not
+    a batch: the main process keeps it for the next epoch (persistent workers carry their
+    datasets into it, and a state taken between epochs records them); a restore within the
+    epoch never loads it (it may read as a fresh start, see ``EXHAUSTED``)."""
+
+    __slots__ = ()
+
+
 # The state of a replica whose dataset ended with its last batch: its ``state_dict()`` may
 # already read as a fresh start (a dataset that resets at its end), so it is not asked.
 EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
@@ -381,6 +391,8 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
         try:
             batch = fetcher.fetch(request)
         except StopIteration:
+            if stateful:
+                yield EndState((stage.worker_id, job.dataset.state_dict()))
             return
         except Exception as exc:  # the dataset's iterator raised: that batch's error; a
             count += 1  # generator that raised is done, and the next fetch ends the stream
