@@ -473,3 +473,45 @@ def test_persistent_workers_carry_the_dataset_state_their_epoch_ended_with(cls, 
     assert [sorted(list(restored)), sorted(list(restored))] == expected
     assert sorted(first) == [[(i, 0)] for i in range(8)]
     assert expected[0] == [[(i, 1)] for i in range(8)]  # the second epoch, as each replica counted it
+
+
+class LiveState(IterableDataset):
+    """Its ``state_dict()`` hands out its live dict, which every sample changes."""
+
+    def __init__(self):
+        self.flips, self.step = {0: 0, 1: 0, 2: 0}, 0
+
+    def __iter__(self):
+        while self.step < 30:
+            self.step += 1
+            self.flips[self.step % 3] = 1 - self.flips[self.step % 3]
+            yield (self.step, self.flips[self.step % 3])
+
+    def state_dict(self):
+        return {"flips": self.flips, "step": self.step}
+
+    def load_state_dict(self, state):
+        self.flips, self.step = dict(state["flips"]), state["step"]
+
+
+# StatefulDataLoader 0.9 without workers hands back the dataset's live dict: it is not
+# compared there.
+@pytest.mark.parametrize("cls, workers", [("StatefulDataLoader", 2), ("mprs_plus", 0), ("mprs_plus", 2)])
+def test_a_dataset_state_is_taken_as_it_was_at_its_batch(cls, workers):
+    if cls == "StatefulDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader as make_loader
+    else:
+        make_loader = DataLoader
+
+    def make():
+        return make_loader(LiveState(), num_workers=workers, collate_fn=_identity)
+
+    loader = make()
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    rest = list(batches)  # the datasets go on changing the dicts they handed out
+    restored = make()
+    restored.load_state_dict(state)
+    assert list(restored) == rest

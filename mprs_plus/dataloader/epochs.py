@@ -15,6 +15,7 @@ sets them back and draws the same epoch again.
 
 from __future__ import annotations
 
+import copy
 import operator
 from array import array
 from collections.abc import Iterator, Sequence
@@ -46,8 +47,9 @@ def samplers_of(loader: Any) -> tuple[Any, Any]:
 
 
 def _state_of(sampler: Any) -> Any:
+    # A copy: the epoch's draws change a sampler that hands out its live containers.
     method = getattr(sampler, "state_dict", None)
-    return method() if callable(method) and callable(getattr(sampler, "load_state_dict", None)) else None
+    return copy.deepcopy(method()) if callable(method) and callable(getattr(sampler, "load_state_dict", None)) else None
 
 
 def capture_start(loader: Any, base_seed: int | None, draws_base_seed: bool) -> EpochStart:

@@ -25,7 +25,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
 from .iterator import LoaderIterator
-from .stage import LoaderStage, _Job, has_state
+from .stage import LoaderStage, _Job, has_state, snapshot
 from .workers import LoaderRun
 
 
@@ -222,7 +222,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self.num_workers == 0 and has_state(self.dataset):
             # Without workers the dataset itself goes from epoch to epoch, as a persistent
             # worker's replica does: its state now (after the last epoch's end) starts the next.
-            carried = {0: (0, self.dataset.state_dict())}
+            carried = {0: (0, snapshot(self.dataset))}
         return loader_state.between(self, start, carried)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

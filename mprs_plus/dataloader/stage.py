@@ -26,6 +26,8 @@ see one DataPipe and nothing behind it.
 
 from __future__ import annotations
 
+import copy
+
 import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -116,8 +118,15 @@ def dataset_state(dataset: Any, fetcher: Any) -> Any:
     if getattr(fetcher, "ended", False):
         return EXHAUSTED
     if getattr(fetcher, "dataset_iter", None) is dataset:
-        return {OWN_ITERATOR: dataset.state_dict()}
-    return dataset.state_dict()
+        return {OWN_ITERATOR: snapshot(dataset)}
+    return snapshot(dataset)
+
+
+def snapshot(dataset: Any) -> Any:
+    """The dataset's ``state_dict()`` as it is now. A copy: a dataset may return its live
+    containers, which its next samples change, while the state waits in a message to be
+    sent, or in the user's hands to be saved."""
+    return copy.deepcopy(dataset.state_dict())
 
 
 def _own_iterator_state(state: Any) -> bool:
@@ -374,7 +383,7 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
             continue
         count += 1
         if (every and count % every == 0) or count == total:
-            yield WithState((batch, stage.worker_id, count, job.dataset.state_dict()))
+            yield WithState((batch, stage.worker_id, count, snapshot(job.dataset)))
         else:
             yield batch
 
@@ -392,7 +401,7 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
             batch = fetcher.fetch(request)
         except StopIteration:
             if stateful:
-                yield EndState((stage.worker_id, job.dataset.state_dict()))
+                yield EndState((stage.worker_id, snapshot(job.dataset)))
             return
         except Exception as exc:  # the dataset's iterator raised: that batch's error; a
             count += 1  # generator that raised is done, and the next fetch ends the stream
