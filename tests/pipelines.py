@@ -422,6 +422,18 @@ def held_back(item: Any, value: int = 0) -> Any:
     return item
 
 
+HELD: dict = {}  # item -> multiprocessing Event, inherited by forked workers
+
+
+def held_until_set(item: Any) -> Any:
+    """An item named in ``HELD`` waits (at most a minute) for its Event: its worker is held
+    while it computes, outside any channel wait, until the main process sets it (fork only)."""
+    event = HELD.get(item)
+    if event is not None:
+        event.wait(60)
+    return item
+
+
 def dispatch_init(datapipe: Any, worker_info: Any) -> Any:
     _bump("dispatch_init")
     info = (worker_info.num_workers, worker_info.worker_id)
@@ -598,9 +610,3 @@ def starving_pipe(n: int) -> IterDataPipe:
         IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).filter(is_even)
     )
 
-
-def slow_on_two(item: Any) -> Any:
-    """Computes for a second on item 2 (worker 1's first, after ``plain_pipe`` doubles)."""
-    if item == 2:
-        spin(item, seconds=1.0)
-    return item

@@ -120,20 +120,46 @@ def test_an_in_order_read_a_dispatcher_starves_raises_instead_of_hanging(monkeyp
         loader.shutdown()
 
 
-@pytest.mark.timeout(60)
+class _ReleaseOnWarning(logging.Handler):
+    """Sets ``event`` once the main process has logged the long-wait warning."""
+
+    def __init__(self, event) -> None:
+        super().__init__(logging.WARNING)
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waited" in record.getMessage():
+            self.event.set()
+
+
+@pytest.mark.timeout(90)
 def test_a_worker_fed_by_a_dispatcher_that_is_only_slow_is_never_called_stuck(monkeypatch, caplog):
-    """Worker 1 computes for a second on its first item while worker 0, its input cut
-    off by the dispatcher waiting on worker 1, sits on unread output: the same picture as
-    the cycle from outside (so a warning), but a computing worker is not asleep, so no
-    error, and every item comes."""
+    """Worker 1 computes on its first item while worker 0, its input cut off by the
+    dispatcher waiting on worker 1, sits on unread output: the same picture as the cycle
+    from outside (so a warning), but a computing worker is not asleep, so no error, and
+    every item comes. Forced: worker 0 finishes its later items only once the main process
+    holds item 0 (so they wait unread in its channel, not beside item 0 in the message the
+    main process took), and worker 1 its first only once the warning came."""
     monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.1)
-    pipe = pipelines.plain_pipe(range(200), dispatch=True).map(pipelines.slow_on_two)
+    fork = multiprocessing.get_context("fork")
+    later_on_worker_0, first_on_worker_1 = fork.Event(), fork.Event()
+    monkeypatch.setattr(pipelines, "HELD", {4: later_on_worker_0, 2: first_on_worker_1})
+    # plain_pipe doubles the items: worker 0 takes 0, 4, 8, ..., worker 1 takes 2, 6, 10, ...
+    pipe = pipelines.plain_pipe(range(200), dispatch=True).map(pipelines.held_until_set)
     service = MultiProcessingReadingService(2, multiprocessing_context="fork", dispatch_buffer_size=2)
     loader = DataLoader2(pipe, reading_service=service)
+    handler = _ReleaseOnWarning(first_on_worker_1)
+    logging.getLogger("mprs_plus").addHandler(handler)
     try:
         with caplog.at_level(logging.WARNING, logger="mprs_plus"):
-            assert list(loader) == [2 * i for i in range(200)]
+            items = iter(loader)
+            assert next(items) == 0
+            later_on_worker_0.set()
+            assert list(items) == [2 * i for i in range(1, 200)]
     finally:
+        logging.getLogger("mprs_plus").removeHandler(handler)
+        later_on_worker_0.set()
+        first_on_worker_1.set()
         loader.shutdown()
     assert "for worker 1's next item" in caplog.text
 
