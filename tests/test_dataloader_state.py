@@ -337,6 +337,15 @@ def test_a_state_loaded_into_a_loader_that_took_none_yet(workers, persistent):
         assert [plain(b) for b in restored] == rest, taken_at
 
 
+def _loader_class(cls):
+    """The class a side-by-side test runs: torchdata's ``StatefulDataLoader``, or ours."""
+    if cls == "StatefulDataLoader":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader
+    return DataLoader
+
+
 class OwnIterator(IterableDataset):
     """Its own iterator, set up by ``__iter__`` (torchdata's tests' ``CountIterCallsIter``):
     its state only loads once ``iter()`` was called. Every sample says how many times
@@ -370,10 +379,7 @@ class OwnIterator(IterableDataset):
 @pytest.mark.parametrize("cls", ["StatefulDataLoader", "mprs_plus"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataset_that_is_its_own_iterator_restores_and_is_iterated_once(cls, workers):
-    if cls == "StatefulDataLoader":
-        from torchdata.stateful_dataloader import StatefulDataLoader as make
-    else:
-        make = DataLoader
+    make = _loader_class(cls)
     loader = make(OwnIterator(), num_workers=workers, collate_fn=_identity)
     batches = iter(loader)
     head = [sample for _ in range(40) for sample in next(batches)]  # batches of one sample
@@ -387,50 +393,12 @@ def test_a_dataset_that_is_its_own_iterator_restores_and_is_iterated_once(cls, w
 
 
 class CountsEpochs(IterableDataset):
-    """An iterable dataset whose state changes when an epoch ends: its epoch counter."""
+    """Worker ``k`` (0 without workers) reads its own range of ``sizes[k]`` samples, and
+    an epoch counter is kept after the last ``yield``: the dataset's state changes once its
+    iterator is exhausted."""
 
-    def __init__(self):
-        self.epoch, self.position, self.resume = 0, 0, 0
-
-    def __iter__(self):
-        self.position, self.resume = self.resume, 0
-        for i in range(self.position, 5):
-            self.position = i + 1
-            yield (i, self.epoch)
-        self.position, self.epoch = 0, self.epoch + 1
-
-    def state_dict(self):
-        return {"position": self.position, "epoch": self.epoch}
-
-    def load_state_dict(self, state):
-        self.resume, self.epoch = state["position"], state["epoch"]
-
-
-@pytest.mark.parametrize("cls", ["StatefulDataLoader", "mprs_plus"])
-def test_without_workers_a_state_between_epochs_carries_the_dataset_as_its_epoch_ended(cls):
-    if cls == "StatefulDataLoader":
-        from torchdata.stateful_dataloader import StatefulDataLoader as make
-    else:
-        make = DataLoader
-    loader = make(CountsEpochs(), num_workers=0, collate_fn=_identity)
-    list(loader)
-    state = loader.state_dict()
-    expected = [list(loader), list(loader)]
-    restored = make(CountsEpochs(), num_workers=0, collate_fn=_identity)
-    batches = iter(restored)
-    next(batches)  # a loader part-way through an epoch takes the state all the same
-    restored.load_state_dict(state)
-    assert [list(restored), list(restored)] == expected
-    assert expected[0][0] == [(0, 1)]  # the second epoch, as the dataset counted it
-
-
-class CountsEpochsPerWorker(IterableDataset):
-    """Each worker its own range (3 and 5 samples), and an epoch counter kept after the
-    last ``yield``: the dataset's state changes once its iterator is exhausted."""
-
-    sizes = (3, 5)
-
-    def __init__(self):
+    def __init__(self, sizes=(5,)):
+        self.sizes = sizes
         self.epoch, self.position, self.resume = 0, 0, 0
 
     def __iter__(self):
@@ -450,17 +418,29 @@ class CountsEpochsPerWorker(IterableDataset):
         self.resume, self.epoch = state["position"], state["epoch"]
 
 
+@pytest.mark.parametrize("cls", ["StatefulDataLoader", "mprs_plus"])
+def test_without_workers_a_state_between_epochs_carries_the_dataset_as_its_epoch_ended(cls):
+    make = _loader_class(cls)
+    loader = make(CountsEpochs(), num_workers=0, collate_fn=_identity)
+    list(loader)
+    state = loader.state_dict()
+    expected = [list(loader), list(loader)]
+    restored = make(CountsEpochs(), num_workers=0, collate_fn=_identity)
+    batches = iter(restored)
+    next(batches)  # a loader part-way through an epoch takes the state all the same
+    restored.load_state_dict(state)
+    assert [list(restored), list(restored)] == expected
+    assert expected[0][0] == [(0, 1)]  # the second epoch, as the dataset counted it
+
+
 @pytest.mark.parametrize("cls, in_order", [("StatefulDataLoader", True), ("mprs_plus", True), ("mprs_plus", False)])
 def test_persistent_workers_carry_the_dataset_state_their_epoch_ended_with(cls, in_order):
-    if cls == "StatefulDataLoader":
-        from torchdata.stateful_dataloader import StatefulDataLoader as make_loader
-    else:
-        make_loader = DataLoader
-
+    make_loader = _loader_class(cls)
     order = {} if in_order else {"in_order": False}  # StatefulDataLoader 0.9 reads in order only
 
     def make():
-        return make_loader(CountsEpochsPerWorker(), num_workers=2, persistent_workers=True, collate_fn=_identity, **order)
+        dataset = CountsEpochs(sizes=(3, 5))
+        return make_loader(dataset, num_workers=2, persistent_workers=True, collate_fn=_identity, **order)
 
     loader = make()
     first = list(loader)
@@ -498,10 +478,7 @@ class LiveState(IterableDataset):
 # compared there.
 @pytest.mark.parametrize("cls, workers", [("StatefulDataLoader", 2), ("mprs_plus", 0), ("mprs_plus", 2)])
 def test_a_dataset_state_is_taken_as_it_was_at_its_batch(cls, workers):
-    if cls == "StatefulDataLoader":
-        from torchdata.stateful_dataloader import StatefulDataLoader as make_loader
-    else:
-        make_loader = DataLoader
+    make_loader = _loader_class(cls)
 
     def make():
         return make_loader(LiveState(), num_workers=workers, collate_fn=_identity)
