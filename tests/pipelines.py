@@ -411,17 +411,6 @@ def wrong_init(datapipe: Any, worker_info: Any) -> Any:
 # -- order modes, hooks of the dispatch process, the test matrix ------------------------------
 
 
-RELEASE: Any = None  # a multiprocessing Event, inherited by forked workers
-
-
-def held_back(item: Any, value: int = 0) -> Any:
-    """Item ``value`` waits for ``RELEASE``: its worker is stuck until the main process
-    sets it (fork only: the Event reaches the workers by inheritance)."""
-    if item == value:
-        RELEASE.wait(60)
-    return item
-
-
 HELD: dict = {}  # item -> multiprocessing Event, inherited by forked workers
 
 

@@ -18,11 +18,12 @@ from mprs_plus.runtime.main import reader as main_reader
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dispatch", [False, True], ids=["no_dispatch", "dispatch"])
-def test_as_ready_yields_other_workers_items_while_one_is_stuck(dispatch):
+def test_as_ready_yields_other_workers_items_while_one_is_stuck(monkeypatch, dispatch):
     """Worker 0 cannot finish item 0 until the main process has read five items, which
     only the other worker can provide: round-robin would wait for item 0 forever."""
-    release = pipelines.RELEASE = multiprocessing.get_context("fork").Event()
-    pipe = pipelines.plain_pipe(range(20), dispatch).map(pipelines.held_back)
+    release = multiprocessing.get_context("fork").Event()
+    monkeypatch.setattr(pipelines, "HELD", {0: release})
+    pipe = pipelines.plain_pipe(range(20), dispatch).map(pipelines.held_until_set)
     # plain_pipe doubles the items: item 0 is still 0, the other worker's are 2, 6, 10, ...
     service = MultiProcessingReadingService(2, multiprocessing_context="fork", in_order=False, dispatch_buffer_size=4)
     loader = DataLoader2(pipe, reading_service=service)
