@@ -24,6 +24,7 @@ import gc
 import multiprocessing
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,6 +63,9 @@ class FakeEvent:
 
     def record(self, stream: FakeStream | None = None) -> None:
         fake = self.fake
+        hook, fake.on_record = fake.on_record, None
+        if hook is not None:
+            hook()  # what runs inside a device call: a finalizer, or another thread's reaper
         stream = stream if stream is not None else fake.current_stream(None)
         if fake.fail_record:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -99,6 +103,7 @@ class FakeCuda:
         self.finished: dict[int, int] = {}  # device -> events it has passed
         self.pinned: list[weakref.ref[torch.Tensor]] = []
         self.recorded_streams: list[tuple[torch.Tensor, FakeStream]] = []
+        self.on_record: Any = None
 
     # -- state a test sets or reads ------------------------------------------------------
     def last_error(self) -> int:
@@ -438,6 +443,29 @@ def test_a_pinned_copy_viewed_at_an_offset_is_kept_from_torchs_allocator_until_i
     locker.allocate(16)  # the next allocation looks
     gc.collect()
     assert block() is None
+
+
+def test_a_pinned_copy_dropped_while_the_copies_are_reaped_is_kept_until_its_fence_passes():
+    """Making the fence of a dropped copy runs device calls; another thread (or a
+    finalizer) may reap the waiting copies in that window. The copy must not go back to
+    torch's allocator before its own fence passed."""
+    fake = FakeCuda()
+    locker = CudaPageLocker(calls=fake)
+    fake.contexts.add(0)
+    first, second = locker.allocate(ITEM), locker.allocate(ITEM)
+    blocks = list(fake.pinned)
+    fake.work[0] = fake.work.get(0, 0) + 1  # copies from both, still running
+    del first
+    gc.collect()
+    fake.on_record = locker._reap_copies
+    del second
+    gc.collect()
+    assert all(block() is not None for block in blocks), "a pinned block went back while a copy may read it"
+    assert locker.copies_waiting == 2
+    fake.finish()
+    assert locker.copies_waiting == 0
+    gc.collect()
+    assert all(block() is None for block in blocks)
 
 
 @shm_only

@@ -210,6 +210,7 @@ class _Holding:
         # Roots dropped in a page-locking receiver, waiting for their fence:
         # (key, views, slot, length, fence token, a view that keeps the mapping mapped).
         self.awaiting: list[tuple[int, LentViews, int, int, Any, memoryview]] = []
+        self.reaping = threading.Lock()  # held by the one reaper of ``awaiting`` (never waited for)
         # Extents borrowed by this process's senders whose roots live: id of the weak
         # reference to the root -> (that reference, its borrow).
         self.borrowed: dict[int, tuple[weakref.ref[Any], _Borrow]] = {}
@@ -395,9 +396,12 @@ def _give_back(ref: weakref.ref[Any]) -> None:
     locker = views.locker
     if locker is not None:
         # The dying root still holds the mapping: a view taken now keeps it mapped until
-        # the fence passes, whatever happens to the channel meanwhile.
+        # the fence passes, whatever happens to the channel meanwhile. The record is whole
+        # before it is appended: making the fence runs device calls (and may run a
+        # finalizer that reaps), and the list appended to must be read only after them.
         guard = memoryview(views.locked_mapping)  # type: ignore[arg-type]
-        h.awaiting.append((key, views, slot, length, _fence(locker), guard))
+        record = (key, views, slot, length, _fence(locker), guard)
+        h.awaiting.append(record)
         _reap_awaiting()
         return
     _returned(key, views, slot, length)
@@ -418,23 +422,33 @@ def _reap_awaiting() -> None:
     asked has not passed: it is made again (a later fence orders after the same work) or
     asked again at the next look.
 
-    Lock-free: the list is swapped out whole (a root dropped by another thread meanwhile
-    lands in one list or the other, never in neither) and what still waits goes back."""
+    One reaper at a time, and the list is never replaced: a fence is appended (any
+    thread, or a finalizer inside a reaper's device call) at its end, and the reaper
+    rewrites only the part it looked at (one slice assignment, atomic under the GIL).
+    A second reaper (another thread, or a finalizer that runs inside this one) leaves
+    at once: what it would give back is given back now or at the next look. No lock is
+    waited for, so a finalizer on the reaper's own thread cannot deadlock."""
     h = _holding
-    entries, h.awaiting = h.awaiting, []
-    waiting, done = [], []
-    for entry in entries:
-        token, locker = entry[4], entry[1].locker
-        if locker is not None and token is _UNRECORDED:
-            entry = (*entry[:4], _fence(locker), entry[5])
-            waiting.append(entry)
-            continue
-        try:
-            finished = locker is None or locker.passed(token)
-        except Exception:
-            finished = False
-        (done if finished else waiting).append(entry)
-    h.awaiting.extend(waiting)
+    if not h.reaping.acquire(blocking=False):
+        return
+    try:
+        entries = h.awaiting
+        count = len(entries)
+        waiting, done = [], []
+        for entry in entries[:count]:
+            token, locker = entry[4], entry[1].locker
+            if locker is not None and token is _UNRECORDED:
+                entry = (*entry[:4], _fence(locker), entry[5])
+                waiting.append(entry)
+                continue
+            try:
+                finished = locker is None or locker.passed(token)
+            except Exception:
+                finished = False
+            (done if finished else waiting).append(entry)
+        entries[:count] = waiting
+    finally:
+        h.reaping.release()
     for key, views, slot, length, _token, guard in done:
         _returned(key, views, slot, length)
         guard.release()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -33,6 +34,10 @@ class FakeLocker:
         self.issued = 0
         self.finished = 0  # fences numbered below this have passed
         self.allocated: list[np.ndarray] = []
+        # Run inside ``fence`` / ``passed``, where a device call may run a finalizer or
+        # another thread may reap: what a test puts in the window.
+        self.on_fence: Callable[[], object] | None = None
+        self.on_passed: Callable[[], object] | None = None
 
     def register(self, address: int, nbytes: int) -> bool:
         self.calls.append(("register", (address, nbytes)))
@@ -42,10 +47,16 @@ class FakeLocker:
         self.calls.append(("unregister", address))
 
     def fence(self) -> int:
+        hook, self.on_fence = self.on_fence, None
+        if hook is not None:
+            hook()
         self.issued += 1
         return self.issued
 
     def passed(self, token: int) -> bool:
+        hook, self.on_passed = self.on_passed, None
+        if hook is not None:
+            hook()
         return token <= self.finished
 
     def finish(self) -> None:
@@ -123,6 +134,62 @@ def test_a_fence_is_reaped_when_the_next_buffer_arrives(channel, locker):
     second = receiver.recv(timeout=5)
     assert second[0] == 2
     assert slots_lent(sender) == 1  # the first went back when the second was lent
+
+
+@pytest.mark.parametrize("window", ["another reaper", "a root dropped by a finalizer"])
+def test_a_fence_made_while_the_list_is_reaped_is_never_lost(channel, locker, window):
+    """Making a fence runs device calls; meanwhile another thread may reap the waiting
+    fences, or a finalizer may drop another lent buffer (and reap) on this thread. The
+    buffer whose fence was being made must still go back only once it passed, and go
+    back then: neither leaked nor freed early."""
+    sender, receiver = channel
+    items = []
+    for value in range(3):
+        sender.send(filled(value))
+        items.append(receiver.recv(timeout=5))
+    first, second, third = items
+    del items
+    del first  # waits for its fence: the reaper has something to look at
+    gc.collect()
+    assert lending().awaiting_device == 1
+    dropped = [third]
+    del third
+    if window == "another reaper":
+        locker.on_fence = _lend._reap_awaiting
+    else:
+        locker.on_fence = dropped.clear  # its finalizer runs inside this fence
+    del second
+    gc.collect()
+    dropped.clear()
+    gc.collect()
+    assert lending().awaiting_device == 3
+    assert slots_lent(sender) == 3
+    locker.finish()
+    assert lending().awaiting_device == 0
+    assert slots_lent(sender) == 0
+
+
+def test_a_buffer_dropped_by_a_finalizer_inside_the_reaper_waits_for_its_own_fence(channel, locker):
+    """The reaper asks the device whether fences passed; a finalizer may run in that call
+    and drop another lent buffer, whose fence is made after everything the reaper saw."""
+    sender, receiver = channel
+    items = []
+    for value in range(2):
+        sender.send(filled(value))
+        items.append(receiver.recv(timeout=5))
+    first, second = items
+    del items
+    del first
+    gc.collect()
+    locker.finish()  # the first buffer's fence passed; the second's is made later
+    dropped = [second]
+    del second
+    locker.on_passed = dropped.clear
+    assert lending().awaiting_device == 1  # the first went back; the second waits
+    assert slots_lent(sender) == 1
+    locker.finish()
+    assert lending().awaiting_device == 0
+    assert slots_lent(sender) == 0
 
 
 def test_extents_awaiting_a_fence_count_against_the_held_bound(channel, locker):

@@ -232,6 +232,7 @@ class CudaPageLocker:
         # Pinned copies (``allocate``) whose last view died, kept from torch's allocator
         # until their fence passes: (the pinned tensor, its fence).
         self._copies_waiting: list[tuple[Any, _Fence]] = []
+        self._reaping = threading.Lock()  # held by the one reaper of that list (never waited for)
 
     def register(self, address: int, nbytes: int) -> bool:
         error, text = self._on_own_thread(self._calls.host_register, address, nbytes, _HOST_REGISTER_PORTABLE)
@@ -319,12 +320,24 @@ class CudaPageLocker:
         return out
 
     def _copy_dropped(self, block: Any) -> None:
-        self._copies_waiting.append((block, self.fence()))
+        # The fence first: its device calls may run a finalizer that reaps (the list is
+        # then read after them, never before).
+        fence = self.fence()
+        self._copies_waiting.append((block, fence))
 
     def _reap_copies(self) -> None:
-        # Swapped out whole: a copy dropped meanwhile (a finalizer) lands in one list or the other.
-        waiting, self._copies_waiting = self._copies_waiting, []
-        self._copies_waiting.extend(entry for entry in waiting if not self.passed(entry[1]))
+        """Let go of the pinned copies whose fences passed. One reaper at a time, as the
+        transport's (``_lend._reap_awaiting``): a copy dropped meanwhile, by another thread
+        or by a finalizer inside a device call here, is appended past the part looked at,
+        which alone is rewritten (one slice assignment)."""
+        if not self._reaping.acquire(blocking=False):
+            return
+        try:
+            waiting = self._copies_waiting
+            count = len(waiting)
+            waiting[:count] = [entry for entry in waiting[:count] if not self.passed(entry[1])]
+        finally:
+            self._reaping.release()
 
     @property
     def copies_waiting(self) -> int:
