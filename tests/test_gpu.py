@@ -8,6 +8,7 @@ tests/test_feeding.py and tests/test_gpu_seams.py)."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -228,3 +229,48 @@ def test_copies_to_another_device_than_the_current_one_are_waited_for():
         loader.shutdown()
     bad = [i for i, t in on_gpu.items() if not torch.equal(t.cpu(), patterned(i, nbytes))]
     assert sorted(on_gpu) == list(range(count)) and bad == []
+
+
+def test_a_graph_captured_while_another_thread_takes_items_stays_valid():
+    """torch.cuda.graph captures in CUDA's global mode by default: a call another thread
+    makes meanwhile without relaxing its own mode (an event query, a registration) would
+    invalidate the capture, and capture_end would raise. A second thread takes items
+    (the first lend's registration, fences, queries) while this one captures."""
+    count = 16
+    service = MultiProcessingReadingService(2, pin_memory=True)
+    loader = DataLoader2(make_pipe(count, 1 * MIB), reading_service=service)
+    iterator = iter(loader)  # the workers exist before the capture
+    static = torch.ones(1024, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    go, done = threading.Event(), threading.Event()
+    taken: list[int] = []
+    errors: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            if go.wait(60):
+                for index, tensor in iterator:
+                    taken.append(index)
+                    del tensor  # dropped at once: a fence, and queries at the next look
+        except BaseException as exc:  # raised in the test's thread below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    try:
+        with torch.cuda.graph(graph):
+            out = static * 2
+            go.set()
+            assert done.wait(120), "the taking thread did not finish"
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        go.set()
+        thread.join(60)
+        loader.shutdown()
+    assert errors == []
+    assert sorted(taken) == list(range(count))
+    assert float(out.sum()) == 2048.0

@@ -71,6 +71,7 @@ class FakeEvent:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         if stream.device in fake.capturing_on:
             fake.recorded_while_capturing += 1  # a node of the graph, never an event that passes
+        fake.unsafe("record")
         fake.calls.append(("record", stream.device, threading.get_ident()))
         fake.work[stream.device] = fake.work.get(stream.device, 0) + 1
         self.device, self.serial = stream.device, fake.work[stream.device]
@@ -82,6 +83,7 @@ class FakeEvent:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
         if fake.fail_query:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        fake.unsafe("query")
         assert self.device is not None, "queried before it was recorded"
         return fake.finished.get(self.device, 0) >= self.serial
 
@@ -104,6 +106,11 @@ class FakeCuda:
         self.pinned: list[weakref.ref[torch.Tensor]] = []
         self.recorded_streams: list[tuple[torch.Tensor, FakeStream]] = []
         self.on_record: Any = None
+        # Threads that capture a graph in CUDA's global mode (torch.cuda.graph's default),
+        # and the calls other threads made meanwhile without relaxing their own mode:
+        # each of them would have invalidated that capture.
+        self.capturing_globally: set[int] = set()
+        self.broke_capture: list[tuple[str, int]] = []
 
     # -- state a test sets or reads ------------------------------------------------------
     def last_error(self) -> int:
@@ -122,7 +129,22 @@ class FakeCuda:
     def _device(self) -> int:
         return getattr(self._local, "device", 0)
 
+    def unsafe(self, name: str) -> None:
+        """A call CUDA prohibits in a thread of global mode while another thread captures."""
+        me = threading.get_ident()
+        if self.capturing_globally - {me} and not getattr(self._local, "relaxed", 0):
+            self.broke_capture.append((name, me))
+
+    @contextlib.contextmanager
+    def relaxed(self):
+        self._local.relaxed = getattr(self._local, "relaxed", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.relaxed -= 1
+
     def _use(self, name: str) -> int:
+        self.unsafe(name)
         device = self._device()
         self.contexts.add(device)
         self.calls.append((name, device, threading.get_ident()))
@@ -237,6 +259,7 @@ class FakeTensor(torch.Tensor):
         target = torch.device(device)
         if target.index is None:
             target = torch.device(target.type, self.fake.current_device())
+        self.fake.unsafe("copy")  # an allocation from the caching allocator, a copy
         return FakeTensor.of(self.as_subclass(torch.Tensor).clone(), target, self.fake)
 
     def record_stream(self, stream: FakeStream) -> None:  # type: ignore[override]
@@ -517,6 +540,50 @@ def test_loaders_made_one_after_another_do_not_accumulate_locked_memory(fake, mo
     feeding.open_feeding(True, None, 2).close()
     assert lending().awaiting_device == 0
     assert len(fake.devices_called("register")) == len(fake.devices_called("unregister")) == 4
+
+
+# -- a graph captured on another thread -------------------------------------------------------
+
+
+@shm_only
+@pytest.mark.parametrize("mode", ["pin_memory", "device"])
+def test_a_graph_captured_on_another_thread_is_not_broken_by_the_feeding(fake, channel, mode):
+    """The loop's thread captures a CUDA graph (global mode, torch.cuda.graph's default)
+    while another thread (torchdata's pin_memory() prefetcher, a loop's helper) takes
+    items: the first lend's registration, the fences and their queries, a pinned copy,
+    and the device feed's copies must all leave the capture valid."""
+    feed = feeding.open_feeding(True, "cuda:0" if mode == "device" else None, 2)
+    fake.capturing_globally.add(threading.get_ident())  # this thread captures from now on
+    errors: list[BaseException] = []
+
+    def items():
+        sender, receiver = channel
+        for value in range(4):
+            sender.send(np.full(ITEM, value, dtype=np.uint8))
+            yield FakeTensor.of(torch.from_numpy(receiver.recv(timeout=5)), torch.device("cpu"), fake)
+
+    def take() -> None:
+        try:
+            for item in feed.iterate(items()):
+                del item  # dropped at once: a fence, then queries at the next look
+            lending()
+            feeding._the_locker.allocate(ITEM)  # a copy into pinned memory, dropped at once
+        except BaseException as exc:  # raised in the test's thread below
+            errors.append(exc)
+
+    try:
+        taker = threading.Thread(target=take)
+        taker.start()
+        taker.join(timeout=30)
+        assert not taker.is_alive() and errors == []
+        assert fake.devices_called("register") == [0]
+        assert any(call == "record" for call, _, thread in fake.calls if thread != threading.get_ident())
+        assert fake.broke_capture == [], "a call of the feeding's thread invalidated the capture"
+    finally:
+        fake.capturing_globally.clear()
+        fake.finish()
+        gc.collect()
+        feed.close()
 
 
 class FailingLocker:

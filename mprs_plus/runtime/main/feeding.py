@@ -40,6 +40,7 @@ call uses, are tested without a device (fakes of the same methods). Without CUDA
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -142,6 +143,12 @@ class CudaCalls:
             return None
         return [index for index in range(self._cuda.device_count()) if self._has_context(index)]
 
+    def relaxed(self) -> Any:
+        """A context in which this thread's CUDA calls cannot break a graph that another
+        thread captures (``_RelaxedCapture``); a no-op where CUDA's runtime is not found."""
+        exchange = _capture_mode_exchange()
+        return _RelaxedCapture(exchange) if exchange is not None else contextlib.nullcontext()
+
     def capturing(self, index: int) -> bool:
         """Whether the current stream of device ``index`` captures a CUDA graph."""
         with self._cuda.device(index):
@@ -163,6 +170,67 @@ class CudaCalls:
         """A page-locked uint8 tensor of ``nbytes`` from torch's pinned allocator."""
         torch = self._torch
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+_CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+_exchange: Any = None  # cudaThreadExchangeStreamCaptureMode of this process's CUDA runtime; False: not found
+
+
+def _capture_mode_exchange() -> Any:
+    """``cudaThreadExchangeStreamCaptureMode`` from the CUDA runtime torch loaded (found
+    among this process's mappings, so that it is the same library and state), or None."""
+    global _exchange
+    if _exchange is None:
+        _exchange = False
+        try:
+            import ctypes
+
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+            for path in sorted(paths):
+                function = getattr(ctypes.CDLL(path), "cudaThreadExchangeStreamCaptureMode", None)
+                if function is not None:
+                    function.restype = ctypes.c_int
+                    function.argtypes = [ctypes.POINTER(ctypes.c_int)]
+                    _exchange = function
+                    break
+        except (OSError, ValueError):
+            pass  # no /proc (not Linux) or no loadable runtime: the guard is a no-op
+    return _exchange or None
+
+
+class _RelaxedCapture:
+    """This thread's stream-capture mode set to relaxed, and restored on exit.
+
+    In CUDA's default (global) capture mode, which ``torch.cuda.graph`` uses, a thread
+    that makes a "potentially unsafe" call (an event query, a host registration, an
+    allocation) while *another* thread captures invalidates that capture. The feeding's
+    calls run on whatever thread takes items: the loop's, or a prefetch thread such as
+    torchdata's ``pin_memory()``. The mode is per thread; relaxed lifts the prohibition
+    for this thread's calls only (NCCL-style libraries do the same in their own threads),
+    and none of the calls made here touches a capturing stream: the fence is not recorded
+    on this thread's own capturing stream (``CudaPageLocker``)."""
+
+    __slots__ = ("_exchange", "_mode")
+
+    def __init__(self, exchange: Any) -> None:
+        import ctypes
+
+        self._exchange = exchange
+        self._mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+
+    def __enter__(self) -> None:
+        import ctypes
+
+        self._mode.value = _CAPTURE_MODE_RELAXED
+        if self._exchange(ctypes.byref(self._mode)) != 0:
+            self._mode.value = -1  # not exchanged: nothing to restore
+
+    def __exit__(self, *exc: object) -> None:
+        import ctypes
+
+        if self._mode.value >= 0:
+            self._exchange(ctypes.byref(self._mode))
 
 
 def _status(cudart: Any, error: Any) -> tuple[int, str]:
@@ -257,7 +325,8 @@ class CudaPageLocker:
         def run() -> None:
             try:
                 self._calls.set_device(self.device)
-                outcome.append(call(*args))
+                with self._calls.relaxed():  # a new thread starts in the global mode
+                    outcome.append(call(*args))
             except BaseException as exc:  # raised in the caller's thread below
                 outcome.append(exc)
 
@@ -274,19 +343,21 @@ class CudaPageLocker:
 
     def fence(self) -> _Fence:
         fence = _Fence()
-        self._record(fence)
+        with self._calls.relaxed():
+            self._record(fence)
         return fence
 
     def passed(self, token: _Fence) -> bool:
-        if token.events is None:
-            self._record(token)
-            return False  # recorded only now: the work before it is still to be passed
-        try:
-            if self._capturing(index for index, _ in token.events):
+        with self._calls.relaxed():
+            if token.events is None:
+                self._record(token)
+                return False  # recorded only now: the work before it is still to be passed
+            try:
+                if self._capturing(index for index, _ in token.events):
+                    return False
+                return all(event.query() for _, event in token.events)
+            except Exception:  # not known to have passed: asked again at the next look
                 return False
-            return all(event.query() for _, event in token.events)
-        except Exception:  # not known to have passed: asked again at the next look
-            return False
 
     def _record(self, fence: _Fence) -> None:
         calls = self._calls
@@ -313,7 +384,7 @@ class CudaPageLocker:
         block's start; a view at an offset (a slice of the batch) is not covered. So the
         block is held here, from the death of the last view until a fence passes."""
         self._reap_copies()
-        with self._calls.device(self.device):
+        with self._calls.relaxed(), self._calls.device(self.device):
             block = self._calls.pinned_empty(nbytes)
         out = block.numpy()
         weakref.finalize(out, self._copy_dropped, block).atexit = False
@@ -355,9 +426,12 @@ class CudaMover:
         self._stream = self._calls.new_stream(self.device.index)
         self._counters = counters
 
-    def side(self) -> Any:
-        """A context in which the side stream is current."""
-        return self._calls.stream_context(self._stream)
+    @contextlib.contextmanager
+    def side(self) -> Iterator[None]:
+        """A context in which the side stream is current (and this thread's calls cannot
+        break another thread's graph capture: ``_RelaxedCapture``)."""
+        with self._calls.relaxed(), self._calls.stream_context(self._stream):
+            yield
 
     def start(self, box: list[Any]) -> tuple[Any, Any]:
         """Enqueue the copies of the item in ``box`` (taken out of it, so that its last
@@ -381,16 +455,17 @@ class CudaMover:
     def hand_out(self, moved: Any, event: Any) -> tuple[Any, bool]:
         """The item for the current stream, and whether its copy was still running."""
         index = self.device.index
-        current = self._calls.current_stream(index)
-        running = not event.query()
-        current.wait_event(event)
+        with self._calls.relaxed():
+            current = self._calls.current_stream(index)
+            running = not event.query()
+            current.wait_event(event)
 
-        def used_by_current(tensor: Any) -> Any:
-            if tensor.is_cuda and tensor.device.index == index:
-                tensor.record_stream(current)
-            return tensor
+            def used_by_current(tensor: Any) -> Any:
+                if tensor.is_cuda and tensor.device.index == index:
+                    tensor.record_stream(current)
+                return tensor
 
-        return map_tensors(moved, used_by_current), running
+            return map_tensors(moved, used_by_current), running
 
 
 def feed_ahead(source: Any, mover: Any, ahead: int, counters: FeedCounters) -> Iterator[Any]:
@@ -431,8 +506,11 @@ def feed_ahead(source: Any, mover: Any, ahead: int, counters: FeedCounters) -> I
         yield item
 
 
-def pin_each(source: Any, counters: FeedCounters) -> Iterator[Any]:
-    """Items of ``source`` with every tensor page-locked (lent ones already are)."""
+def pin_each(source: Any, counters: FeedCounters, calls: Any = None) -> Iterator[Any]:
+    """Items of ``source`` with every tensor page-locked (lent ones already are). The
+    items are taken and pinned with this thread's capture mode relaxed (``calls``), so
+    that the first lend's registration, the fences and torch's pinned allocator cannot
+    break a graph another thread captures; the loop's own code runs in its own mode."""
 
     def pin(tensor: Any) -> Any:
         if tensor.device.type != "cpu" or tensor.is_pinned():
@@ -440,9 +518,18 @@ def pin_each(source: Any, counters: FeedCounters) -> Iterator[Any]:
         counters.pinned_copies += 1
         return tensor.pin_memory()
 
-    for item in source:
+    relaxed = calls.relaxed if calls is not None else contextlib.nullcontext
+    iterator = iter(source)
+    while True:
+        with relaxed():
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            pinned = map_tensors(item, pin)
+            del item
         counters.items += 1
-        yield map_tensors(item, pin)
+        yield pinned
 
 
 class FedPipe(IterDataPipe):
@@ -478,10 +565,17 @@ FedPipe.__iter__ = _iterate_fed  # type: ignore[method-assign]
 class Feeding:
     """The service's feeding, as the options ask: ``wrap`` the main segment with it."""
 
-    def __init__(self, device: Any, ahead: int, mover_factory: Callable[[Any, FeedCounters], Any] | None = None) -> None:
+    def __init__(
+        self,
+        device: Any,
+        ahead: int,
+        mover_factory: Callable[[Any, FeedCounters], Any] | None = None,
+        calls: Any = None,
+    ) -> None:
         self.counters = FeedCounters(device=str(device) if device is not None else "")
         self.ahead = ahead if device is not None else 0
         self._device = device
+        self._calls = calls
         self._mover: Any = None
         self._mover_factory = mover_factory or CudaMover
 
@@ -500,7 +594,7 @@ class Feeding:
 
     def iterate(self, main: Any) -> Iterator[Any]:
         if self._device is None:
-            return pin_each(main, self.counters)
+            return pin_each(main, self.counters, self._calls)
         if self._mover is None:
             self._mover = self._mover_factory(self._device, self.counters)
         return feed_ahead(main, self._mover, self.ahead, self.counters)
@@ -578,4 +672,4 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
     # Resolved now, when the loader's iterator is made, as torch's DataLoader fixes its pin device.
     resolved = resolve_device(device, calls) if device is not None else None
     _install_locker(calls, resolved.index if resolved is not None else pin_device(calls))
-    return Feeding(resolved, ahead, mover_factory=lambda where, counters: CudaMover(where, counters, calls))
+    return Feeding(resolved, ahead, mover_factory=lambda where, counters: CudaMover(where, counters, calls), calls=calls)
