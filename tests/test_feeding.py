@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections import namedtuple
+from collections import defaultdict, namedtuple
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -106,6 +107,63 @@ def test_map_tensors_reaches_every_tensor_and_keeps_the_structure():
     assert out["x"].tolist() == [1.0, 1.0]
     assert out["rest"][1][0].tolist() == [2.0, 2.0, 2.0] and out["rest"][1][1] == 7
     assert out["n"] == 3
+
+
+class Labelled(list):
+    """A custom batch list with an attribute of its own."""
+
+    label = ""
+
+
+class Frozen(Mapping):
+    """An immutable mapping built from a dict."""
+
+    def __init__(self, data):
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+class OwnBatch:
+    """A batch type with its own pin_memory(), as torch's DataLoader documents them."""
+
+    def __init__(self, data: torch.Tensor, pinned: bool = False) -> None:
+        self.data, self.pinned = data, pinned
+
+    def pin_memory(self) -> "OwnBatch":
+        return OwnBatch(self.data, pinned=True)
+
+
+def test_map_tensors_keeps_custom_mappings_and_sequences_as_torchs_pin_memory_loop_does():
+    counts = defaultdict(list, {"a": torch.zeros(1)})
+    labelled = Labelled([torch.zeros(1), torch.ones(1)])
+    labelled.label = "kept"
+    item = {"counts": counts, "labelled": labelled, "frozen": Frozen({"t": torch.zeros(2)}), "text": "ab"}
+    out = map_tensors(item, lambda t: t + 1)
+    assert isinstance(out["counts"], defaultdict) and out["counts"].default_factory is list
+    assert out["counts"]["a"].tolist() == [1.0] and out["counts"]["missing"] == []
+    assert type(out["labelled"]) is Labelled and out["labelled"].label == "kept"
+    assert [t.item() for t in out["labelled"]] == [1.0, 2.0]
+    assert type(out["frozen"]) is Frozen and out["frozen"]["t"].tolist() == [1.0, 1.0]
+    assert out["text"] == "ab"
+    assert counts["a"].tolist() == [0.0] and labelled[0].item() == 0.0  # the input is left as it was
+
+
+def test_pin_memory_calls_a_batch_types_own_pin_memory():
+    """As torch's pin-memory loop: an object with pin_memory() is pinned by it, also
+    inside containers."""
+    from mprs_plus.runtime.main.feeding import pin_each
+
+    items = [OwnBatch(torch.zeros(2)), {"batch": OwnBatch(torch.ones(2)), "x": 1}]
+    out = list(pin_each(iter(items), FeedCounters()))
+    assert out[0].pinned and out[1]["batch"].pinned and out[1]["x"] == 1
 
 
 def huge_tensor(i: int) -> torch.Tensor:

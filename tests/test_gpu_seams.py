@@ -322,6 +322,34 @@ def test_device_cuda_without_an_index_marks_every_tensor_for_the_loops_stream(cu
     assert all(s.device == current and s.name == "default" for s in marked.values())
 
 
+class OwnDeviceBatch:
+    """A batch type with its own pin_memory() and to(), as many libraries' batches have."""
+
+    def __init__(self, data: FakeTensor, pinned: bool = False, where: str = "cpu", thread: int = 0) -> None:
+        self.data, self.pinned, self.where, self.thread = data, pinned, where, thread
+        self.stream: FakeStream | None = None
+
+    def pin_memory(self) -> OwnDeviceBatch:
+        return OwnDeviceBatch(self.data, pinned=True)
+
+    def to(self, device, non_blocking: bool = False) -> OwnDeviceBatch:
+        moved = OwnDeviceBatch(self.data.to(device, non_blocking=non_blocking), self.pinned, str(device))
+        moved.stream = self.data.fake.current_stream(torch.device(device).index)
+        return moved
+
+
+def test_a_batch_types_own_object_is_pinned_by_it_and_moved_by_it_on_the_loops_stream():
+    """device=: the service cannot mark the tensors inside such an object as used by the
+    loop's stream, so it moves it there, with the object's own to(), when handing it out."""
+    fake = FakeCuda()
+    mover = CudaMover("cuda:0", FeedCounters(), calls=fake)
+    items = [{"own": OwnDeviceBatch(FakeTensor.of(torch.full((4,), i), torch.device("cpu"), fake)), "i": i} for i in range(3)]
+    handed = list(feed_ahead(iter(items), mover, 2, FeedCounters()))
+    assert [item["i"] for item in handed] == [0, 1, 2]
+    assert all(item["own"].pinned and item["own"].where == "cuda:0" for item in handed)
+    assert all(item["own"].stream.name == "default" for item in handed)  # the loop's stream, not the side one
+
+
 # -- 2. a refused registration ---------------------------------------------------------------
 
 

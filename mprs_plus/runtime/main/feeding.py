@@ -45,7 +45,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,30 +75,70 @@ class FeedCounters:
     waited_on_copy: int = 0
 
 
-def map_tensors(item: Any, fn: Callable[[Any], Any]) -> Any:
-    """``item`` with ``fn`` applied to every tensor in it, through tuples (named ones too),
-    lists and mappings, as torch's DataLoader pins them; anything else is kept as it is."""
+def map_tensors(item: Any, fn: Callable[[Any], Any], custom: Callable[[Any], Any] | None = None) -> Any:
+    """``item`` with ``fn`` applied to every tensor in it, walked as torch's pin-memory loop
+    walks a batch (``torch.utils.data._utils.pin_memory.pin_memory``): through mappings and
+    sequences, which keep their type (a mutable one is copied and updated, so a
+    ``defaultdict`` keeps its ``default_factory`` and a custom list its attributes), tuples
+    (named ones too). An object that is none of these is given to ``custom`` (its own
+    ``pin_memory()``, for instance), or kept as it is."""
+    import copy
+
     import torch
 
     def walk(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return fn(value)
+        kind = type(value)
+        if kind is dict:  # the common cases first, without the generic copies below
+            return {k: walk(v) for k, v in value.items()}
+        if kind is list:
+            return [walk(v) for v in value]
+        if kind is tuple:
+            return tuple(walk(v) for v in value)
+        if custom is not None and not isinstance(value, (str, bytes)):
+            handled = custom(value)
+            if handled is not _UNHANDLED:
+                return handled
         if isinstance(value, (str, bytes)):
             return value
-        if isinstance(value, tuple):
-            walked = [walk(v) for v in value]
-            return type(value)(*walked) if hasattr(value, "_fields") else type(value)(walked)
-        if isinstance(value, list):
-            return [walk(v) for v in value]
         if isinstance(value, Mapping):
-            walked_map = {k: walk(v) for k, v in value.items()}
+            walked = {k: walk(v) for k, v in value.items()}
             try:
-                return type(value)(walked_map)
+                if isinstance(value, MutableMapping):
+                    clone = copy.copy(value)
+                    clone.update(walked)
+                    return clone
+                return kind(walked)
             except TypeError:
-                return walked_map
+                return walked
+        if isinstance(value, tuple):
+            if hasattr(value, "_fields"):  # a named tuple
+                return kind(*(walk(v) for v in value))
+            return kind(walk(v) for v in value)
+        if isinstance(value, Sequence):
+            walked_items = [walk(v) for v in value]
+            try:
+                if isinstance(value, MutableSequence):
+                    clone = copy.copy(value)
+                    for index, walked_item in enumerate(walked_items):
+                        clone[index] = walked_item
+                    return clone
+                return kind(walked_items)
+            except TypeError:
+                return walked_items
         return value
 
     return walk(item)
+
+
+_UNHANDLED = object()  # what a ``custom`` of ``map_tensors`` returns for an object it leaves alone
+
+
+def _own_pin_memory(value: Any) -> Any:
+    """A batch type's own ``pin_memory()``, called as torch's pin-memory loop calls it."""
+    pin = getattr(value, "pin_memory", None)
+    return pin() if callable(pin) else _UNHANDLED
 
 
 class CudaCalls:
@@ -447,7 +487,7 @@ class CudaMover:
             counters.bytes_to_device += tensor.nbytes
             return tensor.to(device, non_blocking=True)
 
-        moved = map_tensors(box.pop(), move)
+        moved = map_tensors(box.pop(), move, _pinned_for_hand_out)
         event = self._calls.new_event()
         event.record(self._stream)
         return moved, event
@@ -465,7 +505,38 @@ class CudaMover:
                     tensor.record_stream(current)
                 return tensor
 
-            return map_tensors(moved, used_by_current), running
+            def move_own(value: Any) -> Any:
+                if not isinstance(value, _MoveAtHandOut):
+                    return _UNHANDLED
+                try:
+                    return value.batch.to(self.device, non_blocking=True)
+                except TypeError:  # a ``to`` without that keyword
+                    return value.batch.to(self.device)
+
+            return map_tensors(moved, used_by_current, move_own), running
+
+
+class _MoveAtHandOut:
+    """A batch type's own object (with a ``to`` method), pinned by its own ``pin_memory()``
+    ahead and moved by its own ``to`` on the loop's stream when handed out: the service
+    cannot mark the tensors inside it as used by the loop's stream (``record_stream``), so
+    memory allocated on the side stream could be reused under the loop's kernels."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+
+def _pinned_for_hand_out(value: Any) -> Any:
+    """``device=``'s rule for an object that is neither a tensor nor a container: pinned by
+    its own ``pin_memory()`` if it has one, and moved by its own ``to`` at hand-out."""
+    pinned = _own_pin_memory(value)
+    if pinned is _UNHANDLED:
+        pinned = value
+    if callable(getattr(pinned, "to", None)):
+        return _MoveAtHandOut(pinned)
+    return pinned if pinned is not value else _UNHANDLED
 
 
 def feed_ahead(source: Any, mover: Any, ahead: int, counters: FeedCounters) -> Iterator[Any]:
@@ -526,7 +597,7 @@ def pin_each(source: Any, counters: FeedCounters, calls: Any = None) -> Iterator
                 item = next(iterator)
             except StopIteration:
                 return
-            pinned = map_tensors(item, pin)
+            pinned = map_tensors(item, pin, _own_pin_memory)
             del item
         counters.items += 1
         yield pinned
