@@ -82,7 +82,11 @@ Fork: a child keeps the bytes it inherited, and its writes stay its own
 Page-locked lend areas: a copy to a device may still read an extent the user dropped
     A process that installs a ``PageLocker`` (``lock_pages_with``; the runtime does, in the
     training process, for ``pin_memory=True``) page-locks the lend area of each of its
-    receivers when it first lends from it, so every lent buffer is page-locked memory and
+    receivers as it lends from it, one chunk at a time (``lock_chunk_ends``: chunks that
+    double in size, each locked when a buffer is first lent from it; the sender never
+    places an extent across two, nor lends a buffer larger than the largest), so that
+    the memory locked follows what the channel uses, and every lent buffer is page-locked
+    memory of one registration and
     a non-blocking copy to the device reads the worker's bytes directly. Such a copy runs
     after the call that enqueued it returned: the user may drop the last view while the
     device still reads it. So when a lent root dies in such a process, the locker is
@@ -127,6 +131,7 @@ those it copied in, in the control page (``LENT_IN_PLACE``, ``LENT_COPIED``), so
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
@@ -147,10 +152,26 @@ SLOT_BASE = 64  # control word of slot 0's state (lines 0-3 are the ring's, _rin
 # Control words the sender counts its large buffers in, built in place and copied in
 # (line 4; the pipe transport's control page uses them too), so both ends report them.
 LENT_IN_PLACE, LENT_COPIED = 32, 33
+# The area is page-locked in chunks, each as it is first lent from: this many at most,
+# each twice the one before (the first two equal), so that what is locked stays within
+# twice what the channel has used. The sender never places an extent across two chunks.
+LOCK_CHUNKS = 6
 FREE, LENT = 0, 1
 LENT_BIT = 1 << 63  # in a buffer's length word: the frame holds [offset, slot], not bytes
 DESCRIPTOR = 16  # bytes of [offset, slot] in a frame
 
+
+
+def lock_chunk_ends(capacity: int) -> list[int]:
+    """Where each lock chunk of a lend area of ``capacity`` bytes ends (page-aligned; the
+    last at ``capacity``). Sender and receiver compute the same list."""
+    first = max(PAGE, (capacity >> (LOCK_CHUNKS - 1)) // PAGE * PAGE)
+    ends, end = [], first
+    while end < capacity:
+        ends.append(end)
+        end *= 2
+    ends.append(capacity)
+    return ends
 
 
 class PageLocker(Protocol):
@@ -526,6 +547,8 @@ class LendArea:
         self._area = area
         self._region = region
         self._capacity = area.nbytes
+        self._chunk_ends = lock_chunk_ends(self._capacity)
+        self._largest = max(end - start for start, end in zip([0, *self._chunk_ends], self._chunk_ends))
         self._top = 0
         self._free: list[tuple[int, int]] = []  # (offset, size)
         self._lent: dict[int, tuple[int, int]] = {}  # slot -> (offset, size)
@@ -717,20 +740,37 @@ class LendArea:
         return offset
 
     def _take_top(self, size: int) -> int | None:
-        """Space never used yet, at the top of what the area has used so far."""
-        if self._top + size > self._capacity:
-            return None
-        offset, self._top = self._top, self._top + size
-        return offset
+        """Space never used yet, at the top of what the area has used so far. An extent
+        that would cross into the next lock chunk starts there instead; the space skipped
+        goes to the free list (it lies within one chunk)."""
+        if size > self._largest:
+            return None  # no chunk holds it: it goes through the ring
+        top = self._top
+        while True:
+            if top + size > self._capacity:
+                return None
+            end = self._chunk_end(top)
+            if top + size <= end:
+                break
+            self._free.append((top, end - top))
+            top = self._top = end
+        self._top = top + size
+        return top
+
+    def _chunk_end(self, offset: int) -> int:
+        ends = self._chunk_ends
+        return ends[bisect.bisect_right(ends, offset)]
 
     def _coalesce(self) -> None:
+        """Merge neighbouring free extents of one lock chunk (never across two)."""
         merged: list[tuple[int, int]] = []
+        ends = set(self._chunk_ends)
         for offset, size in sorted(self._free):
-            if merged and merged[-1][0] + merged[-1][1] == offset:
+            if merged and merged[-1][0] + merged[-1][1] == offset and offset not in ends:
                 merged[-1] = (merged[-1][0], merged[-1][1] + size)
             else:
                 merged.append((offset, size))
-        if merged and merged[-1][0] + merged[-1][1] == self._top:
+        while merged and merged[-1][0] + merged[-1][1] == self._top:
             self._top = merged.pop()[0]
         self._free = merged
 
@@ -756,37 +796,53 @@ class LentViews:
         # in the process that registered it, and the mapping it holds while registered.
         self.locker: PageLocker | None = None
         self.locked_mapping: Any = None
-        self._locked_at: tuple[int, int] | None = None  # (process id, address)
-        self._lock_tried = False
+        self._chunk_ends = lock_chunk_ends(region.lend_size) if region.lend_size else []
+        self._locked_chunks: dict[int, int] = {}  # chunk index -> address registered
+        self._locked_pid = 0  # the process that registered them
+        self._lock_refused = False  # a registration was refused: lend the rest unlocked
+        self._base = 0  # the area's address in this process, once known
         self.retired = False
         region.before_release.append(self._retire)
         _holding.receivers.add(self)
 
-    def _lock(self, locker: PageLocker) -> None:
-        """Page-lock the whole lend area, once, in the first process that lends from it."""
-        self._lock_tried = True
+    def _lock(self, locker: PageLocker, offset: int) -> None:
+        """Page-lock the chunk that holds ``offset``, in the process that lends from it."""
+        chunk = bisect.bisect_right(self._chunk_ends, offset)
+        if chunk in self._locked_chunks:
+            return
         mapping = self._region.mapping
-        if mapping is None or not self._region.lend_size:
+        if mapping is None or chunk >= len(self._chunk_ends):
             return
-        probe = self._frombuffer(mapping, self._uint8, 1, self._start)
-        address = probe.__array_interface__["data"][0]
-        del probe
-        if not locker.register(address, self._region.lend_size):
+        if not self._base:
+            probe = self._frombuffer(mapping, self._uint8, 1, self._start)
+            self._base = probe.__array_interface__["data"][0]
+            del probe
+        start = self._chunk_ends[chunk - 1] if chunk else 0
+        if not locker.register(self._base + start, self._chunk_ends[chunk] - start):
+            self._lock_refused = True
             return
+        self._locked_chunks[chunk] = self._base + start
         self.locker, self.locked_mapping = locker, mapping
-        self._locked_at = (os.getpid(), address)
+        self._locked_pid = os.getpid()
+
+    def locked_bytes(self) -> int:
+        """Bytes of this area page-locked now (for tests and statistics)."""
+        ends = self._chunk_ends
+        return sum(ends[chunk] - (ends[chunk - 1] if chunk else 0) for chunk in self._locked_chunks)
 
     def unlock(self) -> None:
-        """Unregister the area (before it is unmapped); only in the process that locked it."""
-        locked_at, self._locked_at = self._locked_at, None
+        """Unregister the area's chunks (before it is unmapped); only in the process that
+        locked them."""
+        chunks, self._locked_chunks = self._locked_chunks, {}
         locker, self.locker = self.locker, None
         self.locked_mapping = None
-        if locked_at is None or locker is None or locked_at[0] != os.getpid():
+        if not chunks or locker is None or self._locked_pid != os.getpid():
             return
-        try:
-            locker.unregister(locked_at[1])
-        except Exception:
-            pass  # the process's device context is gone (interpreter exit): nothing to undo
+        for address in chunks.values():
+            try:
+                locker.unregister(address)
+            except Exception:
+                pass  # the process's device context is gone (interpreter exit): nothing to undo
 
     def _retire(self) -> None:
         """The channel lets go of the region: unlock now, or once the last lent buffer
@@ -804,8 +860,8 @@ class LentViews:
 
             self._frombuffer = numpy.frombuffer
             uint8 = self._uint8 = numpy.dtype(numpy.uint8)
-        if _locker is not None and not self._lock_tried:
-            self._lock(_locker)
+        if _locker is not None and not self._lock_refused:
+            self._lock(_locker, offset)
         if holding.awaiting:
             _reap_awaiting()
         with holding.lock:

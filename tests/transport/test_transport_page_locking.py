@@ -95,16 +95,87 @@ def slots_lent(sender) -> int:
     return sender.lent_extents() // len(filled(0))
 
 
-def test_the_lend_area_is_registered_once_when_it_first_lends(channel, locker):
+def registered(locker: FakeLocker) -> list[tuple[int, int]]:
+    """(address, bytes) of every range registered and not unregistered since."""
+    ranges: dict[int, int] = {}
+    for call, args in locker.calls:
+        if call == "register":
+            ranges[args[0]] = args[1]
+        elif call == "unregister":
+            ranges.pop(args, None)
+    return sorted(ranges.items())
+
+
+def within_one(ranges: list[tuple[int, int]], buffer: np.ndarray) -> bool:
+    start = buffer.__array_interface__["data"][0]
+    return any(address <= start and start + buffer.nbytes <= address + size for address, size in ranges)
+
+
+def test_only_the_chunk_a_buffer_is_lent_from_is_registered(channel, locker):
     sender, receiver = channel
     assert locker.count("register") == 0  # nothing is locked before anything is lent
+    items = []
     for value in range(3):
         sender.send(filled(value))
-        assert receiver.recv(timeout=5)[0] == value
-    assert locker.count("register") == 1
-    (_, (address, nbytes)), = [call for call in locker.calls if call[0] == "register"]
-    assert nbytes == receiver._lent._region.lend_size
-    assert address % os.sysconf("SC_PAGE_SIZE") == 0
+        items.append(receiver.recv(timeout=5))
+        assert items[-1][0] == value
+    ranges = registered(locker)
+    locked = sum(size for _, size in ranges)
+    assert locked < receiver._lent._region.lend_size  # not the whole area at the first lend
+    assert locked <= 2 * sum(item.nbytes for item in items) + _lend.lock_chunk_ends(receiver._lent._region.lend_size)[0]
+    assert all(within_one(ranges, item) for item in items)  # each in one registration
+    assert all(address % os.sysconf("SC_PAGE_SIZE") == 0 for address, _ in ranges)
+
+
+def test_what_is_locked_grows_with_what_is_held_and_is_all_unlocked_once_released(locker):
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    items = []
+    try:
+        held = 2 * RING // ITEM  # the receiver's held bound (HOLD_FACTOR rings): all lent
+        for value in range(held):  # past the ring: the area grows into its later chunks
+            sender.send(filled(value))
+            items.append(receiver.recv(timeout=5))
+        ranges = registered(locker)
+        assert len(ranges) > 1
+        assert all(within_one(ranges, item) for item in items)
+        assert [int(item[0]) for item in items] == list(range(held))
+    finally:
+        del items
+        gc.collect()
+        locker.finish()
+        lending()
+        sender.close()
+        receiver.close()
+    assert registered(locker) == []  # every chunk unregistered, each once
+    assert locker.count("register") == locker.count("unregister")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_sender_never_places_an_extent_across_two_lock_chunks(seed):
+    """Buffers of random sizes, some given back at random: every extent lies within one
+    chunk, so a lent tensor is page-locked memory of one registration."""
+    rng = np.random.default_rng(seed)
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    try:
+        area = sender._area
+        ends = _lend.lock_chunk_ends(receiver._lent._region.lend_size)
+        starts = [0, *ends[:-1]]
+        held: list[int] = []
+        for _ in range(300):
+            size = int(rng.integers(_lend.LEND_MIN, 3 * RING // 2))
+            places = area.reserve([memoryview(np.empty(size, np.uint8))])
+            if places is not None:
+                offset, slot = places[0]
+                chunk = next(i for i, end in enumerate(ends) if offset < end)
+                assert starts[chunk] <= offset and offset + size <= ends[chunk], (offset, size, ends)
+                held.append(slot)
+            if held and (places is None or rng.random() < 0.5):
+                slot = held.pop(int(rng.integers(len(held))))
+                sender._region.ctl[_lend.SLOT_BASE + slot] = _lend.FREE  # the receiver gave it back
+                area.reap()
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_a_dropped_buffer_goes_back_only_after_its_fence_passes(channel, locker):
