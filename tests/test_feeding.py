@@ -266,7 +266,7 @@ class EventuallyPassing:
     def fence(self):
         return object()
 
-    def passed(self, token):
+    def passed(self, token, blocked):
         self.looks += 1
         return self.after is not None and self.looks >= self.after
 

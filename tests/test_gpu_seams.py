@@ -84,6 +84,7 @@ class FakeEvent:
         if fake.fail_query:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         fake.unsafe("query")
+        fake.queries += 1
         assert self.device is not None, "queried before it was recorded"
         return fake.finished.get(self.device, 0) >= self.serial
 
@@ -106,6 +107,8 @@ class FakeCuda:
         self.pinned: list[weakref.ref[torch.Tensor]] = []
         self.recorded_streams: list[tuple[torch.Tensor, FakeStream]] = []
         self.on_record: Any = None
+        self.defaults: dict[int, FakeStream] = {}
+        self.queries = 0
         # Threads that capture a graph in CUDA's global mode (torch.cuda.graph's default),
         # and the calls other threads made meanwhile without relaxing their own mode:
         # each of them would have invalidated that capture.
@@ -206,7 +209,10 @@ class FakeCuda:
 
     def current_stream(self, index) -> FakeStream:
         device = self._index(index)
-        return self._streams().get(device) or FakeStream(self, device, "default")
+        current = self._streams().get(device)
+        if current is None:  # the device's default stream, the same for every thread
+            current = self.defaults.setdefault(device, FakeStream(self, device, "default"))
+        return current
 
     @contextlib.contextmanager
     def stream_context(self, stream: FakeStream):
@@ -570,6 +576,43 @@ def test_loaders_made_one_after_another_do_not_accumulate_locked_memory(fake, mo
     assert len(fake.devices_called("register")) == len(fake.devices_called("unregister")) == 4
 
 
+@shm_only
+def test_a_look_asks_the_device_once_per_stream_however_many_fences_wait(fake, channel):
+    """Events on one stream pass in order: the first one not passed holds the later ones
+    back, and asking about them costs a query each for nothing."""
+    feed = feeding.open_feeding(True, None, 2)
+    try:
+        items = [lend_one(channel, value) for value in range(6)]
+        fake.work[0] = fake.work.get(0, 0) + 1  # a copy still running before the drops
+        del items
+        gc.collect()
+        assert lending().awaiting_device == 6
+        before = fake.queries
+        assert lending().awaiting_device == 6
+        assert fake.queries - before == 1
+        fake.finish()
+        assert lending().awaiting_device == 0
+        assert slots_lent(channel[1]) == 0
+    finally:
+        feed.close()
+
+
+def test_a_fence_on_another_stream_is_not_held_back_by_one_that_has_not_passed():
+    fake = FakeCuda()
+    locker = CudaPageLocker(calls=fake)
+    fake.contexts.add(0)
+    side = FakeStream(fake, 0, "side")
+    first = locker.fence()  # on the default stream
+    with fake.stream_context(side):
+        fake.work[0] = fake.work.get(0, 0) + 1
+        second = locker.fence()  # on the side stream
+    fake.finished[0] = second.events[0][2].serial  # the side stream's work is done...
+    first.events[0][2].serial = second.events[0][2].serial + 1  # ...the default stream's not
+    blocked: set = set()
+    assert locker.passed(first, blocked) is False
+    assert locker.passed(second, blocked) is True
+
+
 # -- a graph captured on another thread -------------------------------------------------------
 
 
@@ -604,7 +647,7 @@ def test_a_graph_captured_on_another_thread_is_not_broken_by_the_feeding(fake, c
         taker.start()
         taker.join(timeout=30)
         assert not taker.is_alive() and errors == []
-        assert fake.devices_called("register") == [0]
+        assert set(fake.devices_called("register")) == {0}
         assert any(call == "record" for call, _, thread in fake.calls if thread != threading.get_ident())
         assert fake.broke_capture == [], "a call of the feeding's thread invalidated the capture"
     finally:
@@ -632,7 +675,7 @@ class FailingLocker:
             raise RuntimeError("the device failed to record")
         return "fence"
 
-    def passed(self, token):
+    def passed(self, token, blocked):
         if self.passed_fails:
             raise RuntimeError("the device failed to answer")
         return token == "fence" and self.done

@@ -188,8 +188,11 @@ class PageLocker(Protocol):
     def fence(self) -> Any:
         """A token for the device work enqueued so far on the current stream."""
 
-    def passed(self, token: Any) -> bool:
-        """Whether that work has finished (never blocks; one that raises has not)."""
+    def passed(self, token: Any, blocked: set[Any]) -> bool:
+        """Whether that work has finished (never blocks; one that raises has not).
+        ``blocked``: one set per look over the waiting fences, in the order they were
+        made, for the locker to note what has not passed (a stream), so that it need not
+        ask about later fences behind it."""
 
     def allocate(self, nbytes: int) -> Any:
         """A writable buffer of ``nbytes`` page-locked bytes, for a buffer copied out."""
@@ -456,6 +459,7 @@ def _reap_awaiting() -> None:
         entries = h.awaiting
         count = len(entries)
         waiting, done = [], []
+        blocked: set[Any] = set()  # the locker's note of streams not passed yet, for this look
         for entry in entries[:count]:
             token, locker = entry[4], entry[1].locker
             if locker is not None and token is _UNRECORDED:
@@ -463,7 +467,7 @@ def _reap_awaiting() -> None:
                 waiting.append(entry)
                 continue
             try:
-                finished = locker is None or locker.passed(token)
+                finished = locker is None or locker.passed(token, blocked)
             except Exception:
                 finished = False
             (done if finished else waiting).append(entry)

@@ -53,7 +53,7 @@ class FakeLocker:
         self.issued += 1
         return self.issued
 
-    def passed(self, token: int) -> bool:
+    def passed(self, token: int, blocked: set) -> bool:
         hook, self.on_passed = self.on_passed, None
         if hook is not None:
             hook()

@@ -317,7 +317,8 @@ class _Fence:
     __slots__ = ("events",)
 
     def __init__(self) -> None:
-        self.events: list[tuple[int, Any]] | None = None  # (device, event on its current stream)
+        # (device, its current stream, an event recorded there)
+        self.events: list[tuple[int, Any, Any]] | None = None
 
 
 class CudaPageLocker:
@@ -387,15 +388,26 @@ class CudaPageLocker:
             self._record(fence)
         return fence
 
-    def passed(self, token: _Fence) -> bool:
+    def passed(self, token: _Fence, blocked: set[Any] | None = None) -> bool:
+        """Whether the fence passed. ``blocked`` (one set per look over fences made in
+        order) holds the streams seen with an event not yet passed: events on one stream
+        pass in order, so a later fence on such a stream has not passed either, and is not
+        asked (a look then costs a query per stream, not per fence waiting)."""
         with self._calls.relaxed():
             if token.events is None:
                 self._record(token)
                 return False  # recorded only now: the work before it is still to be passed
             try:
-                if self._capturing(index for index, _ in token.events):
+                if blocked and any(stream in blocked for _, stream, _ in token.events):
                     return False
-                return all(event.query() for _, event in token.events)
+                if self._capturing(index for index, _, _ in token.events):
+                    return False
+                for _, stream, event in token.events:
+                    if not event.query():
+                        if blocked is not None:
+                            blocked.add(stream)
+                        return False
+                return True
             except Exception:  # not known to have passed: asked again at the next look
                 return False
 
@@ -409,8 +421,9 @@ class CudaPageLocker:
             events = []
             for index in devices:
                 event = calls.new_event()
-                event.record(calls.current_stream(index))
-                events.append((index, event))
+                stream = calls.current_stream(index)
+                event.record(stream)
+                events.append((index, stream, event))
         except Exception:
             return
         fence.events = events
@@ -446,7 +459,8 @@ class CudaPageLocker:
         try:
             waiting = self._copies_waiting
             count = len(waiting)
-            waiting[:count] = [entry for entry in waiting[:count] if not self.passed(entry[1])]
+            blocked: set[Any] = set()
+            waiting[:count] = [entry for entry in waiting[:count] if not self.passed(entry[1], blocked)]
         finally:
             self._reaping.release()
 
