@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -195,7 +197,8 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         if self._feeding is not None:
             self._plan = self._plan._replace(delivery=self._feeding.delivery)
         self._runtime = open_runtime(datapipe, self._plan, self.options)
-        main = self._runtime.start()
+        with self._feeding.channels() if self._feeding is not None else contextlib.nullcontext():
+            main = self._runtime.start()  # only a pinning service's channels are page-locked
         self._family.started(self._runtime.figures)
         if self._feeding is not None:
             self._runtime.figures.feeding = self._feeding.counters

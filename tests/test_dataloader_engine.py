@@ -117,7 +117,7 @@ def fake_device(monkeypatch):
 
     from mprs_plus.runtime.main import feeding
 
-    def open_fake(pin_memory, device, ahead):
+    def open_fake(pin_memory, device, ahead, pin_memory_device=None):
         return feeding.Feeding(device, ahead, mover_factory=FakeMover)
 
     monkeypatch.setattr(feeding, "open_feeding", open_fake)

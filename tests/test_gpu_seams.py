@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import multiprocessing
+import sys
 import threading
 import weakref
 from typing import Any
@@ -108,6 +109,7 @@ class FakeCuda:
         self.recorded_streams: list[tuple[torch.Tensor, FakeStream]] = []
         self.on_record: Any = None
         self.defaults: dict[int, FakeStream] = {}
+        self.asked: list[str] = []  # device questions (each initialises CUDA in torch)
         self.queries = 0
         # Threads that capture a graph in CUDA's global mode (torch.cuda.graph's default),
         # and the calls other threads made meanwhile without relaxing their own mode:
@@ -171,9 +173,11 @@ class FakeCuda:
         return True
 
     def current_device(self) -> int:
+        self.asked.append("current_device")  # torch initialises CUDA for it
         return self._device()
 
     def set_device(self, index: int) -> None:
+        self.asked.append("set_device")
         self._local.device = index
         self.contexts.add(index)
 
@@ -187,6 +191,7 @@ class FakeCuda:
             self._local.device = before
 
     def devices_with_context(self) -> list[int]:
+        self.asked.append("devices_with_context")
         return sorted(self.contexts)
 
     def capturing(self, index: int) -> bool:
@@ -292,9 +297,17 @@ def fake(monkeypatch):
     assert lending().awaiting_device == 0
 
 
+def open_feed(*args):
+    """``open_feeding`` as a loader calls it, armed as at its first item (after the fork)."""
+    feed = feeding.open_feeding(*args)
+    feed.arm()
+    return feed
+
+
 @pytest.fixture
 def channel():
-    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=1 << 20)
+    with _lend.pinning_receivers():  # as a pinning loader makes its channels
+        sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=1 << 20)
     yield sender, receiver
     sender.close()
     receiver.close()
@@ -383,7 +396,7 @@ def test_a_refused_unregistration_leaves_no_cuda_error_either():
 @shm_only
 def test_items_arrive_intact_and_unlocked_when_the_device_refuses(fake, channel):
     fake.refuse.add("register")
-    feed = feeding.open_feeding(True, None, 2)
+    feed = open_feed(True, None, 2)
     got: list[np.ndarray] = []
     try:
         with pytest.warns(RuntimeWarning, match="refused"):
@@ -403,7 +416,7 @@ def test_items_arrive_intact_and_unlocked_when_the_device_refuses(fake, channel)
 @shm_only
 def test_pin_memory_alone_registers_on_the_device_current_when_the_loader_starts(fake, channel):
     fake.set_device(1)  # torch.cuda.set_device(rank) before iter(loader)
-    feed = feeding.open_feeding(True, None, 2)
+    feed = open_feed(True, None, 2)
     try:
         fake.set_device(0)  # whatever the thread that takes items has current later
         item = lend_one(channel)
@@ -417,7 +430,7 @@ def test_pin_memory_alone_registers_on_the_device_current_when_the_loader_starts
 def test_an_existing_context_is_used_rather_than_a_new_one_on_the_current_device(fake, channel):
     """A rank that moved its model to cuda:1 without set_device: no context on GPU 0."""
     fake.contexts.add(1)
-    feed = feeding.open_feeding(True, None, 2)
+    feed = open_feed(True, None, 2)
     try:
         item = lend_one(channel)
         assert fake.devices_called("register") == [1]
@@ -429,7 +442,7 @@ def test_an_existing_context_is_used_rather_than_a_new_one_on_the_current_device
 
 @shm_only
 def test_device_given_registers_there_whatever_is_current(fake, channel):
-    feed = feeding.open_feeding(True, "cuda:1", 2)
+    feed = open_feed(True, "cuda:1", 2)
     try:
         item = lend_one(channel)
         assert fake.devices_called("register") == [1]
@@ -443,7 +456,7 @@ def test_device_given_registers_there_whatever_is_current(fake, channel):
 def test_a_buffer_copied_to_another_device_goes_back_only_once_that_device_passed_it(fake, channel):
     """pin_memory=True alone, current device 0, the loop copies to cuda:1 (its
     ``.to(f"cuda:{rank}", non_blocking=True)``) and drops the host tensor at once."""
-    feed = feeding.open_feeding(True, None, 2)
+    feed = open_feed(True, None, 2)
     try:
         fake.contexts.update({0, 1})
         item = lend_one(channel)
@@ -465,7 +478,7 @@ def test_a_buffer_copied_to_another_device_goes_back_only_once_that_device_passe
 
 @shm_only
 def test_a_lent_buffer_viewed_at_an_offset_goes_back_only_after_the_views_copy(fake, channel):
-    feed = feeding.open_feeding(True, None, 2)
+    feed = open_feed(True, None, 2)
     try:
         item = lend_one(channel)
         view = torch.from_numpy(item)[4096:]  # the copy reads from here, not from the start
@@ -528,7 +541,7 @@ def test_a_pinned_copy_dropped_while_the_copies_are_reaped_is_kept_until_its_fen
 @shm_only
 @pytest.mark.parametrize("failure", ["capturing", "record_fails", "query_fails"])
 def test_a_fence_that_could_not_be_recorded_or_asked_never_counts_as_passed(fake, channel, failure):
-    feed = feeding.open_feeding(True, None, 2)
+    feed = open_feed(True, None, 2)
     try:
         item = lend_one(channel)
         if failure == "capturing":
@@ -559,8 +572,9 @@ def test_loaders_made_one_after_another_do_not_accumulate_locked_memory(fake, mo
     the close's bounded wait); once passed, the next loader's start gives the area back."""
     monkeypatch.setattr(feeding, "SETTLE", 0.05)
     for epoch in range(4):
-        feed = feeding.open_feeding(True, None, 2)
-        sender, receiver = open_channel(FORK, capacity_items=8, capacity_bytes=1 << 20)
+        feed = open_feed(True, None, 2)
+        with _lend.pinning_receivers():
+            sender, receiver = open_channel(FORK, capacity_items=8, capacity_bytes=1 << 20)
         item = lend_one((sender, receiver), epoch)
         fake.work[0] = fake.work.get(0, 0) + 1  # a copy still running
         del item
@@ -571,7 +585,7 @@ def test_loaders_made_one_after_another_do_not_accumulate_locked_memory(fake, mo
         locked = len(fake.devices_called("register")) - len(fake.devices_called("unregister"))
         assert locked <= 1, f"epoch {epoch}: {locked} lend areas still locked"
         fake.finish()  # the device passes it after the loader is gone
-    feeding.open_feeding(True, None, 2).close()
+    open_feed(True, None, 2).close()
     assert lending().awaiting_device == 0
     assert len(fake.devices_called("register")) == len(fake.devices_called("unregister")) == 4
 
@@ -580,7 +594,7 @@ def test_loaders_made_one_after_another_do_not_accumulate_locked_memory(fake, mo
 def test_a_look_asks_the_device_once_per_stream_however_many_fences_wait(fake, channel):
     """Events on one stream pass in order: the first one not passed holds the later ones
     back, and asking about them costs a query each for nothing."""
-    feed = feeding.open_feeding(True, None, 2)
+    feed = open_feed(True, None, 2)
     try:
         items = [lend_one(channel, value) for value in range(6)]
         fake.work[0] = fake.work.get(0, 0) + 1  # a copy still running before the drops
@@ -613,6 +627,77 @@ def test_a_fence_on_another_stream_is_not_held_back_by_one_that_has_not_passed()
     assert locker.passed(second, blocked) is True
 
 
+# -- the feeding's life: CUDA after the fork, one close, only its own channels -----------------
+
+
+def test_a_feeding_closed_twice_leaves_another_loaders_pinning_on(fake):
+    """A loader's finalizer and its stop() both close its feeding: the second close must
+    not take the page-locking away from another loader that still runs."""
+    first, second = open_feed(True, None, 2), open_feed(True, None, 2)
+    first.close()
+    first.close()
+    assert _lend._locker is not None, "the other loader's channels would no longer be page-locked"
+    second.close()
+    assert _lend._locker is None
+
+
+@shm_only
+def test_a_loader_that_did_not_ask_for_pinning_is_neither_registered_nor_fenced(fake):
+    feed = open_feed(True, None, 2)
+    sender, receiver = open_channel(FORK, capacity_items=8, capacity_bytes=1 << 20)  # another loader's
+    try:
+        item = lend_one((sender, receiver))
+        del item
+        gc.collect()
+        assert fake.devices_called("register") == []
+        assert lending().awaiting_device == 0  # given back at once, no fence
+        assert slots_lent(receiver) == 0
+    finally:
+        sender.close()
+        receiver.close()
+        feed.close()
+
+
+@shm_only
+def test_pin_memory_device_names_the_device_registered_for(fake, channel):
+    feed = open_feed(True, None, 2, "cuda:1")
+    try:
+        item = lend_one(channel)
+        assert set(fake.devices_called("register")) == {1}
+        del item
+    finally:
+        feed.close()
+
+
+WORKERS_SEE: FakeCuda | None = None  # the fake device, as a forked worker inherits it
+
+
+class DeviceQuestionsAtFork(torch.utils.data.Dataset):
+    """Each item: how many questions the main process had asked the device when the
+    worker was forked."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return len(WORKERS_SEE.asked)
+
+
+def test_no_cuda_call_is_made_before_the_workers_fork(fake, monkeypatch):
+    """torch's DataLoader forks its workers before it asks for the current device: a
+    process whose CUDA is initialised leaves forked children unable to use it."""
+    import mprs_plus
+
+    monkeypatch.setattr(sys.modules[__name__], "WORKERS_SEE", fake)
+    loader = mprs_plus.DataLoader(
+        DeviceQuestionsAtFork(), batch_size=None, num_workers=2, multiprocessing_context="fork", pin_memory=True
+    )
+    assert fake.asked == []  # making the iterator asks nothing yet
+    got = list(loader)
+    assert got == [0, 0]
+    assert "current_device" in fake.asked or "devices_with_context" in fake.asked  # asked after the fork
+
+
 # -- a graph captured on another thread -------------------------------------------------------
 
 
@@ -623,7 +708,7 @@ def test_a_graph_captured_on_another_thread_is_not_broken_by_the_feeding(fake, c
     while another thread (torchdata's pin_memory() prefetcher, a loop's helper) takes
     items: the first lend's registration, the fences and their queries, a pinned copy,
     and the device feed's copies must all leave the capture valid."""
-    feed = feeding.open_feeding(True, "cuda:0" if mode == "device" else None, 2)
+    feed = open_feed(True, "cuda:0" if mode == "device" else None, 2)
     fake.capturing_globally.add(threading.get_ident())  # this thread captures from now on
     errors: list[BaseException] = []
 

@@ -7,6 +7,7 @@ stops itself once unreachable (``ServiceRuntime``'s finalizer), and so does the 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -26,30 +27,32 @@ class LoaderRun:
         options = loader._options()
         stage = LoaderStage(loader._job())
         self.plan = plan(stage, loader.num_workers)
-        self.feeding = open_feeding(options)
+        self.feeding = open_feeding(options, loader.pin_memory_device)
+        self._close_feeding: Any = None
         if self.feeding is not None:
             self.plan = self.plan._replace(delivery=self.feeding.delivery)
         self.runtime = open_runtime(stage, self.plan, options)
-        main = self.runtime.start()
+        with self.feeding.channels() if self.feeding is not None else contextlib.nullcontext():
+            main = self.runtime.start()
         loader._family.started(self.runtime.figures)
         if self.feeding is not None:
             self.runtime.figures.feeding = self.feeding.counters
             main = self.feeding.wrap(main)
-            weakref.finalize(self, self.feeding.close)
+            # Closed once: by this finalizer, or by stop() calling it.
+            self._close_feeding = weakref.finalize(self, self.feeding.close)
         self.main = main
 
     def stop(self) -> None:
         self.runtime.stop()
-        feeding, self.feeding = self.feeding, None
-        if feeding is not None:
-            feeding.close()
+        if self._close_feeding is not None:
+            self._close_feeding()
 
 
-def open_feeding(options: Any) -> Any:
+def open_feeding(options: Any, pin_memory_device: str = "") -> Any:
     """``pin_memory`` / ``device``: the runtime's feeding, None where none is asked for (or,
     with a warning, where there is no accelerator)."""
     if not options.pin_memory:
         return None
     from ..runtime.main.feeding import open_feeding as open_runtime_feeding
 
-    return open_runtime_feeding(options.pin_memory, options.device, options.device_prefetch)
+    return open_runtime_feeding(options.pin_memory, options.device, options.device_prefetch, pin_memory_device or None)

@@ -132,10 +132,12 @@ those it copied in, in the control page (``LENT_IN_PLACE``, ``LENT_COPIED``), so
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from ._memory import PAGE, SharedRegion
@@ -199,13 +201,29 @@ class PageLocker(Protocol):
 
 
 _locker: PageLocker | None = None
+_marked_only = False  # lock only the receivers made inside ``pinning_receivers()``
+_marking = threading.local()  # .depth: how many ``pinning_receivers()`` this thread is inside
 
 
-def lock_pages_with(locker: PageLocker | None) -> None:
+def lock_pages_with(locker: PageLocker | None, marked_only: bool = False) -> None:
     """From now on, receivers of this process lend page-locked memory through ``locker``
-    (None: receivers that lend from now on do not lock). A forked child starts with None."""
-    global _locker
-    _locker = locker
+    (None: receivers that lend from now on do not lock): every receiver, or with
+    ``marked_only`` those made inside ``pinning_receivers()`` (the channels of a loader
+    that asked for pinning, not those of another loader in the same process). A forked
+    child starts with None."""
+    global _locker, _marked_only
+    _locker, _marked_only = locker, marked_only
+
+
+@contextlib.contextmanager
+def pinning_receivers() -> Iterator[None]:
+    """Receivers made in this context (on this thread) are page-locked while a locker is
+    installed with ``marked_only``."""
+    _marking.depth = getattr(_marking, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _marking.depth -= 1
 
 
 class _Holding:
@@ -804,6 +822,7 @@ class LentViews:
         self._locked_chunks: dict[int, int] = {}  # chunk index -> address registered
         self._locked_pid = 0  # the process that registered them
         self._lock_refused = False  # a registration was refused: lend the rest unlocked
+        self._marked = bool(getattr(_marking, "depth", 0))  # made for a loader that pins
         self._base = 0  # the area's address in this process, once known
         self.retired = False
         region.before_release.append(self._retire)
@@ -864,7 +883,7 @@ class LentViews:
 
             self._frombuffer = numpy.frombuffer
             uint8 = self._uint8 = numpy.dtype(numpy.uint8)
-        if _locker is not None and not self._lock_refused:
+        if _locker is not None and not self._lock_refused and (self._marked or not _marked_only):
             self._lock(_locker, offset)
         if holding.awaiting:
             _reap_awaiting()

@@ -53,7 +53,7 @@ from torch.utils.data import IterDataPipe
 
 from ...transport import lending
 from ...user_frame import warn
-from ...transport._lend import lock_pages_with
+from ...transport._lend import lock_pages_with, pinning_receivers
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device context
 # Seconds a closing feed gives copies still in flight to finish, so that the lend areas they
@@ -648,7 +648,15 @@ FedPipe.__iter__ = _iterate_fed  # type: ignore[method-assign]
 
 
 class Feeding:
-    """The service's feeding, as the options ask: ``wrap`` the main segment with it."""
+    """The service's feeding, as the options ask: ``wrap`` the main segment with it, and
+    make the service's channels inside ``channels()``.
+
+    No CUDA call is made until the first item is taken (``arm``): under fork, the
+    workers start with the first epoch, and a process whose CUDA is initialised leaves
+    its forked children unable to use it (torch's DataLoader, too, forks its workers
+    before it asks for the current device). The device is resolved then, and the
+    process's locker installed for this feeding; ``close`` undoes that once, however
+    often it is called (a loader's finalizer and its ``stop()`` both call it)."""
 
     def __init__(
         self,
@@ -656,13 +664,17 @@ class Feeding:
         ahead: int,
         mover_factory: Callable[[Any, FeedCounters], Any] | None = None,
         calls: Any = None,
+        pin_device: Any = None,
     ) -> None:
         self.counters = FeedCounters(device=str(device) if device is not None else "")
         self.ahead = ahead if device is not None else 0
         self._device = device
+        self._pin_device = pin_device  # pin_memory_device, when the loader names one
         self._calls = calls
         self._mover: Any = None
         self._mover_factory = mover_factory or CudaMover
+        self._armed = False
+        self._lease: list[bool] = []  # [True] while this feeding holds the locker: popped once
 
     @property
     def delivery(self) -> str:
@@ -674,10 +686,33 @@ class Feeding:
             "items ahead of the loop, from page-locked memory"
         )
 
+    def channels(self) -> Any:
+        """A context in which the service's channels are made: only theirs are page-locked."""
+        return pinning_receivers()
+
     def wrap(self, main: Any) -> FedPipe:
         return main if isinstance(main, FedPipe) else FedPipe(main, self)
 
+    def arm(self) -> None:
+        """Resolve the device and install the locker: at the first item, after the fork."""
+        if self._armed or self._calls is None:
+            return
+        self._armed = True
+        calls = self._calls
+        lending()  # gives back what an earlier service left waiting, if its fences passed by now
+        if self._device is not None:
+            self._device = resolve_device(self._device, calls)
+            self.counters.device = str(self._device)
+            index = self._device.index
+        elif self._pin_device is not None:
+            index = resolve_device(self._pin_device, calls).index
+        else:
+            index = pin_device(calls)
+        _install_locker(calls, index)
+        self._lease.append(True)
+
     def iterate(self, main: Any) -> Iterator[Any]:
+        self.arm()
         if self._device is None:
             return pin_each(main, self.counters, self._calls)
         if self._mover is None:
@@ -690,10 +725,14 @@ class Feeding:
         waits), then stop page-locking if no other service of this process asks for it.
         What still waits then goes back at the next look: the next loader's start, or any
         lend, copy or drop (``_lend.py``); never from a thread of ours, whose event queries
-        could break a CUDA graph another thread captures."""
+        could break a CUDA graph another thread captures. Idempotent."""
         deadline = time.monotonic() + SETTLE
         while _still_waiting() and time.monotonic() < deadline:
             time.sleep(_SETTLE_POLL)  # a bounded poll of the device's events: nothing to wait on
+        try:
+            self._lease.pop()  # atomic: of two closes racing, one releases
+        except IndexError:
+            return
         _release_locker()
 
 
@@ -721,7 +760,7 @@ def _install_locker(calls: Any, device: int) -> None:
         else:
             _the_locker.devices.add(device)
         if _lockers == 0:
-            lock_pages_with(_the_locker)
+            lock_pages_with(_the_locker, marked_only=True)  # only the pinning loaders' channels
         _lockers += 1
 
 
@@ -735,9 +774,12 @@ def _release_locker() -> None:
             lock_pages_with(None)  # areas locked so far stay so until their channels go
 
 
-def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
+def open_feeding(pin_memory: bool, device: Any, ahead: int, pin_memory_device: Any = None) -> Feeding | None:
     """The feeding ``pin_memory`` and ``device`` ask for, None when they ask for none or
-    (with a warning, as torch's DataLoader) when there is no accelerator to pin for."""
+    (with a warning, as torch's DataLoader) when there is no accelerator to pin for.
+    ``pin_memory_device`` (torch's DataLoader argument): the CUDA device to pin for when
+    ``device`` is not given; another accelerator's is not supported (a warning, and
+    items are pinned for the CUDA device current at the first item)."""
     if not pin_memory:
         return None
     calls = CudaCalls()
@@ -753,8 +795,26 @@ def open_feeding(pin_memory: bool, device: Any, ahead: int) -> Feeding | None:
             UserWarning,
         )
         return None
-    lending()  # gives back what an earlier service left waiting, if its fences passed by now
-    # Resolved now, when the loader's iterator is made, as torch's DataLoader fixes its pin device.
-    resolved = resolve_device(device, calls) if device is not None else None
-    _install_locker(calls, resolved.index if resolved is not None else pin_device(calls))
-    return Feeding(resolved, ahead, mover_factory=lambda where, counters: CudaMover(where, counters, calls), calls=calls)
+    pin_for = None
+    if pin_memory_device:
+        import torch
+
+        try:
+            pin_for = torch.device(pin_memory_device)
+        except (RuntimeError, TypeError):
+            pin_for = None
+        if pin_for is None or pin_for.type != "cuda":
+            warn(
+                f"pin_memory_device={pin_memory_device!r}: only CUDA devices are supported; items are pinned "
+                "for the CUDA device current when the first item is taken. Leave pin_memory_device unset, "
+                "or name a CUDA device ('cuda:1').",
+                UserWarning,
+            )
+            pin_for = None
+    return Feeding(
+        device,
+        ahead,
+        mover_factory=lambda where, counters: CudaMover(where, counters, calls),
+        calls=calls,
+        pin_device=pin_for,
+    )
