@@ -81,8 +81,9 @@ Fork: a child keeps the bytes it inherited, and its writes stay its own
 
 Page-locked lend areas: a copy to a device may still read an extent the user dropped
     A process that installs a ``PageLocker`` (``lock_pages_with``; the runtime does, in the
-    training process, for ``pin_memory=True``) page-locks the lend area of each of its
-    receivers as it lends from it, one chunk at a time (``lock_chunk_ends``: chunks that
+    training process, for ``pin_memory=True``, for the receivers it makes inside
+    ``pinning_receivers()`` only) page-locks the lend area of each such receiver as it
+    lends from it, one chunk at a time (``lock_chunk_ends``: chunks that
     double in size, each locked when a buffer is first lent from it; the sender never
     places an extent across two, nor lends a buffer larger than the largest), so that
     the memory locked follows what the channel uses, and every lent buffer is page-locked
