@@ -25,9 +25,14 @@ the clock starts after a warm-up and stops after a synchronize. The overlap case
 step time with data to the same steps without any.
 
 The corruption check streams items whose every 4 bytes hold the item's index; the loop
-drops each host tensor right after its non-blocking copy while the workers refill as fast
-as they can, and every item kept on the GPU is compared with its pattern at the end. A
-mismatch makes the exit status 1; speed is reported, never asserted.
+enqueues each copy behind a GPU sleep on its stream (``torch.cuda._sleep``: the copy runs
+late) and drops the host tensor at once, while the workers refill as fast as they can;
+every item kept on the GPU is compared with its pattern at the end. It runs on whole
+tensors, on views at an offset into them, and on 4-128 KiB tensors (pinned copies), and
+once more with every release fence passed at once, which must find damage: that shows the
+check can fail. A mismatch in the real runs makes the exit status 1; speed is reported,
+never asserted. Each figure is written (JSON and Markdown) as soon as it is measured;
+``--budget`` skips, and names, what would not fit in the time given.
 
 Without CUDA it says so in one line and exits 0; ``--check-cpu`` then runs the mprs_plus
 contenders, the overlap case and the corruption check on the CPU with tiny items, which
@@ -37,6 +42,7 @@ checks the machinery only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import inspect
@@ -142,7 +148,7 @@ def delivers_on_device(contender: str) -> bool:
 
 
 def open_loader(
-    contender: str, nbytes: int, count: int, settings: harness.Settings, device: torch.device
+    contender: str, nbytes: int, count: int, settings: harness.Settings, device: torch.device, small: bool = False
 ) -> harness.Loader:
     workers, context = settings.num_workers, settings.context
     if contender in (TORCH, TORCH_PIN):
@@ -157,7 +163,7 @@ def open_loader(
     from torchdata.dataloader2 import DataLoader2
     from torchdata.datapipes.iter import IterableWrapper
 
-    pipe = IterableWrapper(range(count)).sharding_filter().map(Make(nbytes))
+    pipe = IterableWrapper(range(count)).sharding_filter().map(MakeSmall() if small else Make(nbytes))
     if contender in OURS:
         from mprs_plus import MultiProcessingReadingService
 
@@ -326,25 +332,84 @@ def overlap(
     return {"step_ms": elapsed / steps * 1e3, "steps": steps, "problems": problems}
 
 
+CHECK_WHOLE, CHECK_OFFSET, CHECK_SMALL = "whole tensors", "offset views", "4-128 KiB tensors"
+CHECK_VARIANTS = (CHECK_WHOLE, CHECK_OFFSET, CHECK_SMALL)
+SMALL_SIZES = tuple(4096 << k for k in range(6))  # 4 KiB .. 128 KiB: under the lend threshold
+OFFSET = 4096  # bytes the offset view starts after its item's start
+
+
+class MakeSmall:
+    """``(index, [tensors of 4 KiB .. 128 KiB])``, each with the index in every 4 bytes."""
+
+    def __call__(self, index: int) -> tuple[int, list[torch.Tensor]]:
+        return index, [make_item(index, nbytes) for nbytes in SMALL_SIZES]
+
+
+@contextlib.contextmanager
+def fences_off() -> Iterator[None]:
+    """Every release fence of this process passes at once: what a missing fence would do.
+    The corruption check must then fail, which shows that it can."""
+    from mprs_plus.runtime.main import feeding
+
+    original = feeding.CudaPageLocker.fence
+
+    def passed_at_once(self: Any) -> Any:
+        fence = feeding._Fence()
+        fence.events = []
+        return fence
+
+    feeding.CudaPageLocker.fence = passed_at_once
+    try:
+        yield
+    finally:
+        feeding.CudaPageLocker.fence = original
+
+
 def corruption_check(
-    contender: str, nbytes: int, items: int, settings: harness.Settings, target: Target
+    contender: str,
+    nbytes: int,
+    items: int,
+    settings: harness.Settings,
+    target: Target,
+    variant: str = CHECK_WHOLE,
+    delay_cycles: int = 0,
 ) -> dict[str, Any]:
-    """Every item kept on the device, each host tensor dropped right after its copy; then
-    every kept item compared with the pattern its worker wrote."""
+    """Every item kept on the device, each host tensor dropped right after its copy was
+    enqueued behind ``delay_cycles`` of GPU sleep on the loop's stream (the copy runs late,
+    while the workers refill extents as fast as they can); then every kept item compared
+    with the pattern its worker wrote. ``variant``: whole tensors, views at an offset into
+    them (the copy reads from inside the buffer), or 4-128 KiB tensors (pinned copies)."""
     on_device = delivers_on_device(contender)
-    loader = open_loader(contender, nbytes, items, settings, target.device)
-    kept: list[tuple[int, torch.Tensor]] = []
+    loader = open_loader(contender, nbytes, items, settings, target.device, small=variant == CHECK_SMALL)
+    kept: list[tuple[int, Any]] = []
     problems = []
     try:
         for index, x in loader:
-            kept.append((index, target.move(x, on_device)))
+            if delay_cycles and target.cuda:
+                torch.cuda._sleep(delay_cycles)  # the copy below waits behind this on the loop's stream
+            if variant == CHECK_SMALL:
+                kept.append((index, [target.move(t, on_device) for t in x]))
+            elif variant == CHECK_OFFSET:
+                kept.append((index, target.move(x[OFFSET:], on_device)))
+            else:
+                kept.append((index, target.move(x, on_device)))
             del x  # its extent may be refilled at once: the copy must be done before that
     finally:
         problem = harness.close_within(loader, settings)
         if problem:
             problems.append(problem)
     target.synchronize()
-    damaged = [index for index, tensor in kept if not intact(index, tensor, nbytes)]
+
+    def whole(index: int, moved: Any) -> bool:
+        if variant == CHECK_SMALL:
+            return [t.numel() for t in moved] == list(SMALL_SIZES) and all(
+                bool(t.view(torch.int32).eq(index).all()) for t in moved
+            )
+        if variant == CHECK_OFFSET:
+            return moved.numel() == nbytes - OFFSET and bool(moved.view(torch.int32).eq(index).all())
+        return intact(index, moved, nbytes)
+
+    damaged = [index for index, moved in kept if not whole(index, moved)]
     indices = sorted(index for index, _ in kept)
     return {
         "items": len(kept),
@@ -377,7 +442,21 @@ def guarded(
             record.setdefault("errors", []).append(f"{what}: processes left running after the shutdown: {killed}")
 
 
-def run(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+class Budget:
+    """Seconds the run may still take: a measurement that would not fit is skipped and
+    said so, so that a bounded caller (a device lent for minutes) gets every figure that
+    fits rather than none."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.end = None if seconds is None else time.perf_counter() + seconds
+
+    def allows(self, needed_s: float) -> bool:
+        return self.end is None or time.perf_counter() + needed_s <= self.end
+
+
+def run(args: argparse.Namespace, target: Target, save: Callable[[dict[str, Any]], None] = lambda record: None) -> dict[str, Any]:
+    """Every measurement, most wanted first (throughput, the corruption checks, then the
+    overlap); ``save(record)`` after each one, so that a run cut off keeps what it measured."""
     settings = harness.Settings(
         num_workers=args.workers,
         context=args.context,
@@ -388,15 +467,30 @@ def run(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     sizes = [int(mib * MiB) for mib in args.sizes]
     contenders = [c for c in args.contenders if not missing(c, target.device)]
     limit_s = args.seconds * 4 + 90  # start-up, warm-up, timed streaming, shutdown
+    budget = Budget(args.budget)
+    expected_s = args.seconds + 12  # what one measurement usually takes: start, warm-up, stop
     record: dict[str, Any] = {
         "environment": {**harness.environment(settings), **device_environment(target)},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "not_run": {c: missing(c, target.device) for c in args.contenders if missing(c, target.device)},
         "throughput": {str(n): {c: [] for c in (*contenders, COPY_PINNED, COPY_PAGEABLE)} for n in sizes},
+        "first_item_s": {c: [] for c in contenders},
         "overlap": {},
         "check": {},
+        "skipped": [],
     }
     started = time.perf_counter()
+
+    def measure(what: str, needed_s: float, limit: float, run_one: Callable[[], Any]) -> Any:
+        if not budget.allows(needed_s):
+            record["skipped"].append(what)
+            save(record)
+            return None
+        found = guarded(what, limit, settings, record, run_one)
+        record["wall_s"] = time.perf_counter() - started
+        save(record)
+        return found
+
     if not args.check:
         for rep in range(args.repetitions):
             shift = rep % len(contenders) if contenders else 0
@@ -404,47 +498,78 @@ def run(args: argparse.Namespace, target: Target) -> dict[str, Any]:
             for nbytes in sizes:
                 cells = record["throughput"][str(nbytes)]
                 for pinned, name in ((True, COPY_PINNED), (False, COPY_PAGEABLE)):
-                    measure = functools.partial(copy_limit, nbytes, pinned, target, args.seconds / 2)
-                    value = guarded(name, limit_s, settings, record, measure)
+                    copy = functools.partial(copy_limit, nbytes, pinned, target, args.seconds / 2)
+                    value = measure(name, args.seconds, limit_s, copy)
                     if value is not None:
                         cells[name].append(value)
                 for contender in order:
                     what = f"{contender} {nbytes / MiB:g} MiB rep {rep + 1}"
-                    measure = functools.partial(stream, contender, nbytes, settings, target, args.seconds, args.items)
-                    found = guarded(what, limit_s, settings, record, measure)
+                    one = functools.partial(stream, contender, nbytes, settings, target, args.seconds, args.items)
+                    found = measure(what, expected_s, limit_s, one)
                     if found is not None:
                         cells[contender].append(found["gbps"])
+                        record["first_item_s"][contender].append(found["first_item_s"])
                         record.setdefault("details", []).append({"what": what, **found})
                 print(f"rep {rep + 1}/{args.repetitions}, {nbytes / MiB:g} MiB: done", file=sys.stderr, flush=True)
-        if not args.no_overlap:
-            record["overlap"] = run_overlap(args, settings, target, limit_s, record)
     if not args.no_check:
         nbytes = int(args.check_mib * MiB)
-        for contender in [c for c in OURS if c in contenders]:
-            measure = functools.partial(corruption_check, contender, nbytes, args.check_items, settings, target)
-            found = guarded(f"check {contender}", limit_s + 60, settings, record, measure)
-            record["check"][contender] = found or {"passed": False, "items": 0, "problems": ["it failed: see errors"]}
+        delay = 0 if not target.cuda else args.check_delay_cycles
+        for variant in CHECK_VARIANTS:
+            for contender in [c for c in OURS if c in contenders]:
+                if variant != CHECK_WHOLE and contender == MPRS:
+                    continue  # pageable copies are synchronous: nothing to check beyond whole tensors
+                name = f"{contender}, {variant}"
+                one = functools.partial(
+                    corruption_check, contender, nbytes, args.check_items, settings, target, variant, delay
+                )
+                found = measure(f"check {name}", expected_s + 10, limit_s + 60, one)
+                if found is not None:
+                    record["check"][name] = found
+                elif f"check {name}" not in record["skipped"]:
+                    record["check"][name] = {"passed": False, "items": 0, "problems": ["it failed: see errors"]}
+                    save(record)
+        if target.cuda and MPRS_PIN in contenders:
+            # The same check with every fence passed at once must find damage: it can fail.
+            def without_fences() -> dict[str, Any]:
+                with fences_off():
+                    return corruption_check(MPRS_PIN, nbytes, args.check_items, settings, target, CHECK_WHOLE, delay)
+
+            found = measure("check without fences", expected_s + 10, limit_s + 60, without_fences)
+            if found is not None:
+                record["check_power"] = found
+                save(record)
+    if not args.check and not args.no_overlap:
+        record["overlap"] = run_overlap(args, settings, target, limit_s, record, measure, expected_s)
+        save(record)
     record["wall_s"] = time.perf_counter() - started
+    save(record)
     return record
 
 
 def run_overlap(
-    args: argparse.Namespace, settings: harness.Settings, target: Target, limit_s: float, record: dict[str, Any]
+    args: argparse.Namespace,
+    settings: harness.Settings,
+    target: Target,
+    limit_s: float,
+    record: dict[str, Any],
+    measure: Callable[..., Any],
+    expected_s: float,
 ) -> dict[str, Any]:
     nbytes = int(args.overlap_mib * MiB)
     step = Step.calibrated(target, args.step_ms)
     contenders = [c for c in OVERLAP_CONTENDERS if c in args.contenders and not missing(c, target.device)]
     found: dict[str, list[float]] = {"compute alone": [], **{c: [] for c in contenders}}
+    over = record["overlap"] = {"item_bytes": nbytes, "matrix": step.a.shape[0], "step_ms": found}
     for rep in range(args.repetitions):
         shift = rep % (len(contenders) + 1)
         order = [None, *contenders][shift:] + [None, *contenders][:shift]
         for contender in order:
             name = contender or "compute alone"
-            measure = functools.partial(overlap, contender, step, nbytes, settings, target, args.seconds)
-            result = guarded(f"overlap {name}", limit_s, settings, record, measure)
+            one = functools.partial(overlap, contender, step, nbytes, settings, target, args.seconds)
+            result = measure(f"overlap {name}", expected_s, limit_s, one)
             if result is not None:
                 found[name].append(result["step_ms"])
-    return {"item_bytes": nbytes, "matrix": step.a.shape[0], "step_ms": found}
+    return over
 
 
 def device_environment(target: Target) -> dict[str, Any]:
@@ -487,6 +612,26 @@ def report(record: dict[str, Any]) -> str:
         for nbytes, cells in record["throughput"].items():
             lines.append(f"| {int(nbytes) / MiB:g} MiB | " + " | ".join(spread(cells[c]) for c in columns) + " |")
         lines.append("")
+        for nbytes, cells in record["throughput"].items():
+            limit = statistics.median(cells[COPY_PINNED]) if cells.get(COPY_PINNED) else None
+            ratios = [
+                f"{c} {statistics.median(v) / limit:.2f}x"
+                for c, v in cells.items()
+                if v and limit and c not in (COPY_PINNED, COPY_PAGEABLE)
+            ]
+            if ratios:
+                lines.append(
+                    f"- {int(nbytes) / MiB:g} MiB, as a share of the pinned copy limit ({limit:.1f} GB/s, median): "
+                    + ", ".join(ratios)
+                )
+        lines.append("")
+    firsts = {c: v for c, v in record.get("first_item_s", {}).items() if v}
+    if firsts:
+        lines.append(
+            "First item (seconds from making the loader to the first item on the device, median): "
+            + ", ".join(f"{c} {statistics.median(v):.2f}" for c, v in firsts.items())
+        )
+        lines.append("")
     if record["overlap"]:
         over = record["overlap"]
         alone = statistics.median(over["step_ms"]["compute alone"]) if over["step_ms"]["compute alone"] else None
@@ -501,15 +646,31 @@ def report(record: dict[str, Any]) -> str:
             lines.append(f"- {name}: {statistics.median(values):.2f}{ratio}" if values else f"- {name}: failed")
         lines.append("")
     if record["check"]:
-        lines += ["Corruption check (host tensor dropped right after its non-blocking copy):", ""]
-        for contender, found in record["check"].items():
+        delay = record["settings"].get("check_delay_cycles", 0)
+        lines += [
+            f"Corruption check (each copy enqueued behind {delay} cycles of GPU sleep on the loop's stream, "
+            "the host tensor dropped at once):",
+            "",
+        ]
+        for name, found in record["check"].items():
             verdict = "passed" if found.get("passed") else "FAILED"
             count = found.get("damaged_count")
             damaged = f", damaged: {count} (first {found['damaged']})" if count else ""
-            lines.append(f"- {contender}: {verdict}, {found.get('items', 0)} items{damaged}")
+            lines.append(f"- {name}: {verdict}, {found.get('items', 0)} items{damaged}")
+        power = record.get("check_power")
+        if power is not None:
+            count = power.get("damaged_count", 0)
+            verdict = (
+                f"{count} of {power.get('items', 0)} items damaged: the check can fail"
+                if count
+                else "no damage found: on this run the check could not tell a missing fence"
+            )
+            lines.append(f"- {MPRS_PIN} with every fence passed at once: {verdict}")
         lines.append("")
     for contender, why in record["not_run"].items():
         lines.append(f"- {contender}: not run ({why})")
+    for what in record.get("skipped", []):
+        lines.append(f"- skipped (the time budget ran out): {what}")
     for error in record.get("errors", []):
         lines.append(f"- error: {error}")
     return "\n".join(lines).rstrip() + "\n"
@@ -518,8 +679,10 @@ def report(record: dict[str, Any]) -> str:
 def write(record: dict[str, Any], text: str, out: Path, name: str) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{name}.json", "markdown": out / f"{name}.md"}
-    paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    paths["markdown"].write_text(text, encoding="utf-8")
+    for path, content in ((paths["json"], json.dumps(record, indent=2, default=str) + "\n"), (paths["markdown"], text)):
+        partial = path.with_suffix(path.suffix + ".partial")
+        partial.write_text(content, encoding="utf-8")
+        partial.replace(path)  # whole or the previous one: never half a file
     return paths
 
 
@@ -565,6 +728,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check-items", type=int, default=512, help="items of the corruption check, all kept on the device (default 512)",
     )
+    parser.add_argument(
+        "--check-delay-cycles",
+        type=int,
+        default=2_000_000,
+        help="GPU sleep before each checked copy, in cycles (default 2e6, about 1 ms)",
+    )
+    parser.add_argument("--budget", type=float, default=None, help="seconds the run may take: what would not fit is skipped")
     parser.add_argument("--check-cpu", action="store_true", help="smoke run on the CPU: mprs_plus contenders, tiny items")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder (default benchmarks/results)")
     return parser
@@ -591,11 +761,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     else:
         target = Target(torch.device("cuda", torch.cuda.current_device()))
-    record = run(args, target)
+    name = f"gpu-feed-{datetime.now():%Y%m%d-%H%M%S}{'-cpu' if args.check_cpu else ''}"
+
+    def save(record: dict[str, Any]) -> None:  # after every measurement: a cut-off keeps what was measured
+        write(record, report(record), args.out, name)
+
+    record = run(args, target, save)
     text = report(record)
     print(text)
-    stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    for kind, path in write(record, text, args.out, f"gpu-feed-{stamp}{'-cpu' if args.check_cpu else ''}").items():
+    for kind, path in write(record, text, args.out, name).items():
         print(f"{kind:>8}: {path}")
     failed = [c for c, found in record["check"].items() if not found.get("passed")]
     if failed:

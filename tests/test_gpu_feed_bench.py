@@ -45,7 +45,11 @@ def test_the_cpu_smoke_run_measures_and_checks_the_mprs_plus_contenders(tmp_path
     for cells in record["throughput"].values():
         assert {c for c, values in cells.items() if values and c in ran} == ran
         assert all(value > 0 for values in cells.values() for value in values)
-    assert set(record["check"]) == ran and all(record["check"][c]["passed"] for c in ran)
+    checked = {f"{c}, whole tensors" for c in ran} | {
+        f"{c}, {variant}" for c in ran - {"mprs_plus"} for variant in ("offset views", "4-128 KiB tensors")
+    }
+    assert set(record["check"]) == checked and all(found["passed"] for found in record["check"].values())
+    assert record["skipped"] == []
     assert set(record["overlap"]["step_ms"]) == {"compute alone", *ran}
     assert "mprs_plus+device: not run" in done.stdout  # device= needs CUDA
 
@@ -56,3 +60,24 @@ def test_without_cuda_a_plain_run_says_so_in_one_line(tmp_path):
     assert done.stdout.strip().splitlines() == [done.stdout.strip()]
     assert "needs a CUDA device" in done.stdout
     assert not list(tmp_path.iterdir())
+
+
+def test_each_figure_is_saved_as_measured_and_what_the_budget_leaves_out_is_named(tmp_path, monkeypatch):
+    """A bounded caller (a device lent for minutes) keeps every figure measured before a
+    cut-off: the run saves after each measurement, and skips, naming them, those that
+    would not fit."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import gpu_feed
+    finally:
+        sys.path.remove(str(ROOT))
+    args = gpu_feed.build_parser().parse_args(["--check-cpu", "--out", str(tmp_path), "--budget", "0"])
+    args.workers, args.repetitions, args.seconds = 1, 1, 0.1
+    args.sizes, args.overlap_mib, args.check_mib, args.check_items = (0.25,), 0.25, 0.25, 4
+    args.contenders = ("mprs_plus",)
+    saved: list[int] = []
+    record = gpu_feed.run(args, gpu_feed.Target(torch.device("cpu")), lambda r: saved.append(len(r["skipped"])))
+    assert "mprs_plus 0.25 MiB rep 1" in record["skipped"] and "check mprs_plus, whole tensors" in record["skipped"]
+    assert saved == sorted(saved) and saved[-1] == len(record["skipped"])  # saved as it went
+    assert len(saved) >= len(record["skipped"])
+    assert "skipped (the time budget ran out): mprs_plus 0.25 MiB rep 1" in gpu_feed.report(record)
