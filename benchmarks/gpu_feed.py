@@ -513,7 +513,7 @@ def run(args: argparse.Namespace, target: Target, save: Callable[[dict[str, Any]
                 print(f"rep {rep + 1}/{args.repetitions}, {nbytes / MiB:g} MiB: done", file=sys.stderr, flush=True)
     if not args.no_check:
         nbytes = int(args.check_mib * MiB)
-        delay = 0 if not target.cuda else args.check_delay_cycles
+        delay = record["check_delay_cycles"] = 0 if not target.cuda else args.check_delay_cycles
         for variant in CHECK_VARIANTS:
             for contender in [c for c in OURS if c in contenders]:
                 if variant != CHECK_WHOLE and contender == MPRS:
@@ -646,7 +646,7 @@ def report(record: dict[str, Any]) -> str:
             lines.append(f"- {name}: {statistics.median(values):.2f}{ratio}" if values else f"- {name}: failed")
         lines.append("")
     if record["check"]:
-        delay = record["settings"].get("check_delay_cycles", 0)
+        delay = record.get("check_delay_cycles", 0)
         lines += [
             f"Corruption check (each copy enqueued behind {delay} cycles of GPU sleep on the loop's stream, "
             "the host tensor dropped at once):",

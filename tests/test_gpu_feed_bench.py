@@ -81,3 +81,15 @@ def test_each_figure_is_saved_as_measured_and_what_the_budget_leaves_out_is_name
     assert saved == sorted(saved) and saved[-1] == len(record["skipped"])  # saved as it went
     assert len(saved) >= len(record["skipped"])
     assert "skipped (the time budget ran out): mprs_plus 0.25 MiB rep 1" in gpu_feed.report(record)
+
+
+def test_the_device_check_script_parses_and_names_its_calls(tmp_path):
+    """The full dry run (wheels resolved for the device's Python, installed for this one,
+    tests and report) takes minutes: ``bash benchmarks/gpu_device_check.sh dry-run``. Here:
+    the script parses, and an unknown call is refused with the list of calls."""
+    script = ROOT / "benchmarks" / "gpu_device_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    env = {**os.environ, "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True, timeout=30, env=env)
+    assert done.returncode == 2
+    assert "tests|figures|all|wheels|dry-run" in done.stderr
