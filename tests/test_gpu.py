@@ -274,3 +274,28 @@ def test_a_graph_captured_while_another_thread_takes_items_stays_valid():
     assert errors == []
     assert sorted(taken) == list(range(count))
     assert float(out.sum()) == 2048.0
+
+
+def test_a_lend_area_is_locked_only_as_far_as_it_is_used():
+    """One worker, 1 MiB items, a few taken: the channel's area (256 MiB) is page-locked in
+    the chunks its buffers were lent from, not whole; every lent tensor is pinned."""
+    from mprs_plus.transport import _lend
+
+    service = MultiProcessingReadingService(1, pin_memory=True)
+    loader = DataLoader2(make_pipe(4, 1 * MIB), reading_service=service)
+    try:
+        items = list(loader)
+        receivers = [r for r in list(_lend._holding.receivers) if r.locker is not None]
+        locked = sum(r.locked_bytes() for r in receivers)
+        whole = sum(r._region.lend_size for r in receivers)
+    finally:
+        loader.shutdown()
+    assert all(tensor.is_pinned() and torch.equal(tensor, patterned(index, 1 * MIB)) for index, tensor in items)
+    assert receivers and 0 < locked < whole
+
+
+def test_the_capture_mode_guard_is_found_where_torch_loaded_cudas_runtime():
+    from mprs_plus.runtime.main import feeding
+
+    torch.ones(1, device="cuda")
+    assert feeding._capture_mode_exchange() is not None, "no libcudart with cudaThreadExchangeStreamCaptureMode"

@@ -221,7 +221,7 @@ def _capture_mode_exchange() -> Any:
     among this process's mappings, so that it is the same library and state), or None."""
     global _exchange
     if _exchange is None:
-        _exchange = False
+        found: Any = None
         try:
             import ctypes
 
@@ -232,10 +232,17 @@ def _capture_mode_exchange() -> Any:
                 if function is not None:
                     function.restype = ctypes.c_int
                     function.argtypes = [ctypes.POINTER(ctypes.c_int)]
-                    _exchange = function
+                    found = function
                     break
         except (OSError, ValueError):
             pass  # no /proc (not Linux) or no loadable runtime: the guard is a no-op
+        if found is not None:
+            _exchange = found
+        else:
+            import torch
+
+            if torch.cuda.is_initialized():
+                _exchange = False  # CUDA runs without a runtime of its own to find: settled
     return _exchange or None
 
 
