@@ -352,10 +352,11 @@ def test_trainer_trains_on_the_engine_with_torchs_batches(tmp_path):
     assert torch.equal(ours.linear.weight, theirs.linear.weight)
 
 
-def test_trainer_resumes_a_checkpoint_exactly(tmp_path, enabled):
+@pytest.mark.parametrize("step", [2, 6], ids=["mid-epoch", "between-epochs"])
+def test_trainer_resumes_a_checkpoint_exactly(tmp_path, enabled, step):
     uninterrupted, _ = _train(tmp_path)
     # Step 2 of 6 in the first epoch: Trainer skips the first two batches of the epoch.
-    resumed, _ = _train(tmp_path / "resumed", resume_from=tmp_path / "checkpoint-2")
-    assert resumed.seen == uninterrupted.seen[2:]
+    resumed, _ = _train(tmp_path / "resumed", resume_from=tmp_path / f"checkpoint-{step}")
+    assert resumed.seen == uninterrupted.seen[step:]
     assert torch.equal(resumed.linear.weight, uninterrupted.linear.weight)
     assert torch.equal(resumed.linear.bias, uninterrupted.linear.bias)
