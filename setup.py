@@ -18,7 +18,7 @@ RAY = ["ray>=2.9"]
 # Hugging Face Accelerate, and so Transformers' Trainer, on the engine
 # (mprs_plus.integrations.accelerate): it replaces internals of Accelerate's loader wrapper,
 # so only the releases it was tested with (its SUPPORTED, which enable() checks).
-ACCELERATE = ["accelerate>=1.16,<1.17"]
+ACCELERATE = ["accelerate>=1.0,<1.17"]
 
 setup(
     name="mprs_plus",

@@ -107,6 +107,30 @@ def test_the_prepared_loader_runs_on_the_engine_with_torchs_batches(num_workers)
     assert our_epochs[0] != our_epochs[1]
 
 
+@pytest.mark.parametrize(
+    "config", [{"dispatch_batches": True}, {"split_batches": True}, {"use_stateful_dataloader": True}], ids=str
+)
+@pytest.mark.parametrize("dataset", [Noisy, Counting], ids=["map-style", "iterable"])
+def test_accelerates_loader_options_keep_the_engine_and_torchs_batches(config, dataset):
+    from accelerate.utils import DataLoaderConfiguration
+
+    def prepared(enable):
+        if enable:
+            integration.enable()
+        try:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            torch.manual_seed(0)
+            accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+            loader = accelerator.prepare(_loader(dataset=dataset(), shuffle=True if dataset is Noisy else None))
+            return type(loader.base_dataloader), _batches(loader)
+        finally:
+            integration.disable()
+
+    (_, theirs), (kind, ours) = prepared(False), prepared(True)
+    assert kind is mprs_plus.DataLoader
+    assert ours == theirs
+
+
 def test_loaders_prepared_after_disable_are_accelerates_own_again():
     integration.enable()
     integration.disable()
@@ -251,7 +275,7 @@ def test_save_state_and_load_state_resume_exactly(enabled, tmp_path, taken_after
 # -- what is refused ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["1.17.0", "1.15.0", "0.34.2", "not a version"])
+@pytest.mark.parametrize("version", ["1.17.0", "2.0.0", "0.34.2", "not a version"])
 def test_a_release_outside_the_range_tested_is_refused_saying_what_to_do(monkeypatch, version):
     monkeypatch.setattr(accelerate, "__version__", version)
     before = DataLoaderAdapter.__dict__["__init__"]

@@ -50,8 +50,9 @@ from typing import Any
 from ..dataloader import DataLoader
 from ..dataloader import state as loader_state
 
-SUPPORTED = ">=1.16,<1.17"
-"""The Accelerate releases this module was tested with (a PEP 440 specifier)."""
+SUPPORTED = ">=1.0,<1.17"
+"""The Accelerate releases this module was tested with (a PEP 440 specifier): 1.0, 1.8,
+1.12, 1.15 and 1.16 (Transformers' ``Trainer`` needs 1.1 or later)."""
 
 _ADAPTER_INIT = ["self", "dataset", "use_stateful_dataloader", "batch_sampler", "kwargs"]
 
