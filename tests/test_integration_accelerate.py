@@ -172,6 +172,46 @@ def test_each_process_gets_torchs_share(dataset):
     assert first and second and first != second
 
 
+def test_two_processes_under_gloo_each_get_torchs_batches():
+    """A real two-process run (CPU, gloo), as ``accelerate launch`` starts it: in each
+    process the engine gives torch's batches, epoch after epoch, and together the two
+    processes read the whole dataset."""
+    import json
+    import os
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = Path(__file__).with_name("accelerate_ranks_script.py")
+    root = str(Path(__file__).resolve().parent.parent)
+    processes = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        processes.append(subprocess.Popen([sys.executable, "-W", "ignore", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [process.communicate(timeout=90) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    for process, (_, err) in zip(processes, outputs):
+        assert process.returncode == 0, err[-3000:]
+    results = sorted((json.loads(out.strip().splitlines()[-1]) for out, _ in outputs), key=lambda r: r["process"])
+    assert [r["processes"] for r in results] == [2, 2]
+    for result in results:
+        assert result["ours"][0] == "mprs_plus.dataloader.loader"
+        assert result["ours"][1] == result["torch"][1]
+    for epoch in (0, 1):
+        read = [int(row[0]) for r in results for batch in r["ours"][1][epoch] for row in batch]
+        assert set(read) == set(range(26))
+
+
 def test_set_epoch_reaches_the_sampler():
     def epochs(enable):
         if enable:
