@@ -274,6 +274,14 @@ def test_skip_first_batches_goes_on_exactly(enabled, num_workers, skip):
     assert len(_batches(resumed)) == len(uninterrupted)  # a later epoch is whole
 
 
+@pytest.mark.parametrize("cls", [torch.utils.data.DataLoader, mprs_plus.DataLoader], ids=["torch", "ours"])
+def test_skip_first_batches_of_a_loader_not_prepared_goes_on_exactly(enabled, cls):
+    uninterrupted = _batches(_loader(cls, generator=torch.Generator().manual_seed(2)))
+    resumed = skip_first_batches(_loader(cls, generator=torch.Generator().manual_seed(2)), 5)
+    assert type(resumed) is mprs_plus.DataLoader
+    assert _batches(resumed) == uninterrupted[5:]
+
+
 def test_skip_first_batches_of_an_iterable_dataset_goes_on_exactly(enabled):
     torch.manual_seed(0)
     uninterrupted = _batches(Accelerator(cpu=True).prepare(_loader(dataset=Counting(), shuffle=None)))

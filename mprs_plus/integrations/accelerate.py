@@ -7,9 +7,10 @@ Accelerate does not iterate the loader it is given. ``accelerator.prepare(loader
 the loader's arguments and builds its own wrapper (``DataLoaderShard``, or
 ``DataLoaderDispatcher``), which makes a new loader of torch's class (torchdata's
 ``StatefulDataLoader`` with ``use_stateful_dataloader=True``) in the ``__init__`` of their
-common base, ``DataLoaderAdapter``; ``skip_first_batches`` builds one the same way, and
-``Trainer`` builds torch's loader and prepares it. Accelerate has no hook for that class,
-so ``enable()`` replaces three methods until ``disable()``:
+common base, ``DataLoaderAdapter``; ``skip_first_batches`` builds one the same way (of a
+loader not prepared: torch's, without a wrapper), and ``Trainer`` builds torch's loader
+and prepares it. Accelerate has no hook for that class, so ``enable()`` replaces three
+methods and a name until ``disable()``:
 
     Accelerator.prepare_data_loader     notes the loader being prepared, whose own
                                         arguments (device=, backend=, ...) Accelerate
@@ -18,6 +19,8 @@ so ``enable()`` replaces three methods until ``disable()``:
                                         Accelerate chose (its batch sampler sharded by
                                         process, ...) and those noted
     DataLoaderAdapter.load_state_dict   also refreshes the state save_state() writes
+    accelerate.data_loader.DataLoader   torch's class, which skip_first_batches builds
+                                        for a loader not prepared: this one instead
 
 Everything else of the wrapper works as it does around torch's loader: sharding by
 process, device placement, ``set_epoch``, gradient accumulation's end of epoch. Two
@@ -80,6 +83,7 @@ def enable() -> None:
             "prepare_data_loader": accelerator.Accelerator.__dict__["prepare_data_loader"],
             "__init__": adapter.__dict__["__init__"],
             "load_state_dict": adapter.__dict__["load_state_dict"],
+            "DataLoader": data_loader.DataLoader,
         }
         skip_sampler = data_loader.SkipBatchSampler
         prepare, load = originals["prepare_data_loader"], originals["load_state_dict"]
@@ -104,9 +108,13 @@ def enable() -> None:
                 # A save_state() before the next batch writes the state just loaded.
                 self.dl_state_dict = self.base_dataloader.state_dict()
 
+        def loader(dataset: Any, batch_sampler: Any = None, **kwargs: Any) -> DataLoader:
+            return _build(dataset, batch_sampler, kwargs, skip_sampler)
+
         accelerator.Accelerator.prepare_data_loader = prepare_data_loader
         adapter.__init__ = __init__
         adapter.load_state_dict = load_state_dict
+        data_loader.DataLoader = loader
         _originals = originals
 
 
@@ -118,10 +126,11 @@ def disable() -> None:
         if _originals is None:
             return
         accelerator = importlib.import_module("accelerate.accelerator")
-        adapter = importlib.import_module("accelerate.data_loader").DataLoaderAdapter
+        data_loader = importlib.import_module("accelerate.data_loader")
         accelerator.Accelerator.prepare_data_loader = _originals["prepare_data_loader"]
-        adapter.__init__ = _originals["__init__"]
-        adapter.load_state_dict = _originals["load_state_dict"]
+        data_loader.DataLoaderAdapter.__init__ = _originals["__init__"]
+        data_loader.DataLoaderAdapter.load_state_dict = _originals["load_state_dict"]
+        data_loader.DataLoader = _originals["DataLoader"]
         _originals = None
 
 
@@ -151,6 +160,8 @@ def _checked_modules() -> tuple[Any, Any]:
             "installed: enable() replaces parts of Accelerate's data loader wrapper, which change between "
             f"releases, and was not tested with this one. To keep the engine, {advice}"
         )
+    import torch.utils.data
+
     accelerator = importlib.import_module("accelerate.accelerator")
     data_loader = importlib.import_module("accelerate.data_loader")
     adapter = getattr(data_loader, "DataLoaderAdapter", None)
@@ -160,12 +171,13 @@ def _checked_modules() -> tuple[Any, Any]:
         and "load_state_dict" in vars(adapter)
         and list(inspect.signature(adapter.__init__).parameters) == _ADAPTER_INIT
         and isinstance(getattr(data_loader, "SkipBatchSampler", None), type)
+        and getattr(data_loader, "DataLoader", None) is torch.utils.data.DataLoader
         and "prepare_data_loader" in vars(getattr(accelerator, "Accelerator", object))
     )
     if not shape_ok:
         raise RuntimeError(
             f"accelerate {found} is not shaped as the releases mprs_plus.integrations.accelerate was tested "
-            f"with (accelerate.data_loader.DataLoaderAdapter.__init__, SkipBatchSampler, "
+            "with (accelerate.data_loader's DataLoaderAdapter.__init__, SkipBatchSampler and DataLoader, "
             f"Accelerator.prepare_data_loader): {advice}"
         )
     return accelerator, data_loader
