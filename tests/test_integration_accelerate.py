@@ -336,6 +336,16 @@ def test_a_release_outside_the_range_tested_is_refused_saying_what_to_do(monkeyp
     assert DataLoaderAdapter.__dict__["__init__"] is before  # nothing replaced
 
 
+def test_without_accelerate_enable_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['accelerate'] = None\n"  # as if it were not installed
+        "from mprs_plus.integrations import accelerate as integration\n"
+        "try:\n    integration.enable()\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=60)
+    assert f"needs Hugging Face Accelerate: pip install 'accelerate{integration.SUPPORTED}'" in result.stdout, result.stderr
+
+
 def test_internals_not_shaped_as_tested_are_refused(monkeypatch):
     def moved(self, dataset, batch_sampler=None, **kwargs):
         raise AssertionError("never called")

@@ -44,6 +44,7 @@ what to do, rather than leave Accelerate's own loader in place without a word.
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib
 import inspect
 import threading
@@ -70,7 +71,8 @@ def enable() -> None:
     """From now on, every loader Accelerate prepares (``accelerator.prepare()``,
     ``skip_first_batches()``, Transformers' ``Trainer``) runs on ``mprs_plus.DataLoader``.
 
-    Call it once, before your loaders are prepared; a second call does nothing. Raises
+    Call it once, before your loaders are prepared (with ``Trainer``: before
+    ``trainer.train()``); a second call does nothing. Raises
     ``ImportError`` without Accelerate, and ``RuntimeError`` for a release outside
     ``SUPPORTED``, whose internals this module was not tested with."""
     global _originals
@@ -88,10 +90,11 @@ def enable() -> None:
         skip_sampler = data_loader.SkipBatchSampler
         prepare, load = originals["prepare_data_loader"], originals["load_state_dict"]
 
-        def prepare_data_loader(self: Any, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
-            token = _PREPARING.set(data_loader)
+        @functools.wraps(prepare)
+        def prepare_data_loader(self: Any, given: Any, *args: Any, **kwargs: Any) -> Any:
+            token = _PREPARING.set(given)
             try:
-                return prepare(self, data_loader, *args, **kwargs)
+                return prepare(self, given, *args, **kwargs)
             finally:
                 _PREPARING.reset(token)
 
@@ -108,13 +111,13 @@ def enable() -> None:
                 # A save_state() before the next batch writes the state just loaded.
                 self.dl_state_dict = self.base_dataloader.state_dict()
 
-        def loader(dataset: Any, batch_sampler: Any = None, **kwargs: Any) -> DataLoader:
+        def build_loader(dataset: Any, batch_sampler: Any = None, **kwargs: Any) -> DataLoader:
             return _build(dataset, batch_sampler, kwargs, skip_sampler)
 
         accelerator.Accelerator.prepare_data_loader = prepare_data_loader
         adapter.__init__ = __init__
         adapter.load_state_dict = load_state_dict
-        data_loader.DataLoader = loader
+        data_loader.DataLoader = build_loader
         _originals = originals
 
 
