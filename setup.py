@@ -15,6 +15,10 @@ RENDER = ["graphviz>=0.20"]
 # the oldest release whose APIs it uses behave as described (owner death, ray.wait with a
 # timeout, the runtime context's node id); 2.60 is the one measured.
 RAY = ["ray>=2.9"]
+# Hugging Face Accelerate, and so Transformers' Trainer, on the engine
+# (mprs_plus.integrations.accelerate): it replaces internals of Accelerate's loader wrapper,
+# so only the releases it was tested with (its SUPPORTED, which enable() checks).
+ACCELERATE = ["accelerate>=1.0,<1.17"]
 
 setup(
     name="mprs_plus",
@@ -53,10 +57,15 @@ setup(
             *DOCS,
             *RENDER,
             *RAY,
+            # The integration's tests, Trainer's included (a model defined in the test: no
+            # download). Wheels only, and torch stays at the pinned release.
+            *ACCELERATE,
+            "transformers>=5.0",
         ],
         "docs": DOCS,
         "render": RENDER,
         "ray": RAY,
+        "accelerate": ACCELERATE,
         "bench": BENCH,
     },
     entry_points={"console_scripts": ["mprs-plus=mprs_plus.__main__:main"]},

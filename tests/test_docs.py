@@ -5,11 +5,14 @@ concatenated and run in a fresh interpreter (so ``if __name__ == "__main__":`` a
 spawn start method behave as they do for a user's script). A failure names the page,
 the block and its line.
 
-Two markers, each an HTML comment on the line before a fence (invisible on the page):
+Three markers, each an HTML comment on the line before a fence (invisible on the page):
 
     <!-- doc: no-run -->   the next ```python block is only compiled, not run. Keep rare.
     <!-- doc: output -->   the next fenced block must equal what the previous ```python
                            block printed (trailing spaces ignored).
+    <!-- doc: needs M -->  the next ```python block uses the optional library M (a module
+                           name): run where M is installed, only compiled where it is not.
+                           Later blocks must not depend on it.
 
 Python blocks must start at the left margin: an indented one (in a list or an admonition)
 would be rendered but not run, so it is refused. Shell blocks are not run.
@@ -17,6 +20,7 @@ would be rendered but not run, so it is refused. Shell blocks are not run.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -32,7 +36,7 @@ DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
 PYTHON = ("python", "py")
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<info>[^`]*?)\s*$")
-_MARKER = re.compile(r"^<!--\s*doc:\s*(?P<name>[\w-]+)\s*-->$")
+_MARKER = re.compile(r"^<!--\s*doc:\s*(?P<name>[\w-]+)(?:\s+(?P<argument>[\w.]+))?\s*-->$")
 _BLOCK_START = "\x1edoc-block "  # printed before each block to split the script's output
 
 
@@ -42,7 +46,15 @@ class Block:
     lang: str
     line: int  # of the first code line, 1-based
     code: str
-    marker: str | None  # "no-run", "output" or None
+    marker: str | None  # "no-run", "output", "needs" or None
+    needs: str | None = None  # the module a "needs" block uses
+
+    @property
+    def runs(self) -> bool:
+        """A Python block the page's script runs (else it is only compiled)."""
+        if self.lang not in PYTHON or self.marker == "no-run":
+            return False
+        return self.needs is None or importlib.util.find_spec(self.needs) is not None
 
     @property
     def where(self) -> str:
@@ -75,10 +87,16 @@ def blocks_of(page: Path) -> list[Block]:
                 "move it to the left margin"
             )
         code = "\n".join(lines[index + 1 : end]) + "\n"
-        found.append(Block(page, lang, index + 2, code, marker["name"] if marker else None))
+        found.append(
+            Block(page, lang, index + 2, code, marker["name"] if marker else None, marker["argument"] if marker else None)
+        )
         index = end + 1
-    unknown = {block.marker for block in found} - {None, "no-run", "output"}
+    unknown = {block.marker for block in found} - {None, "no-run", "output", "needs"}
     assert not unknown, f"{_name(page)}: unknown doc markers {sorted(unknown)}"
+    for block in found:
+        assert (block.needs is not None) == (block.marker == "needs"), (
+            f"{block.where}: write <!-- doc: needs MODULE --> (and no argument to the other markers)"
+        )
     return found
 
 
@@ -100,9 +118,9 @@ def _normalise(text: str) -> str:
 @pytest.mark.parametrize("page", _pages_with_python(), ids=_name)
 def test_examples_run(page, tmp_path):
     blocks = blocks_of(page)
-    runnable = [b for b in blocks if b.lang in PYTHON and b.marker != "no-run"]
+    runnable = [b for b in blocks if b.runs]
     for block in blocks:
-        if block.lang in PYTHON and block.marker == "no-run":
+        if block.lang in PYTHON and not block.runs:
             compile(block.code, block.where, "exec")  # not run, but at least valid Python
 
     script = tmp_path / f"{page.stem}_examples.py"
@@ -190,6 +208,22 @@ def test_the_marker_parser(tmp_path):
     page.write_text("- item\n\n    ```python\n    x = 1\n    ```\n", encoding="utf-8")
     with pytest.raises(AssertionError, match="indented python block"):
         blocks_of(page)
+
+
+def test_a_block_that_needs_a_library_runs_only_where_it_is_installed(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- doc: needs json -->\n```python\nimport json\n```\n\n"
+        "<!-- doc: needs no_such_module_here -->\n```python\nimport no_such_module_here\n```\n",
+        encoding="utf-8",
+    )
+    installed, absent = blocks_of(page)
+    assert (installed.marker, installed.needs, installed.runs) == ("needs", "json", True)
+    assert (absent.needs, absent.runs) == ("no_such_module_here", False)
+    for wrong in ("<!-- doc: needs -->", "<!-- doc: no-run json -->"):
+        page.write_text(f"{wrong}\n```python\nx = 1\n```\n", encoding="utf-8")
+        with pytest.raises(AssertionError, match="needs MODULE"):
+            blocks_of(page)
 
 
 def test_readme_gives_two_commands_and_ci_runs_the_second():

@@ -74,6 +74,22 @@ def between(loader: Any, start: EpochStart, worker_states: dict[int, tuple[int, 
     }
 
 
+def skipping(state: dict[str, Any], batches: int) -> dict[str, Any]:
+    """``state`` (taken between epochs) moved ``batches`` batches into the epoch it begins,
+    as if the loop had received them: a restore has each worker re-read its share of them
+    (batch i is worker i % N's, as the epoch deals them) and goes on with batch ``batches``,
+    exactly. For a library's "skip the first n batches" (Accelerate's ``skip_first_batches``)
+    that must not shift the workers' random draws. Map-style datasets only: an iterable
+    dataset's batches are not dealt, they are skipped by reading them."""
+    if state.get("phase") != BETWEEN:
+        raise ValueError("internal error: batches can only be skipped from a state taken between epochs")
+    if state["shape"]["dataset_kind"] != "map":
+        raise ValueError("internal error: skipping batches by a state needs a map-style dataset")
+    workers = max(state["shape"]["num_workers"], 1)
+    consumed = [len(range(w, batches, workers)) for w in range(workers)]
+    return {**state, "phase": RUNNING, "consumed": consumed, "next_worker": batches % workers}
+
+
 def check(loader: Any, state: Any) -> dict[str, Any]:
     """``state`` if it restores into ``loader``; else a ValueError saying what differs."""
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
