@@ -72,6 +72,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         device: Any = None,
         backend: Any = None,
         collect_stats: bool = True,
+        worker_restarts: int = 0,
     ) -> None:
         super().__init__(
             dataset,
@@ -103,6 +104,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device = device
         self.backend = backend
         self.collect_stats = collect_stats
+        self.worker_restarts = worker_restarts  # dead workers replaced in a run of workers (docs/worker-restarts.md)
         self._options()  # checked now, as torch checks its own arguments
         self._run: LoaderRun | None = None  # persistent workers: the runtime kept across epochs
         self._current: weakref.ref[LoaderIterator] | None = None
@@ -169,6 +171,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             backend=self.backend,
             pin_memory=bool(self.pin_memory),
             device=self.device,
+            worker_restarts=self.worker_restarts,
         )
 
     def _job(self) -> _Job:

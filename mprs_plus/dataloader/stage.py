@@ -302,25 +302,37 @@ class LoaderStage(IterDataPipe):
                 self._fetcher.dataset_iter.load_state_dict(state[OWN_ITERATOR])
             self._fetcher.ended = state == EXHAUSTED
 
-    def resume_from(self, skip: int) -> Iterator[Any]:
+    @property
+    def skips_lost(self) -> bool:
+        """Whether ``resume_from`` can leave one batch out (``lost``): a map-style dataset's
+        batches are known by their indices, an iterable dataset's only by making them."""
+        return self.job.kind == _DatasetKind.Map
+
+    def resume_from(self, skip: int, lost: int = -1) -> Iterator[Any]:
         """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
         Map-style: the samples of the skipped batches are read again and dropped, not
         collated, so that whatever ``__getitem__`` draws from the worker's generators is
         drawn again and the batches after them are the uninterrupted run's; a dataset with
         a recorded state (set in ``begin``) replays only the batches after it. An iterable
-        dataset goes on from its recorded state and replays only the batches after it."""
+        dataset goes on from its recorded state and replays only the batches after it.
+        ``lost`` (map-style): the position of a batch whose samples killed the worker that
+        read them twice; its samples are not read again."""
         epoch = self._epoch
         if epoch is None:
             raise RuntimeError("internal error: a loader stage resumed before its epoch began")
         done = epoch.state_count  # batches the recorded dataset state already covers
         if epoch.batches is not None:
-            replay(self.job, epoch.batches[done:skip])
+            replay(self.job, _without(enumerate(epoch.batches[done:skip], done), lost))
             return _map_batches(self, epoch.batches[skip:], skip, len(epoch.batches))
         if epoch.sampler is not None:
             share = own_share(epoch, *epoch.sampler)
-            replay(self.job, itertools.islice(share, done, skip))
+            replay(self.job, _without(enumerate(itertools.islice(share, done, skip), done), lost))
             return _map_batches(self, share, skip)
         return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
+
+
+def _without(numbered: Iterable[tuple[int, Any]], lost: int) -> Iterator[Any]:
+    return (batch for position, batch in numbered if position != lost)
 
 
 def make_fetcher(job: _Job) -> Any:

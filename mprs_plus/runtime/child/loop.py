@@ -175,17 +175,23 @@ class ChildLoop:
             self.skips[k] = 0
             lane.set_epoch(epoch)
 
-    def start(self, k: int, datapipe: Any, skip: int = 0) -> None:
+    def start(self, k: int, datapipe: Any, skip: int = 0, lost: int = -1) -> None:
         """Begin lane k's stream, which first drops ``skip`` items (a restored epoch: the
         user had them before the checkpoint), or starts after them through the DataPipe's
-        ``resume_from(skip)`` when it has one; a failure to begin is that stream's error."""
+        ``resume_from(skip)`` when it has one; a failure to begin is that stream's error.
+        ``lost`` >= 0 (a replacement after an item that killed the worker twice): that item
+        is left out of the replay, through ``resume_from(skip, lost=...)``, which the main
+        process asks for only of a DataPipe that declares ``skips_lost``."""
         lane = self.lanes[k]
         # The documented hook (``resume_from``, checkpoint page): a DataPipe that can start
         # after its first ``skip`` items faster than by producing them says so itself.
         fast = getattr(datapipe, "resume_from", None) if skip else None
         self.skips[k] = 0 if callable(fast) else skip
         try:
-            lane.begin(fast(skip) if callable(fast) else datapipe)
+            if callable(fast) and lost >= 0:
+                lane.begin(fast(skip, lost=lost))
+            else:
+                lane.begin(fast(skip) if callable(fast) else datapipe)
         except BaseException as exc:  # whatever user code raises is reported: see produce()
             self.states[k] = LaneState.IDLE
             lane.fail(RemoteError.capture(exc, self.where))
