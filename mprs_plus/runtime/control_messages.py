@@ -36,6 +36,10 @@ class Reset(NamedTuple):
     # to leave out (one that killed the worker twice), -1 for none.
     restore: bytes = b""
     lost: tuple[int, ...] = ()
+    # A replacement hands its first ``careful`` items after the skip on one by one, each
+    # before the next is begun: if it dies with no more of them received than its
+    # predecessor, the next one is what killed it (the poison rule, ``main/replacement.py``).
+    careful: int = 0
 
 
 class Pause(NamedTuple):

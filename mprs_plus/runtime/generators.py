@@ -86,6 +86,10 @@ class GeneratorRecord:
                 best = (sequence, epoch, bytes(view[start : start + length]))
         return None if best is None else (best[1], best[2])
 
+    def sequence(self) -> int:
+        """How many records were written: one more once a (replacement) worker began its epoch."""
+        return max(self._stamps())
+
     def _stamps(self) -> list[int]:
         view = memoryview(self._memory).cast("B")
         return [_HEAD.unpack_from(view, slot * SLOT_BYTES)[0] for slot in (0, 1)]

@@ -133,7 +133,7 @@ class SegmentControl:
         try:
             match message:
                 case Reset(epoch=epoch, skip=skip):
-                    self._begin_epoch(loop, epoch, value, skip, message.restore, message.lost)
+                    self._begin_epoch(loop, epoch, value, skip, message.restore, message.lost, message.careful)
                 case Pause():
                     loop.paused = True
                     pause_datapipes(self.root)
@@ -165,6 +165,7 @@ class SegmentControl:
         skip: tuple[int, ...] = (),
         restore: bytes = b"",
         lost: tuple[int, ...] = (),
+        careful: int = 0,
     ) -> None:
         loop.begin_epoch(epoch)
         error, self._deferred = self._failure or self._deferred, None
@@ -188,4 +189,4 @@ class SegmentControl:
             loop.fail_all(RemoteError.capture(exc, self._where), every=True)
             return
         for k, output in enumerate(outputs):
-            loop.start(k, output, skip[k] if k < len(skip) else 0, lost[k] if k < len(lost) else -1)
+            loop.start(k, output, skip[k] if k < len(skip) else 0, lost[k] if k < len(lost) else -1, careful)

@@ -147,14 +147,25 @@ class Replacements:
         self._last_death: dict[int, tuple[int, tuple[int, ...]]] = {}  # worker -> (epoch, items received)
 
     def on_death(
-        self, worker: int, pid: int, exitcode: int | None, epoch: int, received: tuple[int, ...], death_error: Any
+        self,
+        worker: int,
+        pid: int,
+        exitcode: int | None,
+        epoch: int,
+        received: tuple[int, ...],
+        death_error: Any,
+        began: bool = True,
     ) -> Replacement:
         """Record the death of ``worker`` and say how it is replaced; raise the error the user
-        gets when it is not (``death_error()``: the runtime's error for the death)."""
+        gets when it is not (``death_error()``: the runtime's error for the death).
+
+        Poison: a replacement hands its first item on at once (``Reset.careful``), so one
+        that began its epoch (``began``: its reset, ``worker_init_fn`` included, ran) and
+        died with nothing more received than its predecessor died making that item."""
         if len(self.made) >= self.budget:
             raise _spent(death_error(), len(self.made), self.budget)
         cause = cause_of(exitcode)
-        poison = self._last_death.get(worker) == (epoch, received)
+        poison = began and self._last_death.get(worker) == (epoch, received)
         if poison and not (self.skips_lost and len(received) == 1):
             raise _unskippable(death_error(), worker, received)
         rss = self.memory.rss.get(pid)
@@ -175,7 +186,7 @@ def _warn(made: Replacement, count: int, budget: int) -> None:
     what = (
         f"item {made.items} of its epoch killed it and the worker before it: that item is left out"
         if made.poison
-        else f"it had handed {made.items} items of epoch {made.epoch}"
+        else f"the main process had received {made.items} of its items of epoch {made.epoch}"
     )
     warn(
         f"mprs_plus: worker {made.worker} (pid {made.pid}) {how}{likely} (last resident memory {memory}); "

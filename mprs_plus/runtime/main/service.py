@@ -82,6 +82,10 @@ if TYPE_CHECKING:
     from .inprocess import InProcessRuntime
 
 _DATA_BYTES = 64 << 20
+# Items a replacement hands on one by one (``Reset.careful``): more than a worker's lane
+# holds unsent at most (a message of 64 items, ``child/batching.py``), so a replacement
+# that dies again has passed every item its predecessor may have made and not sent.
+CAREFUL_ITEMS = 65
 _STATS_LOG = logging.getLogger("mprs_plus.stats")
 
 
@@ -166,6 +170,7 @@ class ServiceRuntime:
         self._replacements: Replacements | None = None
         self._setups: dict[int, WorkerSetup] = {}
         self._sent: dict[int, list[Any]] = {}
+        self._records_at: dict[int, int] = {}  # a replacement's generator record, as it started
         self.figures = Figures()
         self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
         weakref.finalize(self, self._supervisor.stop)
@@ -364,10 +369,12 @@ class ServiceRuntime:
             raise RuntimeError("internal error: a worker replaced without worker_restarts")
         process = link.process
         process.join(DEATH_GRACE)
-        made = replacements.on_death(
-            link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error
-        )
         setup = self._setups[link.index]
+        record = setup.record
+        began = record is None or record.sequence() > self._records_at.get(link.index, -1)
+        made = replacements.on_death(
+            link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, began
+        )
         lost = tuple(made.items if made.poison else -1 for _ in received)
         skip = tuple(n + 1 if made.poison else n for n in received)
         control, control_rx = supervisor.placement.open_channel(
@@ -391,11 +398,13 @@ class ServiceRuntime:
         # Its statistics rows, liveness slots, item windows and generator record are the dead one's.
         supervisor.relaunch(link, control, tuple(data), worker_main, setup, ends)
         sent = self._sent.get(link.index, [])
+        if record is not None:
+            self._records_at[link.index] = record.sequence()  # the replacement writes one more as it begins
         if sent:
             first = sent[0]
-            record = setup.record.read() if setup.record is not None else None
-            restore = record[1] if record is not None and record[0] == first.epoch else b""
-            messages = [first._replace(skip=skip, restore=restore, lost=lost), *sent[1:]]
+            recorded = record.read() if record is not None else None
+            restore = recorded[1] if recorded is not None and recorded[0] == first.epoch else b""
+            messages = [first._replace(skip=skip, restore=restore, lost=lost, careful=CAREFUL_ITEMS), *sent[1:]]
             for message in messages:
                 supervisor.send(link, message)
         lost_items: tuple[list[Any], ...] = tuple(

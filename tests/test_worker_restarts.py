@@ -1,0 +1,229 @@
+"""worker_restarts=N: a dead worker is replaced, and the loop gets the uninterrupted run's
+batches (in order with in_order=True, the same set with in_order=False), compared with the
+run nobody killed and with torch's DataLoader for the same seed.
+
+Every death is forced: the dataset (or worker_init_fn) kills its own process with SIGKILL
+at a chosen index, the first time only (a marker file in tmp_path), or every time for a
+poison sample. The start-method matrix runs the first case; the others run under the
+default start method."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import mprs_plus
+from restart_datasets import ChainedKills, DiesInInit, Draws, DrawsIterable, KillAt
+
+THIS_FILE = os.path.abspath(__file__)
+
+
+def batches(loader_class, dataset, epochs=1, **kwargs):
+    """Each epoch's batches as lists, the global seed set as a training script sets it."""
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("num_workers", 2)
+    torch.manual_seed(0)
+    loader = loader_class(dataset, **kwargs)
+    return [[_plain(batch) for batch in loader] for _ in range(epochs)]
+
+
+def _plain(batch):
+    if isinstance(batch, (list, tuple)):
+        return [_plain(part) for part in batch]
+    return batch.tolist()
+
+
+def replaced(caught):
+    return [w for w in caught if issubclass(w.category, RuntimeWarning) and "A new worker replaces it" in str(w.message)]
+
+
+def test_a_worker_killed_at_a_chosen_sample_is_replaced_and_the_batches_are_torchs(tmp_path, start_method):
+    expected = batches(TorchDataLoader, Draws())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batches(
+            mprs_plus.DataLoader,
+            Draws(kill_at=29, marker=str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context=start_method,
+        )
+    assert got == expected
+    assert (tmp_path / "killed").exists()  # the death happened
+    said = replaced(caught)
+    assert len(said) == 1
+    message = str(said[0].message)
+    assert "worker 1 (pid " in message and "was killed by SIGKILL" in message  # batch 7 is worker 1's
+    assert "last resident memory" in message and "replacement 1 of worker_restarts=1" in message
+    assert os.path.abspath(said[0].filename) == THIS_FILE  # the user's line
+
+
+def test_without_worker_restarts_a_killed_worker_is_still_the_error(tmp_path):
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Killed"):
+        batches(mprs_plus.DataLoader, Draws(kill_at=29, marker=str(tmp_path / "killed")))
+
+
+def test_in_order_false_gives_the_same_set(tmp_path):
+    expected = batches(TorchDataLoader, Draws())[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader, Draws(kill_at=21, marker=str(tmp_path / "killed")), worker_restarts=1, in_order=False
+        )[0]
+    assert sorted(map(str, got)) == sorted(map(str, expected))
+
+
+def test_an_iterable_dataset_worker_is_replaced(tmp_path):
+    expected = batches(TorchDataLoader, DrawsIterable())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(mprs_plus.DataLoader, DrawsIterable(kill_at=27, marker=str(tmp_path / "killed")), worker_restarts=1)
+    assert got == expected
+
+
+def test_persistent_workers_killed_in_a_later_epoch_draw_what_the_dead_one_would_have(tmp_path):
+    """The replacement loads the generator states the dead worker had when epoch 2 began:
+    persistent workers carry their generators across epochs, as torch's do."""
+    marker, armed = str(tmp_path / "killed"), tmp_path / "armed"
+    expected = batches(TorchDataLoader, Draws(), epochs=3, persistent_workers=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        loader = mprs_plus.DataLoader(
+            Draws(kill_at=18, marker=marker, armed=str(armed)),
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=True,
+            worker_restarts=1,
+        )
+        got = [[_plain(b) for b in loader]]
+        armed.touch()  # from now on index 18 kills, once
+        got.append([_plain(b) for b in loader])
+        got.append([_plain(b) for b in loader])
+        stats = loader.stats()
+        del loader
+    assert os.path.exists(marker)
+    assert got == expected
+    assert len(replaced(caught)) == 1
+    assert [made.epoch for made in stats.replacements] == [2]
+    assert stats.replacement_causes == {"SIGKILL": 1}
+    assert "dead workers replaced: 1 (SIGKILL x1)" in stats.summary()
+
+
+def test_a_worker_killed_in_worker_init_fn_is_replaced(tmp_path):
+    expected = batches(TorchDataLoader, Draws(), worker_init_fn=DiesInInit(1, None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batches(
+            mprs_plus.DataLoader, Draws(), worker_init_fn=DiesInInit(1, str(tmp_path / "killed")), worker_restarts=1
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    assert len(replaced(caught)) == 1
+
+
+def test_large_batches_lent_by_the_dead_worker_stay_valid(tmp_path):
+    """Batches of 256 KiB tensors are lent as views of the worker's shared memory; the
+    loop holds worker 1's first ones while worker 1 dies, and they keep their values."""
+    size = 8 << 10  # float64 samples, 4 per batch: 256 KiB tensors
+    dataset = Draws(kill_at=37, marker=str(tmp_path / "killed"), size=size)
+    expected = batches(TorchDataLoader, Draws(size=size))[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=2, worker_restarts=1)
+    held, got = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for number, (large, drawn) in enumerate(loader):
+            if number in (1, 3):  # worker 1's first two batches, made before it died
+                held.append((number, large))
+            got.append([large.tolist(), drawn.tolist()])
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    stats = loader.stats()
+    assert stats.large_buffers.lent > 0  # the batches were lent, not copied
+    for number, large in held:
+        assert large.tolist() == expected[number][0]
+
+
+def test_a_poison_sample_is_that_batchs_error_and_the_epoch_goes_on(tmp_path):
+    """Index 29 kills every worker that reads it: after a replacement dies on the same
+    batch, that batch is raised in torch's words, and the next batches are the run's.
+    (The first worker may die before its previous batch left it: then its replacement
+    makes that batch and dies at the poison one first, a replacement more; hence 3.)"""
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=3)
+    got, errors = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iterator = iter(loader)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            except RuntimeError as exc:
+                errors.append(str(exc))
+                got.append(None)
+                continue
+            got.append(_plain(batch))
+    assert len(errors) == 1
+    assert "DataLoader worker (pid " in errors[0] and "is killed by signal: Killed" in errors[0]
+    assert "indices [28, 29, 30, 31]" in errors[0]
+    assert got.index(None) == 7  # batch 7 holds index 29
+    # Every other batch has the uninterrupted run's indices; those before the poison batch
+    # are the uninterrupted run's batches exactly.
+    assert [b[0] for b in got[:7]] == [b[0] for b in expected[:7]]
+    assert got[:7] == expected[:7]
+    assert [[row[0] for row in b] for b in got[8:]] == [[row[0] for row in b] for b in expected[8:]]
+    made = loader.stats().replacements
+    assert len(replaced(caught)) == len(made) >= 2
+    assert [m.poison for m in made] == [False] * (len(made) - 1) + [True]
+
+
+def test_a_spent_budget_is_the_error_and_says_how_many_were_replaced(tmp_path):
+    dataset = ChainedKills([(9, str(tmp_path / "first")), (30, str(tmp_path / "second"))])
+    loader = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=2, worker_restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(RuntimeError, match=r"is killed by signal: Killed.*1 dead worker\(s\) were replaced before"):
+            list(loader)
+    assert (tmp_path / "second").exists()
+
+
+def test_the_reading_service_replaces_a_dead_worker(tmp_path):
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    def pipeline(marker):
+        return IterableWrapper(range(40)).shuffle().sharding_filter().map(KillAt(23, marker))
+
+    def run(marker, restarts):
+        service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=restarts)
+        loader = DataLoader2(pipeline(marker), reading_service=service)
+        loader.seed(7)
+        try:
+            return list(loader), service.stats()
+        finally:
+            loader.shutdown()
+
+    expected, _ = run(None, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, stats = run(str(tmp_path / "killed"), 1)
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    assert len(replaced(caught)) == 1
+    assert len(stats.replacements) == 1
+
+
+def test_worker_restarts_is_refused_where_it_is_not_supported_yet():
+    from mprs_plus.options import Options
+
+    with pytest.raises(ValueError, match="worker_restarts=1 with backend="):
+        Options(num_workers=2, worker_restarts=1, backend=mprs_plus.RayBackend())
+    with pytest.raises(ValueError, match="worker_restarts must be"):
+        Options(num_workers=2, worker_restarts=-1)
