@@ -96,3 +96,16 @@ class KillAt:
         if x == self.value:
             die_once(self.marker)
         return x * 10 + random.randrange(10)
+
+
+class LogsReads(Draws):
+    """``Draws`` that notes every index it reads in a file of the reading process's own."""
+
+    def __init__(self, folder, **kwargs):
+        super().__init__(**kwargs)
+        self.folder = folder
+
+    def __getitem__(self, i):
+        with open(os.path.join(self.folder, f"reads-{os.getpid()}"), "a") as log:
+            log.write(f"{i}\n")
+        return super().__getitem__(i)

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import mprs_plus
-from restart_datasets import ChainedKills, DiesInInit, Draws, DrawsIterable, KillAt
+from restart_datasets import ChainedKills, DiesInInit, Draws, DrawsIterable, KillAt, LogsReads
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -59,6 +59,29 @@ def test_a_worker_killed_at_a_chosen_sample_is_replaced_and_the_batches_are_torc
     assert "worker 1 (pid " in message and "was killed by SIGKILL" in message  # batch 7 is worker 1's
     assert "last resident memory" in message and "replacement 1 of worker_restarts=1" in message
     assert os.path.abspath(said[0].filename) == THIS_FILE  # the user's line
+
+
+def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(tmp_path, monkeypatch):
+    """The worker records its generators as it goes (here after every batch: under fork the
+    children see the setting); its replacement starts at the latest record at or before
+    what the loop received, so worker 1's first batch (indices 4-7) is never read again."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.0)
+    expected = batches(TorchDataLoader, Draws())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            LogsReads(str(tmp_path), kill_at=37, marker=str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    reads = [int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split()]
+    assert reads.count(4) == 1
+    assert reads.count(37) == 2  # the sample that killed the worker is read again, by its replacement
 
 
 def test_without_worker_restarts_a_killed_worker_is_still_the_error(tmp_path):

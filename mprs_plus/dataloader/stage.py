@@ -38,6 +38,8 @@ from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
 
+from ..runtime import generators
+
 
 class _Job:
     """What every replica needs, set once per loader: not a DataPipe, not a collection."""
@@ -321,6 +323,9 @@ class LoaderStage(IterDataPipe):
         if epoch is None:
             raise RuntimeError("internal error: a loader stage resumed before its epoch began")
         done = epoch.state_count  # batches the recorded dataset state already covers
+        # A replacement of a dead worker: its generators were loaded as they stood after
+        # that many batches (``runtime/generators.py``), recorded only without a dataset state.
+        done = max(done, generators.jump_to())
         if epoch.batches is not None:
             replay(self.job, _without(enumerate(epoch.batches[done:skip], done), lost))
             return _map_batches(self, epoch.batches[skip:], skip, len(epoch.batches))
@@ -383,14 +388,20 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
     fetch = make_fetcher(job).fetch
     stateful = has_state(job.dataset)
     every = job.snapshot_every
+    note = generators.note  # without a dataset state, a batch depends on its indices and the generators
+    position = count
     for indices in batches:
+        position += 1
         try:
             batch = fetch(indices)
         except Exception as exc:  # user code: that batch's error, and the epoch goes on
             count += 1
+            if not stateful:
+                note(position)
             yield failed_batch(exc, stage)
             continue
         if not stateful:
+            note(position)
             yield batch
             continue
         count += 1

@@ -182,9 +182,11 @@ class SegmentControl:
             if self._record is not None:
                 from .. import generators
 
-                if restore:  # a replacement: the generators as the dead worker began this epoch
-                    generators.load(restore)
-                self._record.write(epoch, generators.capture())
+                jump = 0
+                if restore:  # a replacement: the generators as the dead worker had them at ``jump``
+                    jump, states = unpack(restore)
+                    generators.load(states)
+                generators.begin_epoch(self._record, epoch, jump)
         except BaseException as exc:
             loop.fail_all(RemoteError.capture(exc, self._where), every=True)
             return

@@ -402,8 +402,9 @@ class ServiceRuntime:
             self._records_at[link.index] = record.sequence()  # the replacement writes one more as it begins
         if sent:
             first = sent[0]
-            recorded = record.read() if record is not None else None
-            restore = recorded[1] if recorded is not None and recorded[0] == first.epoch else b""
+            # The latest record at or before what the loop has (the poison item excluded).
+            recorded = record.read(first.epoch, min(received)) if record is not None else None
+            restore = pack(recorded) if recorded is not None else b""
             messages = [first._replace(skip=skip, restore=restore, lost=lost, careful=CAREFUL_ITEMS), *sent[1:]]
             for message in messages:
                 supervisor.send(link, message)
