@@ -12,7 +12,9 @@ only at the epoch's start, as a stream that cannot jump does); and, for scale, t
 uninterrupted run's time per batch.
 
 Tiny batches. Batches of 4 ints from a list, ``--tiny`` of them, with and without
-``worker_restarts=2`` (no death): batches per second, the two interleaved, medians.
+``worker_restarts=2`` (no death): batches per second, and the CPU time per batch of the
+main process and the workers together (steadier than the rate on a shared machine); the
+two interleaved, medians.
 
 Runs under fork (the setting of the record interval reaches the workers that way).
 """
@@ -93,15 +95,25 @@ def death_to_next_batch(samples: int, at: float, workers: int, record_seconds: f
     raise RuntimeError("the batch with the killed sample never came")
 
 
-def tiny_rate(batches: int, workers: int, restarts: int) -> float:
+def tiny_rate(batches: int, workers: int, restarts: int) -> tuple[float, float]:
+    """(batches per second, CPU seconds per batch of the main process and the workers):
+    the CPU figure holds on a loaded machine, where the rate swings with the neighbours."""
+    import psutil
+
     loader = mprs_plus.DataLoader(
-        Tiny(batches * 4), batch_size=4, num_workers=workers, worker_restarts=restarts, multiprocessing_context="fork"
+        Tiny(batches * 4), batch_size=4, num_workers=workers, worker_restarts=restarts, multiprocessing_context="fork",
+        persistent_workers=True,
     )
-    iterator = iter(loader)
-    next(iterator)  # started
+    list(loader)  # a first epoch: the workers started and warm
+    children = psutil.Process().children()
+    cpu = [process.cpu_times() for process in [psutil.Process(), *children]]
     begun = time.perf_counter()
-    count = sum(1 for _ in iterator)
-    return count / (time.perf_counter() - begun)
+    count = sum(1 for _ in loader)
+    elapsed = time.perf_counter() - begun
+    after = [process.cpu_times() for process in [psutil.Process(), *children]]
+    used = sum(b.user + b.system - a.user - a.system for a, b in zip(cpu, after))
+    del loader
+    return count / elapsed, used / count
 
 
 def main() -> None:
@@ -127,13 +139,16 @@ def main() -> None:
     print(f"  from the epoch's start      {statistics.median(replay) * 1e3:8.0f} ms")
     print(f"  one batch, uninterrupted    {statistics.median(per_batch) * 1e3:8.0f} ms (the loop's pace)")
     without, with_restarts = [], []
-    for _ in range(args.repetitions):
-        without.append(tiny_rate(args.tiny, args.workers, 0))
-        with_restarts.append(tiny_rate(args.tiny, args.workers, 2))
-    a, b = statistics.median(without), statistics.median(with_restarts)
-    print(f"tiny batches (4 ints), {args.tiny} per run, interleaved, medians of {args.repetitions}:")
-    print(f"  worker_restarts=0  {a:10,.0f} batches/s")
-    print(f"  worker_restarts=2  {b:10,.0f} batches/s  ({b / a:.1%} of the rate without)")
+    for repetition in range(args.repetitions):
+        for restarts in (0, 2) if repetition % 2 == 0 else (2, 0):
+            (with_restarts if restarts else without).append(tiny_rate(args.tiny, args.workers, restarts))
+    a, b = (statistics.median(r for r, _ in runs) for runs in (without, with_restarts))
+    ca, cb = (statistics.median(c for _, c in runs) for runs in (without, with_restarts))
+    print(f"tiny batches (4 ints), {args.tiny} per epoch (the second of persistent workers), interleaved, "
+          f"medians of {args.repetitions}:")
+    print(f"  worker_restarts=0  {a:10,.0f} batches/s  {ca * 1e6:6.1f} µs of CPU per batch (main + workers)")
+    print(f"  worker_restarts=2  {b:10,.0f} batches/s  {cb * 1e6:6.1f} µs of CPU per batch  "
+          f"(rate {b / a:.1%}, CPU {cb / ca:.1%} of those without)")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         backend: where the workers run: None for processes of this host,
             ``mprs_plus.RayBackend(...)`` for Ray actors (the same batches).
         collect_stats: keep live statistics for ``stats()``.
+        worker_restarts: dead worker processes replaced in the loader's life, all workers
+            together (default 0: a dead worker is an error, as with torch). The loop gets
+            the uninterrupted run's batches (docs/worker-restarts.md).
     """
 
     def __init__(
