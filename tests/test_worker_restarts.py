@@ -127,6 +127,7 @@ def test_persistent_workers_killed_in_a_later_epoch_draw_what_the_dead_one_would
         got.append([_plain(b) for b in loader])
         got.append([_plain(b) for b in loader])
         stats = loader.stats()
+        explained = loader.explain()
         del loader
     assert os.path.exists(marker)
     assert got == expected
@@ -134,6 +135,7 @@ def test_persistent_workers_killed_in_a_later_epoch_draw_what_the_dead_one_would
     assert [made.epoch for made in stats.replacements] == [2]
     assert stats.replacement_causes == {"SIGKILL": 1}
     assert "dead workers replaced: 1 (SIGKILL x1)" in stats.summary()
+    assert "replaced so far: 1 (SIGKILL x1)" in explained
 
 
 def test_a_worker_killed_in_worker_init_fn_is_replaced(tmp_path):
@@ -250,3 +252,21 @@ def test_worker_restarts_is_refused_where_it_is_not_supported_yet():
         Options(num_workers=2, worker_restarts=1, backend=mprs_plus.RayBackend())
     with pytest.raises(ValueError, match="worker_restarts must be"):
         Options(num_workers=2, worker_restarts=-1)
+
+
+def test_a_checkpoint_taken_after_a_replacement_restores_the_rest_of_the_epoch(tmp_path):
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Draws(kill_at=13, marker=str(tmp_path / "killed")), batch_size=4, num_workers=2,
+                                  worker_restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        iterator = iter(loader)
+        head = [_plain(next(iterator)) for _ in range(6)]
+        state = loader.state_dict()
+    del iterator
+    assert (tmp_path / "killed").exists()
+    fresh = mprs_plus.DataLoader(Draws(), batch_size=4, num_workers=2)
+    fresh.load_state_dict(state)
+    assert head + [_plain(batch) for batch in fresh] == expected
+    del loader

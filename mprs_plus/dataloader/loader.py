@@ -211,6 +211,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"(batch i goes to worker i % {self.num_workers}) from {type(self.dataset).__name__} and collates it"
             )
         header = f"mprs_plus.DataLoader: {work}; LoaderStage is that work.\n"
+        if self.worker_restarts and self.num_workers > 0:
+            made = self.stats().replacements
+            causes = ", ".join(f"{cause} x{count}" for cause, count in self.stats().replacement_causes.items())
+            header += (
+                f"A dead worker is replaced, {self.worker_restarts} times at most (worker_restarts); "
+                f"replaced so far: {len(made)}{f' ({causes})' if made else ''}.\n"
+            )
         return header + plan(LoaderStage(self._job()), self.num_workers).explain()
 
     # -- checkpoints -------------------------------------------------------------------
