@@ -270,3 +270,23 @@ def test_a_checkpoint_taken_after_a_replacement_restores_the_rest_of_the_epoch(t
     fresh.load_state_dict(state)
     assert head + [_plain(batch) for batch in fresh] == expected
     del loader
+
+
+def test_a_sigkill_near_the_memory_limit_is_said_to_be_likely_the_out_of_memory_killer():
+    """The warning's words, from the memory watch's last sample (no process needed)."""
+    from mprs_plus.runtime.main.replacement import Replacements
+
+    replacements = Replacements(budget=2, skips_lost=True)
+    replacements.memory.rss[4242] = 3 << 30
+    replacements.memory.near_limit = True
+    with pytest.warns(RuntimeWarning) as caught:
+        made = replacements.on_death(1, 4242, -9, 1, (5,), lambda: RuntimeError("unused"))
+    message = str(caught[0].message)
+    assert "worker 1 (pid 4242) was killed by SIGKILL; likely the out-of-memory killer" in message
+    assert "last resident memory 3072 MiB" in message
+    assert made.out_of_memory and made.cause == "SIGKILL" and made.items == 5
+    replacements.memory.near_limit = False
+    with pytest.warns(RuntimeWarning) as caught:
+        made = replacements.on_death(0, 4243, 3, 1, (2,), lambda: RuntimeError("unused"))
+    assert "out-of-memory" not in str(caught[0].message) and "ended (exit code 3)" in str(caught[0].message)
+    assert not made.out_of_memory

@@ -26,6 +26,7 @@ from __future__ import annotations
 import signal
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ...errors import ProcessDiedError
@@ -91,12 +92,9 @@ class MemoryWatch:
     def __init__(self) -> None:
         self.rss: dict[int, int] = {}  # by pid
         self.near_limit = False
-        self._pids: list[int] = []
 
-    def follow(self, pids: list[int]) -> None:
-        self._pids = list(pids)
-
-    def start(self, lifecycle: Any) -> None:
+    def start(self, lifecycle: Any, pids: Callable[[], list[int]]) -> None:
+        """Sample until ``lifecycle`` closes; ``pids()``: the workers now (replacements too)."""
         try:
             import psutil
         except ImportError:  # no samples: the warning says the memory is unknown
@@ -108,13 +106,13 @@ class MemoryWatch:
                 live = watch()
                 if live is None:
                     return
-                live.sample(psutil)
+                live.sample(psutil, pids())
                 del live
 
         threading.Thread(target=run, name="mprs_plus memory watch", daemon=True).start()
 
-    def sample(self, psutil: Any) -> None:
-        for pid in self._pids:
+    def sample(self, psutil: Any, pids: list[int]) -> None:
+        for pid in pids:
             try:
                 self.rss[pid] = psutil.Process(pid).memory_info().rss
             except Exception:  # gone meanwhile: its last sample stays

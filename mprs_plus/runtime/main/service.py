@@ -238,7 +238,10 @@ class ServiceRuntime:
             supervisor.stop()
             raise
         if self._replacements is not None:
-            self._replacements.memory.start(self.lifecycle)
+            workers = topology.workers
+            self._replacements.memory.start(
+                self.lifecycle, lambda: [link.process.pid for link in workers if link.process is not None]
+            )
         if self.options.stats_interval is not None:
             _start_stats_logger(self.figures, self.options.stats_interval, self.lifecycle)
         if stats is None:
