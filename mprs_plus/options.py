@@ -39,6 +39,7 @@ class _Fields(NamedTuple):
     items_ahead: int | None = None
     # Dead workers replaced in the service's life, all workers together (``runtime/main/replacement.py``).
     worker_restarts: int = 0
+    restarts_used: int = 0  # of that budget, by earlier runtimes of the same loader
 
 
 class Options(_Fields):

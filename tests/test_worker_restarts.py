@@ -290,3 +290,15 @@ def test_a_sigkill_near_the_memory_limit_is_said_to_be_likely_the_out_of_memory_
         made = replacements.on_death(0, 4243, 3, 1, (2,), lambda: RuntimeError("unused"))
     assert "out-of-memory" not in str(caught[0].message) and "ended (exit code 3)" in str(caught[0].message)
     assert not made.out_of_memory
+
+
+def test_the_budget_is_the_loaders_across_epochs_without_persistent_workers(tmp_path):
+    """Each epoch starts new workers; the replacements of earlier epochs still count."""
+    dataset = ChainedKills([(9, str(tmp_path / "first"))])
+    loader = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=2, worker_restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert [int(x) for batch in loader for x in batch] == list(range(48))
+        dataset.kills = {30: str(tmp_path / "second")}  # new workers copy the dataset as it is now
+        with pytest.raises(RuntimeError, match=r"1 dead worker\(s\) were replaced before"):
+            list(loader)

@@ -107,7 +107,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device = device
         self.backend = backend
         self.collect_stats = collect_stats
-        self.worker_restarts = worker_restarts  # dead workers replaced in a run of workers (docs/worker-restarts.md)
+        self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
+        self._restarts_used = 0  # by the loader's earlier runs of workers (one per epoch without persistent workers)
         self._options()  # checked now, as torch checks its own arguments
         self._run: LoaderRun | None = None  # persistent workers: the runtime kept across epochs
         self._current: weakref.ref[LoaderIterator] | None = None
@@ -175,6 +176,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             pin_memory=bool(self.pin_memory),
             device=self.device,
             worker_restarts=self.worker_restarts,
+            restarts_used=self._restarts_used,
         )
 
     def _job(self) -> _Job:

@@ -137,8 +137,9 @@ def _cgroup_used() -> float:
 class Replacements:
     """The service's budget of replacements and their record (see the module docstring)."""
 
-    def __init__(self, budget: int, skips_lost: bool) -> None:
+    def __init__(self, budget: int, skips_lost: bool, used_before: int = 0) -> None:
         self.budget = budget
+        self.used_before = used_before  # by earlier runtimes of the same loader (one per epoch, not persistent)
         self.skips_lost = skips_lost  # the worker stream can leave an item out (``LoaderStage``)
         self.made: list[Replacement] = []
         self.memory = MemoryWatch()
@@ -160,8 +161,9 @@ class Replacements:
         Poison: a replacement hands its first item on at once (``Reset.careful``), so one
         that began its epoch (``began``: its reset, ``worker_init_fn`` included, ran) and
         died with nothing more received than its predecessor died making that item."""
-        if len(self.made) >= self.budget:
-            raise _spent(death_error(), len(self.made), self.budget)
+        used = self.used_before + len(self.made)
+        if used >= self.budget:
+            raise _spent(death_error(), used, self.budget)
         cause = cause_of(exitcode)
         poison = began and self._last_death.get(worker) == (epoch, received)
         if poison and not (self.skips_lost and len(received) == 1):
@@ -173,7 +175,7 @@ class Replacements:
         self.made.append(made)
         after = tuple(n + 1 for n in received) if poison else received
         self._last_death[worker] = (epoch, after)
-        _warn(made, len(self.made), self.budget)
+        _warn(made, self.used_before + len(self.made), self.budget)
         return made
 
 

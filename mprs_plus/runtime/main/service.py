@@ -207,7 +207,7 @@ class ServiceRuntime:
                 )
             outputs = [self.plan.graph.datapipes[index] for index in self.plan.worker_outputs]
             skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
-            self._replacements = Replacements(self.options.worker_restarts, skips_lost)
+            self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
             self.figures.replacements = self._replacements.made
             replace = _weak_method(self, ServiceRuntime._replace_worker)
         try:
