@@ -302,3 +302,25 @@ def test_the_budget_is_the_loaders_across_epochs_without_persistent_workers(tmp_
         dataset.kills = {30: str(tmp_path / "second")}  # new workers copy the dataset as it is now
         with pytest.raises(RuntimeError, match=r"1 dead worker\(s\) were replaced before"):
             list(loader)
+
+
+def test_a_replacement_leaves_no_descriptor_or_mapping_behind(tmp_path):
+    """The dead worker's channels and process handle are let go of at once: after an epoch
+    with a replacement, the running loader holds what one nobody killed holds."""
+    from test_release import snapshot
+
+    def held(marker):
+        loader = mprs_plus.DataLoader(
+            Draws(kill_at=37, marker=marker, size=8 << 10), batch_size=4, num_workers=2, worker_restarts=1,
+            persistent_workers=True,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for _ in loader:
+                pass
+        holding = snapshot()  # the workers still run
+        del loader
+        return holding
+
+    assert held(str(tmp_path / "killed")) == held(None)
+    assert (tmp_path / "killed").exists()
