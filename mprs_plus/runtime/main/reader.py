@@ -132,6 +132,9 @@ class MainChannels:
         lanes = self._outputs
         for link in dead:
             first = link.index * lanes
+            # What the dead worker sent and this process has not read yet is read now: it
+            # reaches the loop before what the replacement makes.
+            left = [self._drain(first + k) for k in range(lanes)]
             received = tuple(
                 count[1] if count[0] == self.epoch else 0 for count in self._received[first : first + lanes]
             )
@@ -141,7 +144,7 @@ class MainChannels:
                 self.receivers[index] = link.data[k]
                 if self.mux is not None:
                     self.mux.replace(index, link.data[k])
-                self._fresh[index] = items[k]
+                self._fresh[index] = left[k] + items[k]
                 self._received[index] = [self.epoch, received[k] + len(items[k])]
         self._sentinels = None
         return dead
@@ -202,6 +205,26 @@ class MainChannels:
         if len(started) == len(list(self._topology.children())):
             self._sentinels = sentinels
         return sentinels
+
+    def _drain(self, index: int) -> list[Any]:
+        """The items of the current epoch still in channel ``index``, whose sender died,
+        counted as received. Messages of other epochs, its end and its errors are dropped:
+        the replacement makes them again."""
+        receiver, count = self.receivers[index], self._received[index]
+        items: list[Any] = []
+        while True:
+            try:
+                if not receiver.poll():
+                    break
+                kind, epoch, payload = receiver.recv()
+            except Exception:  # the gone sender's end of the stream, or a message cut short
+                break
+            if kind == Kind.ITEMS and epoch == self.epoch:
+                items.extend(payload)
+        if count[0] != self.epoch:
+            count[0], count[1] = self.epoch, 0
+        count[1] += len(items)
+        return items
 
     def wait(self, indices: list[int]) -> list[int]:
         """Block until some of the channels ``indices`` are readable. A child that died

@@ -288,8 +288,8 @@ class ServiceRuntime:
             if not launching:
                 # A worker that died while no epoch was read: replaced now, and sent this
                 # epoch's Reset as it starts (seeded anew: see docs/worker-restarts.md).
-                replaced = {link.index for link in reader.replace_dead()}
-                resets = [(link, reset) for link, reset in resets if link.index not in replaced or link.role is not Segment.WORKER]
+                replaced = set(reader.replace_dead())
+                resets = [(link, reset) for link, reset in resets if link not in replaced]
         try:
             if launching:
                 self._launch_with(resets, next_worker)
@@ -415,8 +415,6 @@ class ServiceRuntime:
             [LostItem(link.index, made.items, made.pid, made.cause)] if made.poison else [] for _ in received
         )
         return lost_items
-
-
 
     def _started(self) -> MainReader:
         self._supervisor.gate.check()
