@@ -324,3 +324,38 @@ def test_a_replacement_leaves_no_descriptor_or_mapping_behind(tmp_path):
 
     assert held(str(tmp_path / "killed")) == held(None)
     assert (tmp_path / "killed").exists()
+
+
+def test_a_poison_item_of_a_datapipe_pipeline_is_the_error_it_cannot_be_left_out():
+    """A DataPipe stream cannot leave an item out: the second death at the same item is
+    the death's error, saying so, within the budget."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    from restart_datasets import KillsEvery
+
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=5)
+    loader = DataLoader2(IterableWrapper(range(40)).sharding_filter().map(KillsEvery(23)), reading_service=service)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with pytest.raises(mprs_plus.ProcessDiedError, match="cannot leave an item out"):
+                list(loader)
+        assert len(service.stats().replacements) < 5
+    finally:
+        loader.shutdown()
+
+
+def test_worker_restarts_with_a_dispatch_process_is_refused_at_start():
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    pipe = IterableWrapper(range(8)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(abs)
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1)
+    with pytest.raises(ValueError, match="not supported yet for a pipeline with a dispatch process"):
+        loader = DataLoader2(pipe, reading_service=service)
+        try:
+            list(loader)
+        finally:
+            loader.shutdown()
