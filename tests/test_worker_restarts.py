@@ -68,12 +68,14 @@ def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(t
     import mprs_plus.runtime.generators as generators
 
     monkeypatch.setattr(generators, "RECORD_SECONDS", 0.0)
-    expected = batches(TorchDataLoader, Draws())
+    # Index 1205 is in batch 301, worker 1's 151st: far past what a worker may have made and
+    # not sent when it dies (2 ms of work, child/batching.py), so a record the loop has passed exists.
+    expected = batches(TorchDataLoader, Draws(n=1300))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         got = batches(
             mprs_plus.DataLoader,
-            LogsReads(str(tmp_path), kill_at=37, marker=str(tmp_path / "killed")),
+            LogsReads(str(tmp_path), n=1300, kill_at=1205, marker=str(tmp_path / "killed")),
             worker_restarts=1,
             multiprocessing_context="fork",
         )
@@ -81,7 +83,7 @@ def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(t
     assert got == expected
     reads = [int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split()]
     assert reads.count(4) == 1
-    assert reads.count(37) == 2  # the sample that killed the worker is read again, by its replacement
+    assert reads.count(1205) == 2  # the sample that killed the worker is read again, by its replacement
 
 
 def test_without_worker_restarts_a_killed_worker_is_still_the_error(tmp_path):
