@@ -37,6 +37,9 @@ class _Fields(NamedTuple):
     # Items each worker output may produce beyond those the main process handed out (its
     # window: ``runtime/window.py``), as torch's ``prefetch_factor``; None: its channel bounds it.
     items_ahead: int | None = None
+    # Dead workers replaced in the service's life, all workers together (``runtime/main/replacement.py``).
+    worker_restarts: int = 0
+    restarts_used: int = 0  # of that budget, by earlier runtimes of the same loader
 
 
 class Options(_Fields):
@@ -84,6 +87,12 @@ class Options(_Fields):
             _non_negative_int("items_ahead", self.items_ahead)
             if self.items_ahead == 0:
                 raise ValueError("items_ahead must be >= 1 (items a worker may produce ahead), or None")
+        _non_negative_int("worker_restarts", self.worker_restarts)
+        if self.worker_restarts and self.backend is not None:
+            raise ValueError(
+                f"worker_restarts={self.worker_restarts} with backend={type(self.backend).__name__}(...): replacing a "
+                "dead worker is supported with the local backend only so far. Pass worker_restarts=0 with this backend"
+            )
         _non_negative_int("num_workers", self.num_workers)
         _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
         _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)

@@ -74,6 +74,9 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             that device, copied on the service's own stream ahead of the loop (the loop's
             current stream waits for each copy on the device).
         device_prefetch: items copied to ``device`` ahead of the loop (default 2).
+        worker_restarts: dead worker processes replaced in the service's life, all workers
+            together (default 0: a dead worker is an error). A replacement goes on where
+            the dead one stopped: the same items in the same order (docs/worker-restarts.md).
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
@@ -104,6 +107,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         pin_memory: bool = False,
         device: Any = None,
         device_prefetch: int = 2,
+        worker_restarts: int = 0,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -122,6 +126,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             pin_memory=pin_memory,
             device=device,
             device_prefetch=device_prefetch,
+            worker_restarts=worker_restarts,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | InProcessRuntime | None = None

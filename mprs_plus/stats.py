@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .segment import Segment
 from .transport import Lending
@@ -172,6 +173,18 @@ class Stats:
     device: DeviceFeed | None = None
     # Epochs begun since the service started: every count above adds up over all of them.
     epochs: int = 0
+    # Dead workers replaced (``worker_restarts``), in order: each a record with ``worker``,
+    # ``pid``, ``cause`` ("SIGKILL", "exit code 3"), ``epoch``, ``items``, ``rss_bytes``,
+    # ``out_of_memory`` and ``poison`` (docs/worker-restarts.md).
+    replacements: tuple[Any, ...] = ()
+
+    @property
+    def replacement_causes(self) -> dict[str, int]:
+        """How many dead workers were replaced, by how they ended."""
+        causes: dict[str, int] = {}
+        for made in self.replacements:
+            causes[made.cause] = causes.get(made.cause, 0) + 1
+        return causes
 
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)
@@ -238,6 +251,13 @@ class Stats:
             )
         if self.device is not None:
             lines.append(self.device.summary())
+        if self.replacements:
+            causes = ", ".join(f"{cause} x{count}" for cause, count in self.replacement_causes.items())
+            poison = sum(1 for made in self.replacements if made.poison)
+            lines.append(
+                f"  dead workers replaced: {len(self.replacements)} ({causes})"
+                + (f"; {poison} item{'s' if poison != 1 else ''} left out (killed two workers)" if poison else "")
+            )
         return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from .epochs import EpochStart, deal, deal_epoch
 from .errors import is_fatal, torch_error
 from .stage import BatchFailure, EndState, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
 from .workers import LoaderRun, open_feeding
+from ..runtime.main.replacement import LostItem
 
 if TYPE_CHECKING:
     from .loader import DataLoader
@@ -67,6 +68,7 @@ class LoaderIterator:
         self._owns_run = False
         self._run: LoaderRun | None = None
         self._mirror: Iterator[Any] | None = None  # a sampler without len(): see _in_workers
+        self._shares: list[Any] = []
         self._yielded = restore["consumed"][0] if restore and loader.num_workers == 0 else 0
         # Batches the loop received, counted on from a restored state: with batches copied
         # to a device ahead of the loop, the reads run ahead of them.
@@ -123,6 +125,8 @@ class LoaderIterator:
         if type(item) is BatchFailure:  # that batch's error; the epoch goes on, as torch's does
             error = item[0].rebuild()
             raise (torch_error(error, self._timeout) or error) from None
+        if type(item) is LostItem:  # a batch that killed two workers in turn (worker_restarts)
+            raise item.error(self._batch_named(item.worker, item.position)) from None
         self._returned += 1
         if self._length_said is not None and self._returned > self._length_said:
             self._warn_past_length()
@@ -184,6 +188,7 @@ class LoaderIterator:
                 # prefetch_factor batches per worker at the start, then one per batch received.
                 # (after the workers' copies are made: begin_epoch pickles them).
                 self._mirror = indices
+        self._shares = shares  # each worker's index batches, where dealt here: a lost batch is named by them
         parts = []
         for w in range(workers):
             count, dataset_state = self._worker_states.get(w, (0, None)) if self._send_states else (0, None)
@@ -214,6 +219,13 @@ class LoaderIterator:
                 raise
             raise mapped from None
         return iter(run.main)
+
+    def _batch_named(self, worker: int, position: int) -> str:
+        """How a lost batch is named: its indices when this process dealt them."""
+        share = self._shares[worker] if worker < len(self._shares) else None
+        if share is not None and position < len(share):
+            return f"batch {position} of worker {worker} (indices {list(share[position])})"
+        return f"batch {position} of worker {worker}"
 
     def _warn_past_length(self) -> None:
         """torch's warning, in torch's words (code that filters it keeps working)."""

@@ -46,6 +46,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         backend: where the workers run: None for processes of this host,
             ``mprs_plus.RayBackend(...)`` for Ray actors (the same batches).
         collect_stats: keep live statistics for ``stats()``.
+        worker_restarts: dead worker processes replaced in the loader's life, all workers
+            together (default 0: a dead worker is an error, as with torch). The loop gets
+            the uninterrupted run's batches (docs/worker-restarts.md).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         device: Any = None,
         backend: Any = None,
         collect_stats: bool = True,
+        worker_restarts: int = 0,
     ) -> None:
         super().__init__(
             dataset,
@@ -103,6 +107,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device = device
         self.backend = backend
         self.collect_stats = collect_stats
+        self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
+        self._restarts_used = 0  # by the loader's earlier runs of workers (one per epoch without persistent workers)
         self._options()  # checked now, as torch checks its own arguments
         self._run: LoaderRun | None = None  # persistent workers: the runtime kept across epochs
         self._current: weakref.ref[LoaderIterator] | None = None
@@ -169,6 +175,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
             backend=self.backend,
             pin_memory=bool(self.pin_memory),
             device=self.device,
+            worker_restarts=self.worker_restarts,
+            restarts_used=self._restarts_used,
         )
 
     def _job(self) -> _Job:
@@ -205,6 +213,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"(batch i goes to worker i % {self.num_workers}) from {type(self.dataset).__name__} and collates it"
             )
         header = f"mprs_plus.DataLoader: {work}; LoaderStage is that work.\n"
+        if self.worker_restarts and self.num_workers > 0:
+            made = self.stats().replacements
+            causes = ", ".join(f"{cause} x{count}" for cause, count in self.stats().replacement_causes.items())
+            header += (
+                f"A dead worker is replaced, {self.worker_restarts} times at most (worker_restarts); "
+                f"replaced so far: {len(made)}{f' ({causes})' if made else ''}.\n"
+            )
         return header + plan(LoaderStage(self._job()), self.num_workers).explain()
 
     # -- checkpoints -------------------------------------------------------------------

@@ -38,6 +38,8 @@ from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
 
+from ..runtime import generators
+
 
 class _Job:
     """What every replica needs, set once per loader: not a DataPipe, not a collection."""
@@ -302,25 +304,40 @@ class LoaderStage(IterDataPipe):
                 self._fetcher.dataset_iter.load_state_dict(state[OWN_ITERATOR])
             self._fetcher.ended = state == EXHAUSTED
 
-    def resume_from(self, skip: int) -> Iterator[Any]:
+    @property
+    def skips_lost(self) -> bool:
+        """Whether ``resume_from`` can leave one batch out (``lost``): a map-style dataset's
+        batches are known by their indices, an iterable dataset's only by making them."""
+        return self.job.kind == _DatasetKind.Map
+
+    def resume_from(self, skip: int, lost: int = -1) -> Iterator[Any]:
         """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
         Map-style: the samples of the skipped batches are read again and dropped, not
         collated, so that whatever ``__getitem__`` draws from the worker's generators is
         drawn again and the batches after them are the uninterrupted run's; a dataset with
         a recorded state (set in ``begin``) replays only the batches after it. An iterable
-        dataset goes on from its recorded state and replays only the batches after it."""
+        dataset goes on from its recorded state and replays only the batches after it.
+        ``lost`` (map-style): the position of a batch whose samples killed the worker that
+        read them twice; its samples are not read again."""
         epoch = self._epoch
         if epoch is None:
             raise RuntimeError("internal error: a loader stage resumed before its epoch began")
         done = epoch.state_count  # batches the recorded dataset state already covers
+        # A replacement of a dead worker: its generators were loaded as they stood after
+        # that many batches (``runtime/generators.py``), recorded only without a dataset state.
+        done = max(done, generators.jump_to())
         if epoch.batches is not None:
-            replay(self.job, epoch.batches[done:skip])
+            replay(self.job, _without(enumerate(epoch.batches[done:skip], done), lost))
             return _map_batches(self, epoch.batches[skip:], skip, len(epoch.batches))
         if epoch.sampler is not None:
             share = own_share(epoch, *epoch.sampler)
-            replay(self.job, itertools.islice(share, done, skip))
+            replay(self.job, _without(enumerate(itertools.islice(share, done, skip), done), lost))
             return _map_batches(self, share, skip)
         return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
+
+
+def _without(numbered: Iterable[tuple[int, Any]], lost: int) -> Iterator[Any]:
+    return (batch for position, batch in numbered if position != lost)
 
 
 def make_fetcher(job: _Job) -> Any:
@@ -371,14 +388,20 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
     fetch = make_fetcher(job).fetch
     stateful = has_state(job.dataset)
     every = job.snapshot_every
+    note = generators.note  # without a dataset state, a batch depends on its indices and the generators
+    position = count
     for indices in batches:
+        position += 1
         try:
             batch = fetch(indices)
         except Exception as exc:  # user code: that batch's error, and the epoch goes on
             count += 1
+            if not stateful:
+                note(position)
             yield failed_batch(exc, stage)
             continue
         if not stateful:
+            note(position)
             yield batch
             continue
         count += 1

@@ -24,6 +24,8 @@ class LoaderRun:
         from ..plan import plan
         from ..runtime.main.service import open_runtime
 
+        if loader.worker_restarts:  # the budget is the loader's: count what earlier runs spent
+            loader._restarts_used += len(loader._family.stats().replacements)
         options = loader._options()
         stage = LoaderStage(loader._job())
         self.plan = plan(stage, loader.num_workers)

@@ -17,6 +17,7 @@ Rooms by process: a module's folder says where its code runs.
       restore.py     checkpoint capture and restore
       diagnose.py    what in a segment cannot be pickled
       feeding.py     pin_memory / device=: page-locked lend areas, copies ahead on a side stream
+      replacement.py worker_restarts: the budget, the poison rule, what a replacement says
     child/     a dispatch or worker process only
       worker.py      the worker process: one replica of the worker segment
       dispatch.py    the dispatch process: deals items round-robin to the workers
@@ -32,6 +33,7 @@ Rooms by process: a module's folder says where its code runs.
       mux.py               several channels read as one
       liveness.py          which child lanes sleep in a channel wait (a stuck read's evidence)
       window.py            items a worker lane may produce beyond those handed out (prefetch_factor)
+      generators.py        a worker's generators as its epoch began, for its replacement
       pausing.py           pause/resume a segment's DataPipes, in graph order
       segments.py          runnable copies of a Plan's segments (built in main, run in children)
       stats.py             the shared statistics table and its writers

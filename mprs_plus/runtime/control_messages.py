@@ -1,7 +1,8 @@
 """Control messages, main process -> each child, as types (data messages: ``data_messages.py``).
 
     Reset(epoch, payload)    start epoch ``epoch``; payload: (seed_generator, iter_reset_fn);
-                             ``skip[k]``: items lane k drops first (a restored epoch)
+                             ``skip[k]``: items lane k drops first (a restored epoch);
+                             a replacement's ``restore`` and ``lost`` (``main/replacement.py``)
     Pause(epoch, payload)    stop at the next item boundary; payload: pause_fn | None
     Resume(epoch, payload)   go on; payload: resume_fn | None
     Limit(epoch, payload)    payload: (num_batches | None, limit_fn)
@@ -30,6 +31,16 @@ class Reset(NamedTuple):
     epoch: int
     payload: bytes
     skip: tuple[int, ...] = ()  # per lane: items to produce and drop before the first one sent
+    # A replacement of a dead worker (``main/replacement.py``): the generator states to load
+    # once the reset function ran, pickled with the position they were recorded at
+    # (``generators.py``), and per lane the position of an item to leave out (one that
+    # killed the worker twice), -1 for none.
+    restore: bytes = b""
+    lost: tuple[int, ...] = ()
+    # A replacement hands its first ``careful`` items after the skip on one by one, each
+    # before the next is begun: if it dies with no more of them received than its
+    # predecessor, the next one is what killed it (the poison rule, ``main/replacement.py``).
+    careful: int = 0
 
 
 class Pause(NamedTuple):

@@ -116,6 +116,14 @@ class ChannelMux:
         # anyone reads. Messages of older epochs are dropped; readers of older epochs end.
         self.newest = 0
 
+    def replace(self, index: int, receiver: Receiver) -> None:
+        """Channel ``index`` reads ``receiver`` from now on (its sender died and a new one
+        took over). Called by the thread that reads, between two of its own calls; a
+        message held from the old channel stays held: its items were received."""
+        self._receivers[index] = receiver
+        self._has_input[index] = receiver.has_input
+        self._current[index] = False
+
     def advance(self, epoch: int) -> None:
         """Epoch ``epoch`` has been announced (from another thread, before it is applied):
         end the readers of older epochs and drop their messages now. Waiting for the new

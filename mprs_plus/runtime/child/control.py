@@ -93,8 +93,12 @@ class SegmentControl:
         where: str,
         failure: RemoteError | None = None,
         setup: Callable[[Any], Any] | None = None,
+        record: Any = None,
     ) -> None:
         self.root = root
+        # Where the generators are recorded as each epoch begins, when the service replaces
+        # dead workers (``generators.GeneratorRecord``); None otherwise.
+        self._record = record
         self.count = count
         self._reset = reset
         self._where = where
@@ -129,7 +133,7 @@ class SegmentControl:
         try:
             match message:
                 case Reset(epoch=epoch, skip=skip):
-                    self._begin_epoch(loop, epoch, value, skip)
+                    self._begin_epoch(loop, epoch, value, skip, message.restore, message.lost, message.careful)
                 case Pause():
                     loop.paused = True
                     pause_datapipes(self.root)
@@ -153,7 +157,16 @@ class SegmentControl:
         else:
             self._deferred = error
 
-    def _begin_epoch(self, loop: ChildLoop, epoch: int, value: Any, skip: tuple[int, ...] = ()) -> None:
+    def _begin_epoch(
+        self,
+        loop: ChildLoop,
+        epoch: int,
+        value: Any,
+        skip: tuple[int, ...] = (),
+        restore: bytes = b"",
+        lost: tuple[int, ...] = (),
+        careful: int = 0,
+    ) -> None:
         loop.begin_epoch(epoch)
         error, self._deferred = self._failure or self._deferred, None
         if error is not None:
@@ -166,8 +179,16 @@ class SegmentControl:
             with deferred_numpy_seed() if seed_generator is not None else contextlib.nullcontext():
                 self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
             outputs = outputs_of(self.root, self.count)
+            if self._record is not None:
+                from .. import generators
+
+                jump = 0
+                if restore:  # a replacement: the generators as the dead worker had them at ``jump``
+                    jump, states = unpack(restore)
+                    generators.load(states)
+                generators.begin_epoch(self._record, epoch, jump)
         except BaseException as exc:
             loop.fail_all(RemoteError.capture(exc, self._where), every=True)
             return
         for k, output in enumerate(outputs):
-            loop.start(k, output, skip[k] if k < len(skip) else 0)
+            loop.start(k, output, skip[k] if k < len(skip) else 0, lost[k] if k < len(lost) else -1, careful)

@@ -32,7 +32,7 @@ import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ...transport import ChannelError, Receiver
@@ -175,17 +175,25 @@ class ChildLoop:
             self.skips[k] = 0
             lane.set_epoch(epoch)
 
-    def start(self, k: int, datapipe: Any, skip: int = 0) -> None:
+    def start(self, k: int, datapipe: Any, skip: int = 0, lost: int = -1, careful: int = 0) -> None:
         """Begin lane k's stream, which first drops ``skip`` items (a restored epoch: the
         user had them before the checkpoint), or starts after them through the DataPipe's
-        ``resume_from(skip)`` when it has one; a failure to begin is that stream's error."""
+        ``resume_from(skip)`` when it has one; a failure to begin is that stream's error.
+        ``lost`` >= 0 (a replacement after an item that killed the worker twice): that item
+        is left out of the replay, through ``resume_from(skip, lost=...)``, which the main
+        process asks for only of a DataPipe that declares ``skips_lost``. ``careful`` (a
+        replacement): its first ``careful`` items sent are handed on one by one."""
         lane = self.lanes[k]
         # The documented hook (``resume_from``, checkpoint page): a DataPipe that can start
         # after its first ``skip`` items faster than by producing them says so itself.
         fast = getattr(datapipe, "resume_from", None) if skip else None
         self.skips[k] = 0 if callable(fast) else skip
         try:
-            lane.begin(fast(skip) if callable(fast) else datapipe)
+            if callable(fast) and lost >= 0:
+                stream = fast(skip, lost=lost)
+            else:
+                stream = fast(skip) if callable(fast) else datapipe
+            lane.begin(_handed_on_one_by_one(stream, careful, lane, self.skips, k) if careful else stream)
         except BaseException as exc:  # whatever user code raises is reported: see produce()
             self.states[k] = LaneState.IDLE
             lane.fail(RemoteError.capture(exc, self.where))
@@ -259,6 +267,21 @@ class ChildLoop:
         finally:
             going_on = self.inbox.applied()
         return going_on
+
+
+def _handed_on_one_by_one(items: Any, count: int, lane: Lane, skips: list[int], k: int) -> Iterator[Any]:
+    """``items``, the first ``count`` sent (after lane k's skip) each handed on before the
+    next is begun."""
+    iterator = iter(items)
+    for item in iterator:
+        dropped = skips[k] > 0  # produced to be dropped (a restore that replays)
+        yield item
+        if not dropped:
+            lane.flush()
+            count -= 1
+            if count <= 0:
+                break
+    yield from iterator
 
 
 def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -> bool:

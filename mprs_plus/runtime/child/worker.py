@@ -113,6 +113,7 @@ class WorkerSetup(NamedTuple):
     stats: tuple[Any, ...] = ()  # a StatsWriter per output lane, when statistics are collected
     liveness: tuple[Any, ...] = ()  # a LaneLiveness per output lane (liveness.py)
     windows: tuple[Any, ...] = ()  # an ItemWindow per output lane, when the front end asks for one (window.py)
+    record: Any = None  # a GeneratorRecord when dead workers are replaced (generators.py)
 
 
 def worker_main(setup: WorkerSetup) -> None:
@@ -154,7 +155,7 @@ def worker_main(setup: WorkerSetup) -> None:
         OutputLane(sender, locks[k], where, stats=stats[k], liveness=liveness[k], window=windows[k])
         for k, sender in enumerate(setup.data)
     ]
-    control = SegmentControl(segment_root(program.outputs), count, reset, where, setup=prepare)
+    control = SegmentControl(segment_root(program.outputs), count, reset, where, setup=prepare, record=setup.record)
     loop = ChildLoop(setup.control, lanes, control, where, announce=_announcer(mux))
     for placeholder in program.inputs:
         placeholder.child = loop

@@ -58,6 +58,7 @@ class Figures:
         self._reader: MainReader | None = None
         self._final: Stats | None = None
         self.feeding: Any = None  # the feeding's counters (``feeding.py``), when items are pinned
+        self.replacements: list[Any] = []  # dead workers replaced (``replacement.py``), in order
 
     def watch(self, view: StatsView | None, reader: MainReader) -> None:
         self._view, self._reader = view, reader
@@ -67,9 +68,9 @@ class Figures:
         if final is not None:
             return final
         if view is None or reader is None:
-            return _with_feeding(_empty(), self.feeding)
+            return _with_replacements(_with_feeding(_empty(), self.feeding), self.replacements)
         view.main.items_in = reader.handed_out()
-        return _with_feeding(view.snapshot(epochs=reader.epoch), self.feeding)
+        return _with_replacements(_with_feeding(view.snapshot(epochs=reader.epoch), self.feeding), self.replacements)
 
     def freeze(self) -> None:
         """The first step of the stop, while the children still run."""
@@ -86,6 +87,14 @@ def _with_feeding(stats: Stats, counters: Any) -> Stats:
     from ...stats import DeviceFeed
 
     return replace(stats, device=DeviceFeed(**asdict(counters)))
+
+
+def _with_replacements(stats: Stats, made: list[Any]) -> Stats:
+    if not made:
+        return stats
+    from dataclasses import replace
+
+    return replace(stats, replacements=tuple(made))
 
 
 def _empty() -> Stats:

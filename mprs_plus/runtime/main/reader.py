@@ -31,7 +31,11 @@ from .gate import CLOSED_MESSAGE, ReadGate
 from ..mux import ChannelMux, Message
 from .cursor import ReadCursor, read_as_ready, read_in_order
 from ..stats import StatsWriter
-from .topology import Topology
+from .topology import ChildLink, Topology
+from .lifecycle import DEATH_GRACE
+from ..data_messages import Kind
+from ...segment import Segment
+from multiprocessing.connection import wait
 from ..window import ItemWindow
 
 _LOG = logging.getLogger("mprs_plus")
@@ -54,6 +58,7 @@ class MainChannels:
         timeout: float | None,
         stats: StatsWriter | None,
         asleep_for: Callable[[float], bool] | None = None,
+        replace: Callable[[ChildLink, int, tuple[int, ...]], tuple[list[Any], ...]] | None = None,
     ) -> None:
         pairs = topology.data_receivers()
         self.receivers = [receiver for _, receiver in pairs]
@@ -73,19 +78,76 @@ class MainChannels:
         # (``Liveness.asleep_for``, kept whatever the statistics options). With one worker
         # output the main process has one reader, so that and its own wait prove the cycle closed.
         self._asleep_for = asleep_for if topology.outputs == 1 else None
+        # Replacing dead workers (``replacement.py``): ``replace(link, epoch, received)``
+        # starts a new worker for ``link`` and returns, per lane, items to deliver first.
+        # Until then a death is the error. Items received per channel this epoch are
+        # counted only when replacements are allowed: [epoch, items].
+        self._replace = replace
+        self._received: list[list[int]] | None = [[0, 0] for _ in self.receivers] if replace else None
+        self._fresh: dict[int, list[Any]] = {}  # channels replaced: their first message, due
+        self.epoch = 0  # the main process's current epoch (``MainReader.begin_epoch``)
+        self.mux: ChannelMux | None = None  # told of a replaced channel
 
     def recv(self, index: int) -> Message:
+        if self._fresh:
+            first = self._fresh.pop(index, None)
+            if first is not None:
+                return (Kind.ITEMS, self.epoch, first)
         try:
             if self._stats is None:
-                return self.receivers[index].recv()
-            started = time.perf_counter()  # a message's items are rebuilt in one go: timed per message
-            message = self.receivers[index].recv()
-            self._stats.receiving += time.perf_counter() - started
-            return message
+                message = self.receivers[index].recv()
+            else:
+                started = time.perf_counter()  # a message's items are rebuilt in one go: timed per message
+                message = self.receivers[index].recv()
+                self._stats.receiving += time.perf_counter() - started
         except (ChannelBroken, EndOfStream) as exc:
+            if self._replace_dead():
+                return self.recv(index)
             raise self._death_error() from exc
         except ChannelError as exc:
             raise ServiceClosedError("the reading service was shut down during iteration") from exc
+        received = self._received
+        if received is not None and message[0] == Kind.ITEMS:
+            count = received[index]
+            if message[1] != count[0]:
+                count[0], count[1] = message[1], 0
+            count[1] += len(message[2])
+        return message
+
+    def _replace_dead(self, grace: float = DEATH_GRACE) -> list[ChildLink]:
+        """Replace every dead worker, if replacements are allowed, and return them (none: the
+        caller raises the death error). Raises the user's error when one cannot be replaced."""
+        if self._replace is None:
+            return []
+        links = self._topology.started()
+        # A process's sentinel fires as it exits, a moment before it can be reaped, and its
+        # channel can break a moment before that: give it that moment (``lifecycle.death_error``).
+        ready = wait([link.process.sentinel for link in links], grace)
+        for link in links:
+            if link.process.sentinel in ready:
+                link.process.join(DEATH_GRACE)
+        dead = [link for link in links if link.process.exitcode is not None]
+        if not dead or any(link.role is not Segment.WORKER for link in dead):
+            return []  # a dispatch process is not replaced: its death is the error
+        lanes = self._outputs
+        for link in dead:
+            first = link.index * lanes
+            # What the dead worker sent and this process has not read yet is read now: it
+            # reaches the loop before what the replacement makes.
+            left = [self._drain(first + k) for k in range(lanes)]
+            received = tuple(
+                count[1] if count[0] == self.epoch else 0 for count in self._received[first : first + lanes]
+            )
+            items = self._replace(link, self.epoch, received)
+            for k in range(lanes):
+                index = first + k
+                self.receivers[index] = link.data[k]
+                if self.mux is not None:
+                    self.mux.replace(index, link.data[k])
+                self._fresh[index] = left[k] + items[k]
+                self._received[index] = [self.epoch, received[k] + len(items[k])]
+        self._sentinels = None
+        return dead
 
     def _wait_watching(self, receivers: list[Receiver], index: int, also: list[Waitable]) -> list[Any]:
         """``wait_readable`` of one channel, in slices of ``STUCK_SECONDS``. After a slice
@@ -144,12 +206,36 @@ class MainChannels:
             self._sentinels = sentinels
         return sentinels
 
+    def _drain(self, index: int) -> list[Any]:
+        """The items of the current epoch still in channel ``index``, whose sender died,
+        counted as received. Messages of other epochs, its end and its errors are dropped:
+        the replacement makes them again."""
+        receiver, count = self.receivers[index], self._received[index]
+        items: list[Any] = []
+        while True:
+            try:
+                if not receiver.poll():
+                    break
+                kind, epoch, payload = receiver.recv()
+            except Exception:  # the gone sender's end of the stream, or a message cut short
+                break
+            if kind == Kind.ITEMS and epoch == self.epoch:
+                items.extend(payload)
+        if count[0] != self.epoch:
+            count[0], count[1] = self.epoch, 0
+        count[1] += len(items)
+        return items
+
     def wait(self, indices: list[int]) -> list[int]:
         """Block until some of the channels ``indices`` are readable. A child that died
         meanwhile is an error, a stop is ``ServiceClosedError``, and a wait longer than
         ``timeout`` is a TimeoutError."""
         gate = self._gate
         gate.check()
+        if self._fresh:
+            fresh = [i for i in indices if i in self._fresh]
+            if fresh:
+                return fresh
         receivers = [self.receivers[i] for i in indices]
         asked = time.perf_counter()
         also = [*self._children(), gate.wake_fd, gate.nudge_fd]
@@ -180,6 +266,8 @@ class MainChannels:
         index_of = {id(receiver): i for receiver, i in zip(receivers, indices)}
         found = [index_of[id(r)] for r in ready if id(r) in index_of]
         if not found and not nudged:
+            if self._replace_dead():
+                return [i for i in indices if i in self._fresh]
             raise self._death_error()
         return found
 
@@ -232,10 +320,13 @@ class MainReader:
         stats: StatsWriter | None,
         asleep_for: Callable[[float], bool] | None = None,
         windows: Mapping[int, ItemWindow] | None = None,
+        replace: Callable[[ChildLink, int, tuple[int, ...]], tuple[list[Any], ...]] | None = None,
     ) -> None:
-        channels = MainChannels(topology, gate, death_error, timeout, stats, asleep_for)
+        channels = MainChannels(topology, gate, death_error, timeout, stats, asleep_for, replace)
         self.epoch = 0
         self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait, gate.nudge)
+        channels.mux = self._mux
+        self._main_channels = channels
         self._take = GatedMux(self._mux, gate)
         self._gate = gate
         self._interrupted = interrupted  # Ctrl-C in a read: stop the children before unwinding
@@ -260,6 +351,7 @@ class MainReader:
         ``consumed[w]`` items of worker w count as handed out."""
         self._gate.check()
         self.epoch += 1
+        self._main_channels.epoch = self.epoch
         self._mux.advance(self.epoch)
         self._handed_before = self.handed_out()
         self.cursors = [
@@ -267,6 +359,10 @@ class MainReader:
             for channels, credits in zip(self._channels, self._credits)
         ]
         return self.epoch
+
+    def replace_dead(self) -> list[Any]:
+        """Between epochs: replace the workers found dead now (none when replacements are off)."""
+        return self._main_channels._replace_dead(grace=0.0)
 
     def iterate(self, branch: int) -> Iterator[Any]:
         """The current epoch's items of worker output ``branch``."""

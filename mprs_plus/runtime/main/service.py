@@ -52,11 +52,13 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import IterDataPipe
 from torch.utils.data.graph import traverse_dps
 
+from ...errors import ServiceClosedError
 from ...options import Options
 from ...plan import Plan
 from ...segment import Segment
 from ...transport import Receiver, Sender
 from .lifecycle import stop_at_exit
+from .gate import CLOSED_MESSAGE
 from .reader import MainReader
 from ..control_messages import Limit, Pause, Reset, Resume, pack
 from .cursor import ReadCursor
@@ -69,14 +71,21 @@ from .state import Lifecycle, State
 from ..liveness import Liveness
 from ..window import ItemWindow
 from .supervisor import CONTROL_BYTES, CONTROL_ITEMS, Supervisor
+from .lifecycle import DEATH_GRACE
+from .replacement import LostItem, Replacements
 from .topology import ChildLink, Topology, plan_topology
 from ..child.worker import WorkerSetup, worker_main
+from ..generators import GeneratorRecord
 
 if TYPE_CHECKING:
     from ...stats import Stats
     from .inprocess import InProcessRuntime
 
 _DATA_BYTES = 64 << 20
+# Items a replacement hands on one by one (``Reset.careful``): more than a worker's lane
+# holds unsent at most (a message of 64 items, ``child/batching.py``), so a replacement
+# that dies again has passed every item its predecessor may have made and not sent.
+CAREFUL_ITEMS = 65
 _STATS_LOG = logging.getLogger("mprs_plus.stats")
 
 
@@ -155,6 +164,13 @@ class ServiceRuntime:
         self.lifecycle: Lifecycle = self._supervisor.lifecycle
         self._reader: MainReader | None = None
         self._main: Any = None  # the main segment, once started
+        # Replacing dead workers (``replacement.py``), when ``worker_restarts`` allows it:
+        # each worker's setup, and what it was last sent (its epoch's Reset, then any
+        # Pause/Resume/Limit), which a replacement is sent again.
+        self._replacements: Replacements | None = None
+        self._setups: dict[int, WorkerSetup] = {}
+        self._sent: dict[int, list[Any]] = {}
+        self._records_at: dict[int, int] = {}  # a replacement's generator record, as it started
         self.figures = Figures()
         self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
         weakref.finalize(self, self._supervisor.stop)
@@ -181,8 +197,23 @@ class ServiceRuntime:
             stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid(), supervisor.placement)
         liveness = Liveness(self._ctx, topology.stats_rows)  # kept whatever the options: a stuck read's evidence
         lanes = [row for link in topology.children() for row in link.stats_rows]
+        replace = None
+        if self.options.worker_restarts:
+            if topology.dispatch is not None:
+                supervisor.stop()
+                raise ValueError(
+                    "worker_restarts is not supported yet for a pipeline with a dispatch process "
+                    "(sharding_round_robin_dispatch): its workers' inputs cannot be dealt again. Pass worker_restarts=0"
+                )
+            outputs = [self.plan.graph.datapipes[index] for index in self.plan.worker_outputs]
+            skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
+            self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
+            self.figures.replacements = self._replacements.made
+            replace = _weak_method(self, ServiceRuntime._replace_worker)
         try:
-            windows = _wire_children(self.plan, self.options, topology, supervisor, stats, liveness, self._ctx)
+            windows = _wire_children(
+                self.plan, self.options, topology, supervisor, stats, liveness, self._ctx, self._setups
+            )
             self.lifecycle.advance(State.PREPARED)
             if self._ctx.get_start_method() != "fork" or supervisor.placement.start_at_once:
                 supervisor.launch_all()
@@ -198,6 +229,7 @@ class ServiceRuntime:
                 stats.main if stats is not None else None,
                 lambda seconds: liveness.asleep_for(lanes, seconds),
                 windows,
+                replace,
             )
             self.figures.watch(stats, self._reader)
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
@@ -205,6 +237,11 @@ class ServiceRuntime:
         except BaseException:
             supervisor.stop()
             raise
+        if self._replacements is not None:
+            workers = topology.workers
+            self._replacements.memory.start(
+                self.lifecycle, lambda: [link.process.pid for link in workers if link.process is not None]
+            )
         if self.options.stats_interval is not None:
             _start_stats_logger(self.figures, self.options.stats_interval, self.lifecycle)
         if stats is None:
@@ -246,6 +283,13 @@ class ServiceRuntime:
             reset_fn = share(link.index) if share is not None else iter_reset_fn
             resets.append((link, Reset(epoch, pack((seeds, reset_fn)), skip)))
         launching = supervisor.pending
+        if self._replacements is not None:
+            self._sent = {link.index: [reset] for link, reset in resets if link.role is Segment.WORKER}
+            if not launching:
+                # A worker that died while no epoch was read: replaced now, and sent this
+                # epoch's Reset as it starts (seeded anew: see docs/worker-restarts.md).
+                replaced = set(reader.replace_dead())
+                resets = [(link, reset) for link, reset in resets if link not in replaced]
         try:
             if launching:
                 self._launch_with(resets, next_worker)
@@ -311,7 +355,66 @@ class ServiceRuntime:
     def _broadcast(self, kind: type[Pause | Resume | Limit], payload_of: Callable[[ChildLink], Any]) -> None:
         epoch = self._started().epoch
         for link in self._topology.children():
-            self._supervisor.send(link, kind(epoch, pack(payload_of(link))))
+            message = kind(epoch, pack(payload_of(link)))
+            if self._replacements is not None and link.role is Segment.WORKER:
+                self._sent.setdefault(link.index, []).append(message)
+            self._supervisor.send(link, message)
+
+    # -- replacing a dead worker (``replacement.py``) -----------------------------------
+
+    def _replace_worker(self, link: ChildLink, epoch: int, received: tuple[int, ...]) -> tuple[list[Any], ...]:
+        """Start a new process for ``link``'s dead one, restored to ``received`` items per
+        lane of ``epoch``; returns per lane the items the loop gets first (a ``LostItem``
+        in the place of an item that killed two workers). Raises the user's error when
+        the budget is spent."""
+        replacements, supervisor = self._replacements, self._supervisor
+        if replacements is None:
+            raise RuntimeError("internal error: a worker replaced without worker_restarts")
+        process = link.process
+        process.join(DEATH_GRACE)
+        setup = self._setups[link.index]
+        record = setup.record
+        began = record is None or record.sequence() > self._records_at.get(link.index, -1)
+        made = replacements.on_death(
+            link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, began
+        )
+        lost = tuple(made.items if made.poison else -1 for _ in received)
+        skip = tuple(n + 1 if made.poison else n for n in received)
+        control, control_rx = supervisor.placement.open_channel(
+            capacity_items=CONTROL_ITEMS, capacity_bytes=CONTROL_BYTES, control=True
+        )
+        ends: list[Any] = [control_rx]
+        data = []
+        try:
+            for _ in range(link.lanes):
+                tx, rx = supervisor.placement.open_channel(
+                    capacity_items=self.options.items_in_flight_per_worker, capacity_bytes=_DATA_BYTES
+                )
+                ends.append(tx)
+                data.append(rx)
+        except BaseException:
+            for end in [control, *data, *ends]:
+                with contextlib.suppress(Exception):
+                    end.close()
+            raise
+        self._setups[link.index] = setup = setup._replace(control=control_rx, data=tuple(ends[1:]))
+        # Its statistics rows, liveness slots, item windows and generator record are the dead one's.
+        supervisor.relaunch(link, control, tuple(data), worker_main, setup, ends)
+        sent = self._sent.get(link.index, [])
+        if record is not None:
+            self._records_at[link.index] = record.sequence()  # the replacement writes one more as it begins
+        if sent:
+            first = sent[0]
+            # The latest record at or before what the loop has (the poison item excluded).
+            recorded = record.read(first.epoch, min(received)) if record is not None else None
+            restore = pack(recorded) if recorded is not None else b""
+            messages = [first._replace(skip=skip, restore=restore, lost=lost, careful=CAREFUL_ITEMS), *sent[1:]]
+            for message in messages:
+                supervisor.send(link, message)
+        lost_items: tuple[list[Any], ...] = tuple(
+            [LostItem(link.index, made.items, made.pid, made.cause)] if made.poison else [] for _ in received
+        )
+        return lost_items
 
     def _started(self) -> MainReader:
         self._supervisor.gate.check()
@@ -338,6 +441,7 @@ def _wire_children(
     stats: StatsView | None,
     liveness: Liveness | None = None,
     ctx: Any = None,
+    setups: dict[int, WorkerSetup] | None = None,
 ) -> dict[int, ItemWindow]:
     """Open every channel of ``topology``, fill in every link's endpoints (the one place
     that writes them) and freeze the topology; have the supervisor ready to start each
@@ -345,7 +449,8 @@ def _wire_children(
     link, or to the supervisor to hold for a child), so a failure half-way leaves the
     supervisor able to release everything opened so far. Returns the item window of each
     worker data channel, by the ``id`` of its receiver, when the options ask for windows
-    (``Options.items_ahead``, workers of this host only: ``window.py``).
+    (``Options.items_ahead``, workers of this host only: ``window.py``); ``setups``, when
+    given, gets each worker's setup (a replacement starts from it, ``replace_worker``).
 
     Opening a channel commits no ring memory (pages are committed as messages first touch
     them, ``transport/_memory.py``), so this costs a few system calls per channel."""
@@ -410,10 +515,27 @@ def _wire_children(
             stats=stats.writers(link) if stats is not None else (),
             liveness=tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
             windows=tuple(lane_windows),
+            record=GeneratorRecord(ctx) if options.worker_restarts and ctx is not None else None,
         )
+        if setups is not None:
+            setups[link.index] = setup
         supervisor.prepare(link, worker_main, setup)
     topology.freeze()
     return windows
+
+
+def _weak_method(owner: Any, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` bound to ``owner`` through a weak reference: what the reader holds must
+    not keep the runtime alive (its finalizer stops the children)."""
+    ref = weakref.ref(owner)
+
+    def call(*args: Any) -> Any:
+        live = ref()
+        if live is None:
+            raise ServiceClosedError(CLOSED_MESSAGE)
+        return method(live, *args)
+
+    return call
 
 
 def _prime_graph_walks(plan: Plan) -> None:

@@ -127,6 +127,39 @@ class Supervisor:
                 self._watch_children()
                 self.lifecycle.advance(State.RUNNING)
 
+    def relaunch(
+        self, link: ChildLink, control: Endpoint, data: tuple[Any, ...], target: Callable[[Any], None], setup: Any, ends: list[Endpoint]
+    ) -> None:
+        """Replace ``link``'s dead process by a new one running ``target(setup)`` over new
+        channels (``control`` and ``data``, the main process's ends; ``ends``, the child's,
+        let go of here once it started). The dead one's channels are closed: lent buffers
+        the loop still holds keep their memory (``transport/_lend.py``)."""
+        with self._stop_lock:
+            if self.lifecycle.closed:
+                for end in [control, *data, *ends]:
+                    with contextlib.suppress(Exception):
+                        end.close()
+                raise ServiceClosedError(CLOSED_MESSAGE)
+            old = link.process
+            old.join(DEATH_GRACE)
+            with self._control_lock:
+                with contextlib.suppress(Exception):
+                    link.control.close()
+            for receiver in link.data:
+                with contextlib.suppress(Exception):
+                    receiver.close()
+            link.rewire(control, data)
+            with contextlib.suppress(ValueError):
+                old.close()
+            self._held.extend(ends)
+            try:
+                process = self.placement.start(link.name, target, setup)
+            finally:
+                self._release_held()
+            link.attach(process)
+            link.control.watch(process.sentinel)
+            self._watch_children()
+
     def launch_all(self) -> None:
         for link in list(self._pending):
             self.launch(link)

@@ -75,6 +75,15 @@ class ChildLink:
             raise RuntimeError(f"internal error: {self.name} retired before it was reaped")
         object.__setattr__(self, "process", exited)
 
+    def rewire(self, control: Sender, data: tuple[Receiver, ...]) -> None:
+        """A replacement of a dead child (``replacement.py``): new endpoints, and no process
+        until the supervisor attaches the new one. The dead one must be reaped."""
+        if self.process is not None and self.process.exitcode is None:
+            raise RuntimeError(f"internal error: {self.name} rewired while its process runs")
+        object.__setattr__(self, "control", control)
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "process", None)
+
     @property
     def alive(self) -> bool:
         return self.process is not None and self.process.exitcode is None

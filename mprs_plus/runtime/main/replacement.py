@@ -1,0 +1,218 @@
+"""A dead worker replaced, not the run ended: the budget, the poison rule, what is said.
+
+    reader finds worker w dead --> Replacements.on_death(w, pid, exit code, items received)
+        budget spent ............. the death error, saying how many were replaced before
+        same item as last death .. a poison item: its place gets a ``LostItem`` (the loop's
+                                   error for that item) and the replacement leaves it out;
+                                   only for a stream that can leave an item out (``skips_lost``)
+        otherwise ................ a replacement, restored to the items the loop has
+    --> a warning at the user's line, a ``Replacement`` in the statistics
+
+A replacement is a restore of one worker (``restore.py`` does it for all of them): started
+anew, it runs its reset for the epoch the dead one was in, loads the generator states that
+the dead one recorded as that epoch began (``generators.py``), and produces and drops the
+items the main process had already received from the dead one (``Reset.skip``). With
+``in_order=True`` the loop then sees the uninterrupted run; with ``in_order=False`` the
+same set.
+
+Memory: a killed process cannot be asked for its memory, so while replacements are
+allowed a thread samples each worker's resident memory, and the machine's and cgroup's
+use, twice a second (``MemoryWatch``): the warning names the last sample, and says
+"likely the out-of-memory killer" for a SIGKILL with memory near a limit then.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from ...errors import ProcessDiedError
+from ...user_frame import warn
+
+_SAMPLE_SECONDS = 0.5
+_NEAR_LIMIT = 0.9  # memory in use, as a fraction of the limit, that reads as "near the limit"
+
+
+class Replacement(NamedTuple):
+    """One dead worker replaced: who, how it ended, where in its stream, its memory."""
+
+    worker: int
+    pid: int
+    cause: str  # "SIGKILL", "exit code 3"
+    epoch: int
+    items: int  # items of the epoch the main process had received from it
+    rss_bytes: int | None  # its last resident memory sampled, None if never sampled
+    out_of_memory: bool  # killed with memory near the machine's or the cgroup's limit
+    poison: bool  # it died at the same item as the worker before it: that item was left out
+
+
+class LostItem(NamedTuple):
+    """In the place of an item that killed two workers in turn: the loop gets this error there."""
+
+    worker: int
+    position: int  # the item's position in the worker's stream of the epoch
+    pid: int
+    cause: str
+
+    def error(self, names: str = "") -> RuntimeError:
+        """torch's words for a worker killed by a signal (or gone), naming the item."""
+        what = names or f"item {self.position} of worker {self.worker}"
+        if self.cause.startswith("SIG"):
+            try:
+                said = signal.strsignal(signal.Signals[self.cause]) or self.cause
+            except (KeyError, ValueError):
+                said = self.cause
+            head = f"DataLoader worker (pid {self.pid}) is killed by signal: {said}."
+        else:
+            head = f"DataLoader worker (pid(s) {self.pid}) exited unexpectedly ({self.cause})."
+        return RuntimeError(
+            f"{head} Two workers in turn died making {what}: it is left out, and the epoch goes on with the "
+            "next one. Look for the sample that kills the process (a corrupt file, a native decoder's crash)."
+        )
+
+
+def cause_of(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class MemoryWatch:
+    """Each worker's last resident memory, and whether memory was near a limit, sampled by a
+    daemon thread that ends with the service (it holds no part of the runtime)."""
+
+    def __init__(self) -> None:
+        self.rss: dict[int, int] = {}  # by pid
+        self.near_limit = False
+
+    def start(self, lifecycle: Any, pids: Callable[[], list[int]]) -> None:
+        """Sample until ``lifecycle`` closes; ``pids()``: the workers now (replacements too)."""
+        try:
+            import psutil
+        except ImportError:  # no samples: the warning says the memory is unknown
+            return
+        watch = weakref.ref(self)
+
+        def run() -> None:
+            while not lifecycle.wait_closed(_SAMPLE_SECONDS):
+                live = watch()
+                if live is None:
+                    return
+                live.sample(psutil, pids())
+                del live
+
+        threading.Thread(target=run, name="mprs_plus memory watch", daemon=True).start()
+
+    def sample(self, psutil: Any, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                self.rss[pid] = psutil.Process(pid).memory_info().rss
+            except Exception:  # gone meanwhile: its last sample stays
+                pass
+        memory = psutil.virtual_memory()
+        used = 1.0 - memory.available / memory.total if memory.total else 0.0
+        self.near_limit = used >= _NEAR_LIMIT or _cgroup_used() >= _NEAR_LIMIT
+
+
+def _cgroup_used() -> float:
+    """This process's cgroup (v2) memory in use as a fraction of its limit; 0.0 without one."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit_file, open("/sys/fs/cgroup/memory.current") as used_file:
+            limit, used = limit_file.read().strip(), used_file.read().strip()
+    except OSError:
+        return 0.0
+    if limit == "max" or not limit.isdigit() or not used.isdigit() or int(limit) == 0:
+        return 0.0
+    return int(used) / int(limit)
+
+
+class Replacements:
+    """The service's budget of replacements and their record (see the module docstring)."""
+
+    def __init__(self, budget: int, skips_lost: bool, used_before: int = 0) -> None:
+        self.budget = budget
+        self.used_before = used_before  # by earlier runtimes of the same loader (one per epoch, not persistent)
+        self.skips_lost = skips_lost  # the worker stream can leave an item out (``LoaderStage``)
+        self.made: list[Replacement] = []
+        self.memory = MemoryWatch()
+        self._last_death: dict[int, tuple[int, tuple[int, ...]]] = {}  # worker -> (epoch, items received)
+
+    def on_death(
+        self,
+        worker: int,
+        pid: int,
+        exitcode: int | None,
+        epoch: int,
+        received: tuple[int, ...],
+        death_error: Any,
+        began: bool = True,
+    ) -> Replacement:
+        """Record the death of ``worker`` and say how it is replaced; raise the error the user
+        gets when it is not (``death_error()``: the runtime's error for the death).
+
+        Poison: a replacement hands its first item on at once (``Reset.careful``), so one
+        that began its epoch (``began``: its reset, ``worker_init_fn`` included, ran) and
+        died with nothing more received than its predecessor died making that item."""
+        used = self.used_before + len(self.made)
+        if used >= self.budget:
+            raise _spent(death_error(), used, self.budget)
+        cause = cause_of(exitcode)
+        poison = began and self._last_death.get(worker) == (epoch, received)
+        if poison and not (self.skips_lost and len(received) == 1):
+            raise _unskippable(death_error(), worker, received)
+        rss = self.memory.rss.get(pid)
+        made = Replacement(
+            worker, pid, cause, epoch, sum(received), rss, cause == "SIGKILL" and self.memory.near_limit, poison
+        )
+        self.made.append(made)
+        after = tuple(n + 1 for n in received) if poison else received
+        self._last_death[worker] = (epoch, after)
+        _warn(made, self.used_before + len(self.made), self.budget)
+        return made
+
+
+def _warn(made: Replacement, count: int, budget: int) -> None:
+    memory = f"{made.rss_bytes / (1 << 20):.0f} MiB" if made.rss_bytes is not None else "unknown"
+    likely = "; likely the out-of-memory killer" if made.out_of_memory else ""
+    how = f"was killed by {made.cause}" if made.cause.startswith("SIG") else f"ended ({made.cause})"
+    what = (
+        f"item {made.items} of its epoch killed it and the worker before it: that item is left out"
+        if made.poison
+        else f"the main process had received {made.items} of its items of epoch {made.epoch}"
+    )
+    warn(
+        f"mprs_plus: worker {made.worker} (pid {made.pid}) {how}{likely} (last resident memory {memory}); "
+        f"{what}. A new worker replaces it and goes on from there (replacement {count} of "
+        f"worker_restarts={budget}).",
+        RuntimeWarning,
+    )
+
+
+_CANNOT = ". The reading service cannot continue"
+
+
+def _spent(error: Exception, made: int, budget: int) -> Exception:
+    text = str(error)
+    note = f" ({made} dead worker(s) were replaced before, all that worker_restarts={budget} allows)"
+    if _CANNOT in text:
+        return ProcessDiedError(text.replace(_CANNOT, note + _CANNOT, 1))
+    return ProcessDiedError(text + note)
+
+
+def _unskippable(error: Exception, worker: int, received: tuple[int, ...]) -> Exception:
+    text = str(error)
+    note = (
+        f" (a replacement of worker {worker} died at the same item as the worker before it, item "
+        f"{max(received)} of its epoch; a stream of this kind cannot leave an item out)"
+    )
+    if _CANNOT in text:
+        return ProcessDiedError(text.replace(_CANNOT, note + _CANNOT, 1))
+    return ProcessDiedError(text + note)

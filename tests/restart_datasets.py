@@ -1,0 +1,123 @@
+"""Datasets that kill the process reading them, for the tests of ``worker_restarts``
+(importable by spawned workers). Each death is forced: a dataset kills its own process
+at a chosen index, the first time only (a marker file says it happened) unless it is a
+poison sample, which kills every process that reads it."""
+
+import os
+import random
+import signal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+def die_once(marker):
+    """SIGKILL this process unless ``marker`` exists (it is made first)."""
+    if marker is None or os.path.exists(marker):
+        return
+    with open(marker, "w"):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Draws(Dataset):
+    """Each sample draws from random, torch and numpy; index ``kill_at`` kills its process
+    the first time (``marker``), or every time with ``poison``."""
+
+    def __init__(self, n=48, kill_at=-1, marker=None, poison=False, size=0, armed=None):
+        self.n, self.kill_at, self.marker, self.poison, self.size = n, kill_at, marker, poison, size
+        self.armed = armed  # a path: the kill happens only once this file exists (a later epoch)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.kill_at and (self.armed is None or os.path.exists(self.armed)):
+            if self.poison:
+                os.kill(os.getpid(), signal.SIGKILL)
+            die_once(self.marker)
+        drawn = torch.tensor([i, random.random(), float(torch.rand(())), float(np.random.rand())], dtype=torch.float64)
+        if self.size:  # a large sample: batches of them are lent by the worker
+            return torch.full((self.size,), float(i), dtype=torch.float64), drawn
+        return drawn
+
+
+class DrawsIterable(IterableDataset):
+    """Each worker yields its share of range(n) (every num_workers-th), with a draw from
+    torch's generator; element ``kill_at`` kills its process the first time."""
+
+    def __init__(self, n=40, kill_at=-1, marker=None):
+        self.n, self.kill_at, self.marker = n, kill_at, marker
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            if i == self.kill_at:
+                die_once(self.marker)
+            yield torch.tensor([float(i), float(torch.rand(()))], dtype=torch.float64)
+
+
+class DiesInInit:
+    """A worker_init_fn that kills worker ``worker`` the first time (``marker``), then draws."""
+
+    def __init__(self, worker, marker):
+        self.worker, self.marker = worker, marker
+
+    def __call__(self, worker_id):
+        if worker_id == self.worker:
+            die_once(self.marker)
+        random.random()
+
+
+class ChainedKills(Dataset):
+    """Plain samples; each (index, marker) of ``kills`` kills its process the first time."""
+
+    def __init__(self, kills, n=48):
+        self.kills, self.n = dict(kills), n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.kills:
+            die_once(self.kills[i])
+        return i
+
+
+class KillAt:
+    """A DataPipe map function: item ``value`` kills its process the first time (``marker``)."""
+
+    def __init__(self, value, marker):
+        self.value, self.marker = value, marker
+
+    def __call__(self, x):
+        if x == self.value:
+            die_once(self.marker)
+        return x * 10 + random.randrange(10)
+
+
+class LogsReads(Draws):
+    """``Draws`` that notes every index it reads in a file of the reading process's own."""
+
+    def __init__(self, folder, **kwargs):
+        super().__init__(**kwargs)
+        self.folder = folder
+
+    def __getitem__(self, i):
+        with open(os.path.join(self.folder, f"reads-{os.getpid()}"), "a") as log:
+            log.write(f"{i}\n")
+        return super().__getitem__(i)
+
+
+class KillsEvery:
+    """A DataPipe map function: item ``value`` kills every process that makes it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, x):
+        if x == self.value:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x

@@ -1,0 +1,363 @@
+"""worker_restarts=N: a dead worker is replaced, and the loop gets the uninterrupted run's
+batches (in order with in_order=True, the same set with in_order=False), compared with the
+run nobody killed and with torch's DataLoader for the same seed.
+
+Every death is forced: the dataset (or worker_init_fn) kills its own process with SIGKILL
+at a chosen index, the first time only (a marker file in tmp_path), or every time for a
+poison sample. The start-method matrix runs the first case; the others run under the
+default start method."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import mprs_plus
+from restart_datasets import ChainedKills, DiesInInit, Draws, DrawsIterable, KillAt, LogsReads
+
+THIS_FILE = os.path.abspath(__file__)
+
+
+def batches(loader_class, dataset, epochs=1, **kwargs):
+    """Each epoch's batches as lists, the global seed set as a training script sets it."""
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("num_workers", 2)
+    torch.manual_seed(0)
+    loader = loader_class(dataset, **kwargs)
+    return [[_plain(batch) for batch in loader] for _ in range(epochs)]
+
+
+def _plain(batch):
+    if isinstance(batch, (list, tuple)):
+        return [_plain(part) for part in batch]
+    return batch.tolist()
+
+
+def replaced(caught):
+    return [w for w in caught if issubclass(w.category, RuntimeWarning) and "A new worker replaces it" in str(w.message)]
+
+
+def test_a_worker_killed_at_a_chosen_sample_is_replaced_and_the_batches_are_torchs(tmp_path, start_method):
+    expected = batches(TorchDataLoader, Draws())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batches(
+            mprs_plus.DataLoader,
+            Draws(kill_at=29, marker=str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context=start_method,
+        )
+    assert got == expected
+    assert (tmp_path / "killed").exists()  # the death happened
+    said = replaced(caught)
+    assert len(said) == 1
+    message = str(said[0].message)
+    assert "worker 1 (pid " in message and "was killed by SIGKILL" in message  # batch 7 is worker 1's
+    assert "last resident memory" in message and "replacement 1 of worker_restarts=1" in message
+    assert os.path.abspath(said[0].filename) == THIS_FILE  # the user's line
+
+
+def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(tmp_path, monkeypatch):
+    """The worker records its generators as it goes (here after every batch: under fork the
+    children see the setting); its replacement starts at the latest record at or before
+    what the loop received, so worker 1's first batch (indices 4-7) is never read again."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.0)
+    # Index 1205 is in batch 301, worker 1's 151st: far past what a worker may have made and
+    # not sent when it dies (2 ms of work, child/batching.py), so a record the loop has passed exists.
+    expected = batches(TorchDataLoader, Draws(n=1300))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            LogsReads(str(tmp_path), n=1300, kill_at=1205, marker=str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    reads = [int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split()]
+    assert reads.count(4) == 1
+    assert reads.count(1205) == 2  # the sample that killed the worker is read again, by its replacement
+
+
+def test_without_worker_restarts_a_killed_worker_is_still_the_error(tmp_path):
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Killed"):
+        batches(mprs_plus.DataLoader, Draws(kill_at=29, marker=str(tmp_path / "killed")))
+
+
+def test_in_order_false_gives_the_same_set(tmp_path):
+    expected = batches(TorchDataLoader, Draws())[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader, Draws(kill_at=21, marker=str(tmp_path / "killed")), worker_restarts=1, in_order=False
+        )[0]
+    assert sorted(map(str, got)) == sorted(map(str, expected))
+
+
+def test_an_iterable_dataset_worker_is_replaced(tmp_path):
+    expected = batches(TorchDataLoader, DrawsIterable())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(mprs_plus.DataLoader, DrawsIterable(kill_at=27, marker=str(tmp_path / "killed")), worker_restarts=1)
+    assert got == expected
+
+
+def test_persistent_workers_killed_in_a_later_epoch_draw_what_the_dead_one_would_have(tmp_path):
+    """The replacement loads the generator states the dead worker had when epoch 2 began:
+    persistent workers carry their generators across epochs, as torch's do."""
+    marker, armed = str(tmp_path / "killed"), tmp_path / "armed"
+    expected = batches(TorchDataLoader, Draws(), epochs=3, persistent_workers=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        loader = mprs_plus.DataLoader(
+            Draws(kill_at=18, marker=marker, armed=str(armed)),
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=True,
+            worker_restarts=1,
+        )
+        got = [[_plain(b) for b in loader]]
+        armed.touch()  # from now on index 18 kills, once
+        got.append([_plain(b) for b in loader])
+        got.append([_plain(b) for b in loader])
+        stats = loader.stats()
+        explained = loader.explain()
+        del loader
+    assert os.path.exists(marker)
+    assert got == expected
+    assert len(replaced(caught)) == 1
+    assert [made.epoch for made in stats.replacements] == [2]
+    assert stats.replacement_causes == {"SIGKILL": 1}
+    assert "dead workers replaced: 1 (SIGKILL x1)" in stats.summary()
+    assert "replaced so far: 1 (SIGKILL x1)" in explained
+
+
+def test_a_worker_killed_in_worker_init_fn_is_replaced(tmp_path):
+    expected = batches(TorchDataLoader, Draws(), worker_init_fn=DiesInInit(1, None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batches(
+            mprs_plus.DataLoader, Draws(), worker_init_fn=DiesInInit(1, str(tmp_path / "killed")), worker_restarts=1
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    assert len(replaced(caught)) == 1
+
+
+def test_large_batches_lent_by_the_dead_worker_stay_valid(tmp_path):
+    """Batches of 256 KiB tensors are lent as views of the worker's shared memory; the
+    loop holds worker 1's first ones while worker 1 dies, and they keep their values."""
+    size = 8 << 10  # float64 samples, 4 per batch: 256 KiB tensors
+    dataset = Draws(kill_at=37, marker=str(tmp_path / "killed"), size=size)
+    expected = batches(TorchDataLoader, Draws(size=size))[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=2, worker_restarts=1)
+    held, got = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for number, (large, drawn) in enumerate(loader):
+            if number in (1, 3):  # worker 1's first two batches, made before it died
+                held.append((number, large))
+            got.append([large.tolist(), drawn.tolist()])
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    stats = loader.stats()
+    assert stats.large_buffers.lent > 0  # the batches were lent, not copied
+    for number, large in held:
+        assert large.tolist() == expected[number][0]
+
+
+def test_a_poison_sample_is_that_batchs_error_and_the_epoch_goes_on(tmp_path):
+    """Index 29 kills every worker that reads it: after a replacement dies on the same
+    batch, that batch is raised in torch's words, and the next batches are the run's.
+    (The first worker may die before its previous batch left it: then its replacement
+    makes that batch and dies at the poison one first, a replacement more; hence 3.)"""
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=3)
+    got, errors = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iterator = iter(loader)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            except RuntimeError as exc:
+                errors.append(str(exc))
+                got.append(None)
+                continue
+            got.append(_plain(batch))
+    assert len(errors) == 1
+    assert "DataLoader worker (pid " in errors[0] and "is killed by signal: Killed" in errors[0]
+    assert "indices [28, 29, 30, 31]" in errors[0]
+    assert got.index(None) == 7  # batch 7 holds index 29
+    # Every other batch has the uninterrupted run's indices; those before the poison batch
+    # are the uninterrupted run's batches exactly.
+    assert [b[0] for b in got[:7]] == [b[0] for b in expected[:7]]
+    assert got[:7] == expected[:7]
+    assert [[row[0] for row in b] for b in got[8:]] == [[row[0] for row in b] for b in expected[8:]]
+    made = loader.stats().replacements
+    assert len(replaced(caught)) == len(made) >= 2
+    assert [m.poison for m in made] == [False] * (len(made) - 1) + [True]
+
+
+def test_a_spent_budget_is_the_error_and_says_how_many_were_replaced(tmp_path):
+    dataset = ChainedKills([(9, str(tmp_path / "first")), (30, str(tmp_path / "second"))])
+    loader = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=2, worker_restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(RuntimeError, match=r"is killed by signal: Killed.*1 dead worker\(s\) were replaced before"):
+            list(loader)
+    assert (tmp_path / "second").exists()
+
+
+def test_the_reading_service_replaces_a_dead_worker(tmp_path):
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    def pipeline(marker):
+        return IterableWrapper(range(40)).shuffle().sharding_filter().map(KillAt(23, marker))
+
+    def run(marker, restarts):
+        service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=restarts)
+        loader = DataLoader2(pipeline(marker), reading_service=service)
+        loader.seed(7)
+        try:
+            return list(loader), service.stats()
+        finally:
+            loader.shutdown()
+
+    expected, _ = run(None, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, stats = run(str(tmp_path / "killed"), 1)
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    assert len(replaced(caught)) == 1
+    assert len(stats.replacements) == 1
+
+
+def test_worker_restarts_is_refused_where_it_is_not_supported_yet():
+    from mprs_plus.options import Options
+
+    with pytest.raises(ValueError, match="worker_restarts=1 with backend="):
+        Options(num_workers=2, worker_restarts=1, backend=mprs_plus.RayBackend())
+    with pytest.raises(ValueError, match="worker_restarts must be"):
+        Options(num_workers=2, worker_restarts=-1)
+
+
+def test_a_checkpoint_taken_after_a_replacement_restores_the_rest_of_the_epoch(tmp_path):
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Draws(kill_at=13, marker=str(tmp_path / "killed")), batch_size=4, num_workers=2,
+                                  worker_restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        iterator = iter(loader)
+        head = [_plain(next(iterator)) for _ in range(6)]
+        state = loader.state_dict()
+    del iterator
+    assert (tmp_path / "killed").exists()
+    fresh = mprs_plus.DataLoader(Draws(), batch_size=4, num_workers=2)
+    fresh.load_state_dict(state)
+    assert head + [_plain(batch) for batch in fresh] == expected
+    del loader
+
+
+def test_a_sigkill_near_the_memory_limit_is_said_to_be_likely_the_out_of_memory_killer():
+    """The warning's words, from the memory watch's last sample (no process needed)."""
+    from mprs_plus.runtime.main.replacement import Replacements
+
+    replacements = Replacements(budget=2, skips_lost=True)
+    replacements.memory.rss[4242] = 3 << 30
+    replacements.memory.near_limit = True
+    with pytest.warns(RuntimeWarning) as caught:
+        made = replacements.on_death(1, 4242, -9, 1, (5,), lambda: RuntimeError("unused"))
+    message = str(caught[0].message)
+    assert "worker 1 (pid 4242) was killed by SIGKILL; likely the out-of-memory killer" in message
+    assert "last resident memory 3072 MiB" in message
+    assert made.out_of_memory and made.cause == "SIGKILL" and made.items == 5
+    replacements.memory.near_limit = False
+    with pytest.warns(RuntimeWarning) as caught:
+        made = replacements.on_death(0, 4243, 3, 1, (2,), lambda: RuntimeError("unused"))
+    assert "out-of-memory" not in str(caught[0].message) and "ended (exit code 3)" in str(caught[0].message)
+    assert not made.out_of_memory
+
+
+def test_the_budget_is_the_loaders_across_epochs_without_persistent_workers(tmp_path):
+    """Each epoch starts new workers; the replacements of earlier epochs still count."""
+    dataset = ChainedKills([(9, str(tmp_path / "first"))])
+    loader = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=2, worker_restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert [int(x) for batch in loader for x in batch] == list(range(48))
+        dataset.kills = {30: str(tmp_path / "second")}  # new workers copy the dataset as it is now
+        with pytest.raises(RuntimeError, match=r"1 dead worker\(s\) were replaced before"):
+            list(loader)
+
+
+def test_a_replacement_leaves_no_descriptor_or_mapping_behind(tmp_path):
+    """The dead worker's channels and process handle are let go of at once: after an epoch
+    with a replacement, the running loader holds what one nobody killed holds."""
+    from test_release import snapshot
+
+    def held(marker):
+        loader = mprs_plus.DataLoader(
+            Draws(kill_at=37, marker=marker, size=8 << 10), batch_size=4, num_workers=2, worker_restarts=1,
+            persistent_workers=True,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for _ in loader:
+                pass
+        holding = snapshot()  # the workers still run
+        del loader
+        return holding
+
+    assert held(str(tmp_path / "killed")) == held(None)
+    assert (tmp_path / "killed").exists()
+
+
+def test_a_poison_item_of_a_datapipe_pipeline_is_the_error_it_cannot_be_left_out():
+    """A DataPipe stream cannot leave an item out: the second death at the same item is
+    the death's error, saying so, within the budget."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    from restart_datasets import KillsEvery
+
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=5)
+    loader = DataLoader2(IterableWrapper(range(40)).sharding_filter().map(KillsEvery(23)), reading_service=service)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with pytest.raises(mprs_plus.ProcessDiedError, match="cannot leave an item out"):
+                list(loader)
+        assert len(service.stats().replacements) < 5
+    finally:
+        loader.shutdown()
+
+
+def test_worker_restarts_with_a_dispatch_process_is_refused_at_start():
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    pipe = IterableWrapper(range(8)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(abs)
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1)
+    with pytest.raises(ValueError, match="not supported yet for a pipeline with a dispatch process"):
+        loader = DataLoader2(pipe, reading_service=service)
+        try:
+            list(loader)
+        finally:
+            loader.shutdown()
