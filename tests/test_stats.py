@@ -53,7 +53,10 @@ def test_slow_workers_are_named_the_bottleneck():
     # 1.5 s of work per worker: far more than starting them, even on a loaded machine, so
     # the verdict is never "starting the workers took most of the time"
     stats = run_epoch(IterableWrapper(range(1500)).sharding_filter().map(pipelines.spin))
-    assert stats.bottleneck.startswith("the workers are the bottleneck"), stats.summary()
+    # On a loaded machine one worker may get less of a core than the other, which then
+    # waits for room: the verdict names that worker, as a limit of the workers still.
+    workers_limit = ("the workers are the bottleneck", "worker 0 is the bottleneck", "worker 1 is the bottleneck")
+    assert stats.bottleneck.startswith(workers_limit), stats.summary()
     assert stats.segment("main").input_wait_fraction > 0.5
 
 
