@@ -243,13 +243,22 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
     (``main_cpu_per_item``, seconds of CPU, every thread of the main process), and with
     ``item_bytes`` the bytes delivered per second of that CPU time (``main_cpu_gbps``).
     Unlike throughput, these do not depend on how many cores the machine has: they show
-    what every item costs the one process that trains, whatever the workers do.
+    what every item costs the one process that trains, whatever the workers do. And the
+    same for each child process alive at the window's start (``children_cpu_per_item``,
+    one figure per child, in the order of their process ids, over the part of the window
+    it was seen alive in, read every ``CHILDREN_LOOK_S``): beside the main process's,
+    they show which process limits, and what a worker pays per item against the main
+    process doing the same work itself (a contender without workers).
     """
     warm_items = max(1, items // 10)
     warm_s = settings.budget_s / 5
     clock, cpu_clock = time.perf_counter, time.process_time
     count = timed_from = 0
     first = start = end = cpu_start = cpu_end = 0.0
+    children: dict[int, float] = {}  # CPU seconds of each child at the window's start
+    children_end: dict[int, float] = {}  # ... at the last look that found it alive
+    children_items: dict[int, int] = {}  # ... and the items the loop had timed by then
+    looked = 0.0
     stopped_early = False
     loader = open_()
     item: Any = None
@@ -261,11 +270,23 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
                 if count == 1:
                     first = now
                 if count >= warm_items or now - first >= warm_s:
-                    start, timed_from, cpu_start = now, count, cpu_clock()
-            elif count & 15 == 0 and clock() - start >= settings.budget_s:
-                stopped_early = True
-                break
+                    children = _children_cpu()
+                    start, timed_from, cpu_start = clock(), count, cpu_clock()
+                    looked = start
+            elif count & 15 == 0:
+                now = clock()
+                if now - start >= settings.budget_s:
+                    stopped_early = True
+                    break
+                if now - looked >= CHILDREN_LOOK_S:  # workers may end before the loop does
+                    seen, looked = _children_cpu(), now
+                    children_end.update(seen)
+                    children_items.update(dict.fromkeys(seen, count - timed_from))
         end, cpu_end = clock(), cpu_clock()
+        if timed_from:
+            seen = _children_cpu()
+            children_end.update(seen)
+            children_items.update(dict.fromkeys(seen, count - timed_from))
         # A consumer drops its item before it stops: one still held would pin the memory it
         # views (SPDL's pool keeps such a segment past its own shutdown).
         item = None
@@ -286,6 +307,11 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
         "items_timed": timed,
         "stopped_early": stopped_early,
         "main_cpu_per_item": cpu_per_item,
+        "children_cpu_per_item": [
+            (children_end[pid] - children[pid]) / children_items[pid]
+            for pid in sorted(children)
+            if children_items.get(pid)
+        ],
     }
     if item_bytes:
         # process_time ticks in clock ticks at worst; a window with no measurable CPU is
@@ -294,6 +320,23 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
     if problem:
         result["problems"] = [f"after {'an early stop' if stopped_early else 'the epoch'}: {problem}"]
     return result
+
+
+# How often ``stream`` reads its children's CPU times: a worker that ends before the loop
+# (its share done, the rest in the channel) is measured up to its last look.
+CHILDREN_LOOK_S = 0.05
+
+
+def _children_cpu() -> dict[int, float]:
+    """CPU seconds (user and system, every thread) of each live child process, by id."""
+    found = {}
+    for child in child_processes():
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        found[child.pid] = times.user + times.system
+    return found
 
 
 class MeasurementTimeout(Exception):

@@ -37,6 +37,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # Run as a script, this folder is first on sys.path; import the suite from the repository root.
@@ -297,11 +299,41 @@ def table(results: harness.Results, lines: list[Line]) -> str:
     errors += [
         f"{w} / {c}: left {len(cell.killed_pids)} process(es) running; killed" for w, c, cell in cells if cell.killed_pids
     ]
+    out += cpu_table(results)
     if notes:
         out += ["", "Notes:", *(f"- {n}" for n in notes)]
     if errors:
         out += ["", "Problems:", *(f"- {e}" for e in errors)]
     return "\n".join(out)
+
+
+def cpu_table(results: harness.Results) -> list[str]:
+    """CPU microseconds per sample, beside the rate: the main process's and each worker's
+    (medians over repetitions), for every steady-state measurement that has them. A worker
+    near a whole core per its share of the rate is the limit; one far below it waits."""
+    rows = []
+    for workload in results.workloads:
+        for contender, cell in results.cells[workload.name].items():
+            details = [d for d in cell.details if "main_cpu_per_sample" in d]
+            if cell.status != harness.OK or not details:
+                continue
+            main = float(np.median([d["main_cpu_per_sample"] for d in details])) * 1e6
+            count = min(len(d["workers_cpu_per_sample"]) for d in details)
+            workers = [float(np.median([d["workers_cpu_per_sample"][i] for d in details])) * 1e6 for i in range(count)]
+            rate = cell.median("throughput")
+            shown = _value(results, workload, contender, rate)
+            each = " / ".join(f"{w:.3g}" for w in workers) or "—"
+            rows.append(f"| {workload.title} | {contender} | {shown} | {main:.3g} | {each} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "CPU per sample (µs, over the timed window; medians): the main process, each worker",
+        "",
+        "| workload | contender | rate | main | workers |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def write(results: harness.Results, lines: list[Line], text: str, out: Path, stem: str) -> dict[str, Path]:

@@ -10,7 +10,7 @@ asked for, or kept as a service stops; never on the path to a loader's first ite
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,7 +287,8 @@ def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = Non
         )
     large = large_buffers if large_buffers is not None else Lending(0, 0, 0, 0)
     network = any(p.node for p in processes)  # children placed on nodes talk over the network
-    verdict = bottleneck(segments, network=network, startup=_startup(processes))
+    each_worker = [p for p in processes if p.role == Segment.WORKER]
+    verdict = bottleneck(segments, network=network, startup=_startup(processes), each_worker=each_worker)
     return Stats(tuple(processes), tuple(segments), verdict, large)
 
 
@@ -323,8 +324,16 @@ def _per_message(items: int, messages: int) -> str:
 KEEPS_UP = 0.2
 
 
+# One worker this much busier than another that waits for room (rule 2's uneven workers).
+UNEVEN = 0.2
+
+
 def bottleneck(
-    segments: list[SegmentStats], *, network: bool = False, startup: tuple[float, float] = (0.0, 0.0)
+    segments: list[SegmentStats],
+    *,
+    network: bool = False,
+    startup: tuple[float, float] = (0.0, 0.0),
+    each_worker: Sequence[ProcessStats] = (),
 ) -> str:
     """One sentence naming what limits throughput and what to do about it, or saying that
     the pipeline keeps up and there is nothing to change. Never both.
@@ -344,7 +353,10 @@ def bottleneck(
     2. Otherwise the loop waits for items, and the verdict names what keeps them from
        coming: the channel to the main process when the workers too wait to hand items on
        (> 50%) and W > 50%; the dispatch process when it is busy (> 70%) and the workers wait
-       for its items (> 50%); the workers when they are busy (>= 50%: add workers); the
+       for its items (> 50%); one worker when it is busy (>= 50%) and busier by ``UNEVEN``
+       than another that waits for room (> 20%): the loop takes the workers' items in
+       turn, so all go at the slowest one's pace (``each_worker``: the workers' own
+       figures); the workers when they are busy (>= 50%: add workers); the
        channel from the dispatch process when the workers wait for its items; else the
        channel to the main process (idle workers whose items are slow to cross). "Add
        workers" is never said of idle workers.
@@ -387,6 +399,16 @@ def bottleneck(
             f"wait {workers.input_wait_fraction:.0%} of the time for items and the main process waits {waits:.0%} "
             "of the time for theirs; move work after the dispatcher (sharding_round_robin_dispatch)"
         )
+    uneven = _uneven(each_worker)
+    if uneven is not None:
+        slow, waiting = uneven
+        return (
+            f"worker {slow.index} is the bottleneck: it is {slow.busy_fraction:.0%} busy while worker "
+            f"{waiting.index} waits {waiting.output_wait_fraction:.0%} of the time for room in its channel and the main "
+            f"process waits {waits:.0%} of the time for items; the loop takes the workers' items in turn, so all go "
+            f"at the pace of the slowest: find what makes worker {slow.index} slower (its share of the samples, "
+            "what else runs on its core), or take items as they are ready (in_order=False)"
+        )
     if workers.busy_fraction >= 0.5:
         return (
             f"the workers are the bottleneck: they are {workers.busy_fraction:.0%} busy and the main process waits "
@@ -415,6 +437,23 @@ def bottleneck(
         f"per message{per_message}; send fewer, bigger items (batch them in the worker segment); more workers "
         "will not help"
     )
+
+
+def _uneven(each_worker: Sequence[ProcessStats]) -> tuple[ProcessStats, ProcessStats] | None:
+    """(the busiest worker, the one waiting longest for room) where the first is busy
+    (>= 50%) and busier by ``UNEVEN`` than the second, which waits for room (> 20%)."""
+    if len(each_worker) < 2:
+        return None
+    slow = max(each_worker, key=lambda p: p.busy_fraction)
+    waiting = max(each_worker, key=lambda p: p.output_wait_fraction)
+    if (
+        slow is not waiting
+        and slow.busy_fraction >= 0.5
+        and waiting.output_wait_fraction > 0.2
+        and slow.busy_fraction - waiting.busy_fraction >= UNEVEN
+    ):
+        return slow, waiting
+    return None
 
 
 def _main_process_sets_the_pace(main: SegmentStats, channel: str) -> str:

@@ -373,7 +373,17 @@ def test_ray_comparison_records_ray_as_not_applicable_when_it_is_not_installed(m
 
 # -- torch's loader API: mprs_plus.DataLoader beside its peers ---------------------------------
 
-LOADER_WORKLOADS = {"ints", "rows", "tensors_1mib", "cpu_2ms", "jpeg", "state_every_batch", "first_batch"}
+LOADER_WORKLOADS = {
+    "ints",
+    "rows",
+    "tensors_1mib",
+    "cpu_2ms",
+    "jpeg",
+    "state_every_batch",
+    "ints_epoch",
+    "tensors_1mib_epoch",
+    "first_batch",
+}
 
 
 def _our_loader_missing() -> bool:
@@ -420,11 +430,20 @@ def test_loader_comparison_quick_run_prints_its_table_and_leaves_no_process(tmp_
     # mprs_plus's figures come from its worker processes, not from loading in the main process.
     [first] = result["workloads"]["first_batch"]["contenders"]["mprs_plus"]["details"]
     assert first["processes"] >= result["settings"]["num_workers"]
+    # The CPU per sample of the main process and of each worker, beside the rate.
+    [ints] = result["workloads"]["ints"]["contenders"]["mprs_plus"]["details"]
+    assert len(ints["workers_cpu_per_sample"]) >= result["settings"]["num_workers"]
+    assert ints["main_cpu_per_sample"] > 0 and all(cpu > 0 for cpu in ints["workers_cpu_per_sample"])
+    assert "| workload | contender | rate | main | workers |" in done.stdout
+    [epoch] = result["workloads"]["tensors_1mib_epoch"]["contenders"]["mprs_plus"]["details"]
+    assert epoch["epoch_s"] > 0
     state = result["workloads"]["state_every_batch"]["contenders"]
     assert state["SPDL"]["status"] == "n/a" and "state_dict" in state["SPDL"]["note"]
     assert all(detail["states_taken"] > 0 for detail in state["mprs_plus"]["details"])
     targeted = [line for line in result["lines"] if line["threshold"] is not None]
-    assert len(targeted) == 8  # the bar: one target per workload, two for the state
+    # One target per steady-state workload against the peers, three more against no
+    # workers (ints, rows, 1 MiB tensors), two for the state; the whole epochs are shown only.
+    assert len(targeted) == 11
     for line in targeted:
         assert line["verdict"] in ("PASS", "MISS"), line
         assert f"| {line['verdict']} |" in done.stdout

@@ -151,8 +151,29 @@ def test_a_plain_large_batch_is_stacked_into_the_lent_buffer(lent):
         lambda: [torch.ones(256, 128), torch.ones(128, 256)],  # shapes differ: torch's error
         lambda: [torch.ones(256, 128), np.ones((256, 128), dtype=np.float32)],  # not all tensors
         lambda: [torch.nn.Parameter(torch.ones(256, 128), requires_grad=False) for _ in range(2)],  # a subclass
+        # The first element plain, a later one not: the later elements get fewer checks.
+        lambda: [torch.ones(256, 128), torch.ones(256, 128).t().contiguous().t()],
+        lambda: [torch.ones(256, 128), torch.ones(256, 128, requires_grad=True)],
+        lambda: [torch.ones(256, 128), torch.ones(256, 128).to_sparse()],
+        lambda: [torch.ones(256, 128), torch.ones(256, 128, device="meta")],
+        lambda: [torch.ones(256, 128), torch.nn.Parameter(torch.ones(256, 128), requires_grad=False)],
+        lambda: [torch.ones(256, 128), torch.quantize_per_tensor(torch.ones(256, 128), 0.1, 0, torch.qint8)],
     ],
-    ids=["small", "mixed dtypes", "non-contiguous", "requires_grad", "shapes differ", "not all tensors", "subclass"],
+    ids=[
+        "small",
+        "mixed dtypes",
+        "non-contiguous",
+        "requires_grad",
+        "shapes differ",
+        "not all tensors",
+        "subclass",
+        "later non-contiguous",
+        "later requires_grad",
+        "later sparse",
+        "later on another device",
+        "later a subclass",
+        "later quantized",
+    ],
 )
 def test_anything_unusual_takes_torchs_own_path(lent, make):
     batch = make()
@@ -166,6 +187,30 @@ def test_anything_unusual_takes_torchs_own_path(lent, make):
         assert type(out) is type(expected) and out.dtype == expected.dtype and torch.equal(out, expected)
         assert out.stride() == expected.stride()
     assert lent == []  # nothing was borrowed
+
+
+def test_a_later_nested_tensor_takes_torchs_own_path(lent):
+    batch = [torch.ones(256, 128), torch.nested.nested_tensor([torch.ones(256, 128)])]
+    with pytest.raises(RuntimeError):  # torch's own error: a nested tensor has no shape to stack
+        torch.utils.data._utils.collate.collate_tensor_fn(batch)
+    with pytest.raises(RuntimeError):
+        collate(batch)
+    assert lent == []
+
+
+@pytest.mark.parametrize(
+    "view",
+    [lambda t: torch._neg_view(t), lambda t: t.to(torch.complex64).conj()],
+    ids=["negative bit", "conjugate bit"],
+)
+def test_a_later_view_with_a_pending_bit_is_built_in_place_value_for_value(lent, view):
+    plain = torch.randn(256, 128)
+    later = view(torch.randn(256, 128))
+    batch = [plain.to(later.dtype), later]
+    out = collate(batch)
+    expected = torch.utils.data._utils.collate.collate_tensor_fn(batch)
+    assert built_in(out, lent)
+    assert out.dtype == expected.dtype and torch.equal(out, expected) and not out.is_conj() and not out.is_neg()
 
 
 def test_no_room_takes_torchs_own_path(monkeypatch):

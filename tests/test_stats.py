@@ -53,7 +53,10 @@ def test_slow_workers_are_named_the_bottleneck():
     # 1.5 s of work per worker: far more than starting them, even on a loaded machine, so
     # the verdict is never "starting the workers took most of the time"
     stats = run_epoch(IterableWrapper(range(1500)).sharding_filter().map(pipelines.spin))
-    assert stats.bottleneck.startswith("the workers are the bottleneck"), stats.summary()
+    # On a loaded machine one worker may get less of a core than the other, which then
+    # waits for room: the verdict names that worker, as a limit of the workers still.
+    workers_limit = ("the workers are the bottleneck", "worker 0 is the bottleneck", "worker 1 is the bottleneck")
+    assert stats.bottleneck.startswith(workers_limit), stats.summary()
     assert stats.segment("main").input_wait_fraction > 0.5
 
 
@@ -414,3 +417,25 @@ def test_the_summary_says_its_counts_add_up_over_epochs():
         loader.shutdown()
     assert stats.epochs == 2 and stats.segment("main").items_in == 16
     assert "  counts since the service started, over 2 epochs (not per epoch):" in stats.summary()
+
+
+def test_verdict_names_the_one_slow_worker_the_others_wait_for():
+    # Worker 0 makes its items at half the pace of worker 1 (a worker whose allocator maps
+    # fresh pages for every sample did): the loop takes them in turn, so worker 1 waits for
+    # room while the loop waits for worker 0.
+    verdict = _verdict(
+        _child("worker", index=0, busy=0.9, waiting_output=0.05),
+        _child("worker", index=1, busy=0.55, waiting_output=0.4),
+        _main_process(waiting=8.2),
+    )
+    assert verdict.startswith("worker 0 is the bottleneck: it is 90% busy while worker 1 waits 40%"), verdict
+    assert "in_order=False" in verdict and "add workers" not in verdict
+
+
+def test_verdict_of_even_busy_workers_still_says_add_workers():
+    verdict = _verdict(
+        _child("worker", index=0, busy=0.75, waiting_output=0.22),
+        _child("worker", index=1, busy=0.7, waiting_output=0.28),
+        _main_process(waiting=9.6),
+    )
+    assert verdict.startswith("the workers are the bottleneck: they are 72% busy"), verdict

@@ -13,8 +13,8 @@ everything else is the loader's default.
     StatefulDataLoader  torchdata's StatefulDataLoader (its default snapshot_every_n_steps=1)
     SPDL                spdl.dataloader.get_pytorch_dataloader (its default in_order=False)
 
-and two references that appear in one workload each: torch's DataLoader with no workers (on
-rows of an in-memory tensor, where torch's workers are slower than none) and mprs_plus
+and two references: torch's DataLoader with no workers (the cheap samples and the whole
+short epochs, where workers must beat doing the work in the loop's own process) and mprs_plus
 without ``state_dict()`` (what taking the state after every batch costs it).
 
 A contender that refuses a workload's arguments (SPDL refuses iterable datasets,
@@ -306,12 +306,48 @@ def throughput(
     batch_size: int,
     sample_bytes: int = 0,
 ) -> dict[str, Any]:
-    """``harness.stream`` over batches, reported per sample: samples/s, or GB/s with ``sample_bytes``."""
+    """``harness.stream`` over batches, reported per sample: samples/s, or GB/s with
+    ``sample_bytes``; and the CPU seconds per sample of the main process and of each worker
+    (``main_cpu_per_sample``, ``workers_cpu_per_sample``) over the timed window."""
     batches = math.ceil(samples / batch_size)
     result = harness.stream(open_, items=batches, settings=settings)
     rate = result.pop("throughput") * batch_size
     result["samples_per_s"] = rate
     result["throughput"] = rate * sample_bytes / harness.GB if sample_bytes else rate
+    result["main_cpu_per_sample"] = result["main_cpu_per_item"] / batch_size
+    result["workers_cpu_per_sample"] = [cpu / batch_size for cpu in result["children_cpu_per_item"]]
+    return result
+
+
+def whole_epoch(
+    open_: Callable[[], TorchStyleLoader],
+    settings: harness.Settings,
+    samples: int,
+    batch_size: int,
+    sample_bytes: int = 0,
+) -> dict[str, Any]:
+    """One short epoch timed whole, from building the loader to its last batch (start-up
+    included, as a validation epoch pays it): samples/s, or GB/s with ``sample_bytes``."""
+    start = time.perf_counter()
+    loader = open_()
+    count = 0
+    try:
+        for _ in loader:
+            count += 1
+        elapsed = time.perf_counter() - start
+    except BaseException:
+        harness.close_within(loader, settings)
+        raise
+    problem = harness.close_within(loader, settings)
+    if count != math.ceil(samples / batch_size):
+        raise RuntimeError(f"the epoch yielded {count} batches, expected {math.ceil(samples / batch_size)}")
+    rate = samples / elapsed
+    result: dict[str, Any] = {
+        "throughput": rate * sample_bytes / harness.GB if sample_bytes else rate,
+        "epoch_s": elapsed,
+    }
+    if problem:
+        result["problems"] = [f"after the epoch: {problem}"]
     return result
 
 
@@ -356,7 +392,8 @@ def _run(
     measure: str = "throughput",
 ) -> dict[str, Any]:
     """One measurement of ``contender``: ``throughput``, the same with the state taken after
-    every batch (``state``; mprs_plus and StatefulDataLoader) or the ``first_batch``."""
+    every batch (``state``; mprs_plus and StatefulDataLoader), the ``first_batch``, or a
+    whole short ``epoch`` with its start-up."""
     dataset, samples = make(settings)
     state = measure == "state" and contender in (MPRS_PLUS, STATEFUL)
     opened: list[TorchStyleLoader] = []
@@ -377,6 +414,8 @@ def _run(
 
     if measure == "first_batch":
         return first_batch(open_, settings)
+    if measure == "epoch":
+        return whole_epoch(open_, settings, samples, batch_size, sample_bytes)
     result = throughput(open_, settings, samples, batch_size, sample_bytes)
     if state:  # the state was really taken: once per batch the loop received
         result["states_taken"] = opened[-1].states_taken
@@ -410,9 +449,9 @@ def workloads(our: OurLoader, jpegs: list[str]) -> list[tuple[harness.Workload, 
                 title="ints, batch 64",
                 description="sample i is the int i; per-sample overhead of the loader itself",
                 metrics=(SAMPLES,),
-                runners=runners(_ints, 64, with_peers),
+                runners=runners(_ints, 64, (*with_peers, TORCH_NO_WORKERS)),
             ),
-            (Bar((TORCH,), 4.0, "≥ 4x DataLoader"),),
+            (Bar((TORCH,), 4.0, "≥ 4x DataLoader"), Bar((TORCH_NO_WORKERS,), 1.3, "≥ 1.3x no workers")),
         ),
         (
             harness.Workload(
@@ -424,7 +463,7 @@ def workloads(our: OurLoader, jpegs: list[str]) -> list[tuple[harness.Workload, 
                     lambda s: (rows_tensor(_rows(s)), _rows(s)), 128, (*with_peers, TORCH_NO_WORKERS), shuffle=True
                 ),
             ),
-            (Bar((TORCH,), 3.0, "≥ 3x DataLoader"), Bar((TORCH_NO_WORKERS,), None)),
+            (Bar((TORCH,), 3.0, "≥ 3x DataLoader"), Bar((TORCH_NO_WORKERS,), 1.5, "≥ 1.5x no workers")),
         ),
         (
             harness.Workload(
@@ -432,9 +471,9 @@ def workloads(our: OurLoader, jpegs: list[str]) -> list[tuple[harness.Workload, 
                 title="1 MiB tensors, batch 8",
                 description="sample i is a fresh float32 tensor of 1 MiB; batches of 8 MiB; GB/s",
                 metrics=(BANDWIDTH,),
-                runners=runners(_tensors, 8, with_peers, sample_bytes=harness.MiB),
+                runners=runners(_tensors, 8, (*with_peers, TORCH_NO_WORKERS), sample_bytes=harness.MiB),
             ),
-            (Bar((TORCH,), 2.0, "≥ 2x DataLoader"),),
+            (Bar((TORCH,), 2.0, "≥ 2x DataLoader"), Bar((TORCH_NO_WORKERS,), 0.6, "≥ 0.6x no workers")),
         ),
         (
             harness.Workload(
@@ -472,6 +511,28 @@ def workloads(our: OurLoader, jpegs: list[str]) -> list[tuple[harness.Workload, 
         ),
         (
             harness.Workload(
+                name="ints_epoch",
+                title="whole epoch with start-up: 100k ints, batch 64",
+                description="from building the loader to its last batch: a short epoch as a validation loop runs it",
+                metrics=(SAMPLES,),
+                runners=runners(_ints_epoch, 64, (*with_peers, TORCH_NO_WORKERS), measure="epoch"),
+            ),
+            (Bar((TORCH,), None), Bar((TORCH_NO_WORKERS,), None)),
+        ),
+        (
+            harness.Workload(
+                name="tensors_1mib_epoch",
+                title="whole epoch with start-up: 1,600 x 1 MiB tensors, batch 8",
+                description="from building the loader to its last batch; fresh float32 tensors of 1 MiB; GB/s",
+                metrics=(BANDWIDTH,),
+                runners=runners(
+                    _tensors_epoch, 8, (*with_peers, TORCH_NO_WORKERS), sample_bytes=harness.MiB, measure="epoch"
+                ),
+            ),
+            (Bar((TORCH,), None), Bar((TORCH_NO_WORKERS,), None)),
+        ),
+        (
+            harness.Workload(
                 name="first_batch",
                 title="time to the first batch (ints, batch 64)",
                 description="seconds from building the loader to holding its first batch",
@@ -494,6 +555,16 @@ def _ints(settings: harness.Settings) -> tuple[Ints, int]:
 
 def _tensors(settings: harness.Settings) -> tuple[Made, int]:
     n = 8 * (100 if settings.quick else 1_000)
+    return Made(n, functools.partial(torch_tensor, numel=harness.MiB // 4)), n
+
+
+def _ints_epoch(settings: harness.Settings) -> tuple[Ints, int]:
+    n = 20_000 if settings.quick else 100_000
+    return Ints(n), n
+
+
+def _tensors_epoch(settings: harness.Settings) -> tuple[Made, int]:
+    n = 320 if settings.quick else 1_600
     return Made(n, functools.partial(torch_tensor, numel=harness.MiB // 4)), n
 
 

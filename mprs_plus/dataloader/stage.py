@@ -209,23 +209,34 @@ def _stack_into_channel(batch: Sequence[Any]) -> torch.Tensor | None:
     if nbytes < _IN_PLACE_MIN:
         return None
     kind, dtype, shape = type(first), first.dtype, first.shape
-    for tensor in batch:
-        if (
-            type(tensor) is not kind
-            or tensor.dtype != dtype
-            or tensor.shape != shape
-            or tensor.layout is not torch.strided
-            or tensor.device.type != "cpu"
-            or tensor.requires_grad
-            or tensor.is_nested
-            or tensor.is_quantized
-            or tensor.is_conj()
-            or tensor.is_neg()
-            or not tensor.is_contiguous()
-        ):
-            return None
-    if kind is not torch.Tensor:
-        return None  # a subclass keeps torch's path, which knows how to make one
+    if (
+        kind is not torch.Tensor  # a subclass keeps torch's path, which knows how to make one
+        or first.device.type != "cpu"
+        or first.requires_grad
+        or first.is_quantized
+        or first.is_conj()
+        or first.is_neg()
+        or not first.is_contiguous()
+    ):
+        return None
+    # The others, with fewer checks each: those checks cost a batch of 128 small tensors
+    # four times its stack. The same type and dtype as the first (so not quantized either),
+    # its shape, on the CPU, no autograd, contiguous: a sparse tensor is not contiguous, a
+    # nested one has no shape (it raises), and a conjugate or negative bit is resolved by
+    # the stack as by torch's own.
+    try:
+        for tensor in batch:
+            if (
+                type(tensor) is not kind
+                or tensor.dtype is not dtype
+                or not tensor.is_cpu
+                or tensor.requires_grad
+                or not tensor.is_contiguous()
+                or tensor.shape != shape
+            ):
+                return None
+    except RuntimeError:
+        return None
     buffer = borrow_for_current_lane(nbytes)
     if buffer is None:
         return None

@@ -27,6 +27,7 @@ Rooms by process: a module's folder says where its code runs.
       control.py     how a child applies control messages to its segment copy
       seeding.py     numpy's global generator seeded per epoch, loaded only if used
       lifecycle.py   what a child does first (SIGINT, parent watch, threads)
+      allocator.py   glibc's malloc thresholds pinned, so large samples reuse the heap
     (here)     both sides
       control_messages.py  main -> child: Reset, Pause, Resume, Limit
       data_messages.py     child -> next process: items, end, remote errors

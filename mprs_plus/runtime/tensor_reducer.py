@@ -48,30 +48,32 @@ from ..transport.serialize import message_memo
 
 
 
-def _numpy_dtypes() -> dict[str, Any]:
-    """The dtypes numpy shares with torch (not bfloat16, the float8s, ...): those tensors are
-    rebuilt as numpy arrays over the buffer, wrapped by ``torch.from_numpy``. Found by
-    trying each dtype, once per process, at the first tensor: not at import, which is on
-    the path to every loader's first item, tensors or not."""
-    global _NUMPY
-    if _NUMPY is not None:
-        return _NUMPY
-    shared = {}
+def _numpy_dtype(name: str) -> Any:
+    """The numpy dtype of torch's dtype ``name`` where numpy shares it with torch (not
+    bfloat16, the float8s, ...), else None: those tensors are rebuilt as numpy arrays over
+    the buffer, wrapped by ``torch.from_numpy``. Found by trying the dtype, once per process
+    and dtype, when a tensor of it first passes: trying every dtype of torch at once cost
+    the first batch 9 ms, and import time is on the path to every loader's first item."""
+    found = _NUMPY.get(name, _UNKNOWN)
+    if found is not _UNKNOWN:
+        return found
+    found = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # making a tensor of some dtypes warns (complex32, quantized)
-        every = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
-        for name, dtype in every.items():
-            try:
+        dtype = getattr(torch, name, None)
+        try:
+            if isinstance(dtype, torch.dtype):
                 array = torch.empty((1,), dtype=dtype).numpy()
                 if torch.from_numpy(array).dtype == dtype:
-                    shared[name] = array.dtype
-            except (TypeError, RuntimeError):
-                pass
-    _NUMPY = shared
-    return shared
+                    found = array.dtype
+        except (TypeError, RuntimeError):
+            pass
+    _NUMPY[name] = found
+    return found
 
 
-_NUMPY: dict[str, Any] | None = None
+_UNKNOWN = object()
+_NUMPY: dict[str, Any] = {}
 
 
 def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
@@ -98,7 +100,7 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
         nbytes = storage.nbytes()
         if 2 * span * itemsize >= nbytes:
             offset = tensor.storage_offset()
-            if dtype in _numpy_dtypes() and nbytes % itemsize == 0:
+            if _numpy_dtype(dtype) is not None and nbytes % itemsize == 0:
                 if offset == 0 and span * itemsize == nbytes and tensor.is_contiguous():
                     strides = None
                 return _rebuild_on_bytes, (_storage_bytes(storage), dtype, shape, strides, offset)
@@ -111,7 +113,7 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
         flat = tensor.contiguous().view(-1)
         strides = None
     raw = pickle.PickleBuffer(flat.view(torch.uint8).numpy())  # a view: no copy until the channel's
-    if dtype in _numpy_dtypes():
+    if _numpy_dtype(dtype) is not None:
         return _rebuild_on_bytes, ((raw,), dtype, shape, strides, 0)
     return _rebuild_tensor, (raw, dtype, shape, strides)
 
@@ -135,7 +137,7 @@ def _rebuild_on_bytes(
     array and one ``from_numpy`` for the usual tensor that fills its buffer. Each torch
     call here is a trip through its dispatcher, dear to the main process when its caches
     are cold, as they are between items; this is the whole rebuild."""
-    buffer, np_dtype = held[0], _numpy_dtypes()[dtype]
+    buffer, np_dtype = held[0], _numpy_dtype(dtype)
     if strides is None:
         return torch.from_numpy(numpy.ndarray(shape, np_dtype, buffer))
     whole = torch.from_numpy(numpy.ndarray((len(buffer) // np_dtype.itemsize,), np_dtype, buffer))

@@ -8,7 +8,9 @@
     * drop inherited channel endpoints it does not own (fork), so that a dead peer
       shows as a broken pipe;
     * run torch's intra-op pool on one thread: N children each running the default pool
-      would oversubscribe the cores.
+      would oversubscribe the cores;
+    * pin glibc's allocator thresholds (``allocator.py``): a process whose thresholds
+      settled low maps and unmaps fresh pages for every large sample it makes.
 
 How the main process ends children is ``main/lifecycle.py``.
 """
@@ -22,6 +24,7 @@ import threading
 from collections.abc import Iterable
 from multiprocessing.connection import wait
 from ...transport import Endpoint, release_all_except
+from .allocator import pin_thresholds
 
 
 def child_setup(own_endpoints: Iterable[Endpoint]) -> None:
@@ -29,6 +32,7 @@ def child_setup(own_endpoints: Iterable[Endpoint]) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # Started with SIGINT blocked (backends/local.py): one that came since is dropped now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        pin_thresholds()  # a process of our own (a Ray actor's allocator is Ray's)
     release_all_except(own_endpoints)
     _limit_intra_op_threads()
     parent = multiprocessing.parent_process()
