@@ -26,7 +26,19 @@ from ..errors import ServiceClosedError
 from . import state as loader_state
 from .epochs import EpochStart, deal, deal_epoch
 from .errors import is_fatal, torch_error
-from .stage import BatchFailure, EndState, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
+from .stage import (
+    BatchFailure,
+    EndState,
+    EpochOrders,
+    LoaderStage,
+    StateFailure,
+    WithState,
+    WorkerEpoch,
+    dataset_state,
+    has_state,
+    make_fetcher,
+    replay,
+)
 from .workers import LoaderRun, open_feeding
 
 if TYPE_CHECKING:
@@ -62,6 +74,10 @@ class LoaderIterator:
         # Per worker: (batches of this epoch its dataset state covers, that state).
         self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else dict(carried or {})
         self._send_states = restore is not None or send_carried  # else the workers hold them already
+        # What each worker's dataset began the epoch with: a worker whose state_dict() raised
+        # is recorded as that again, and a restore replays its epoch from there.
+        self._epoch_states = dict(self._worker_states)
+        self._stateless: set[int] = set()  # workers whose state_dict() raised this epoch
         # Per worker: its iterable dataset's state once its iterator was exhausted (EndState).
         self._end_states: dict[int, Any] = {}
         self._owns_run = False
@@ -116,7 +132,10 @@ class LoaderIterator:
         self._handed += 1
         if type(item) is EndState:  # not a batch: a worker's dataset state at its end
             worker, dataset_state = item
-            self._end_states[worker] = dataset_state
+            if type(dataset_state) is StateFailure:
+                self._state_failed(worker, dataset_state)
+            else:
+                self._end_states[worker] = dataset_state
             return self.__next__()
         if self._mirror is not None:
             self._follow(1)
@@ -128,7 +147,10 @@ class LoaderIterator:
             self._warn_past_length()
         if type(item) is WithState:
             batch, worker, count, dataset_state = item
-            self._worker_states[worker] = (count, dataset_state)
+            if type(dataset_state) is StateFailure:
+                self._state_failed(worker, dataset_state)
+            else:
+                self._worker_states[worker] = (count, dataset_state)
             return batch
         return item
 
@@ -261,6 +283,8 @@ class LoaderIterator:
             if loader is not None and self._workers and not self._owns_run:  # persistent workers
                 loader._carry = {w: (0, state) for w, (_, state) in self._worker_states.items()}
                 loader._carry.update((w, (0, state)) for w, state in self._end_states.items())
+                for worker in self._stateless:  # its dataset as the epoch left it is unknown
+                    loader._carry.pop(worker, None)
             self._stop_owned()
 
     def _abandon(self) -> None:
@@ -290,8 +314,13 @@ class LoaderIterator:
             consumed, next_worker = [self._yielded], 0
             states = dict(self._worker_states)
             stage = self._stage
-            if stage is not None and has_state(stage.job.dataset):
-                states[0] = (self._yielded, dataset_state(stage.job.dataset, stage._fetcher))
+            if stage is not None and has_state(stage.job.dataset) and not self._stateless:
+                state = dataset_state(stage.job.dataset, stage._fetcher)
+                if type(state) is StateFailure:
+                    self._state_failed(0, state)
+                    states = dict(self._worker_states)
+                else:
+                    states[0] = (self._yielded, state)
         else:
             cursor = self._cursor()
             if cursor is None:
@@ -302,6 +331,19 @@ class LoaderIterator:
                 consumed, next_worker = list(cursor.consumed), cursor.next_worker
             states = dict(self._worker_states)
         return self._running(loader, consumed, next_worker, states)
+
+    def _state_failed(self, worker: int, failure: StateFailure) -> None:
+        """A worker's ``state_dict()`` raised: its epoch is recorded as begun, and a restore
+        replays it (exact where the dataset reads the same samples again, as any dataset
+        without a state); the loader warns once."""
+        self._stateless.add(worker)
+        if worker in self._epoch_states:
+            self._worker_states[worker] = self._epoch_states[worker]
+        else:
+            self._worker_states.pop(worker, None)
+        loader = self._loader_ref()
+        if loader is not None:
+            warn_state_failed(loader, failure[0])
 
     def _running(self, loader: DataLoader, consumed: list[int], next_worker: int, states: dict[int, Any]) -> dict[str, Any]:
         # What stays the same through the epoch (the loader's shape, the epoch's start) is
@@ -341,6 +383,20 @@ class LoaderIterator:
             )
         n, workers = self._handed, max(self._workers, 1)
         return [len(range(w, n, workers)) for w in range(workers)], n % workers
+
+
+def warn_state_failed(loader: DataLoader, error: str) -> None:
+    """Once per loader: its dataset's ``state_dict()`` raised, the batches go on."""
+    if loader._state_warned:
+        return
+    loader._state_warned = True
+    from ..user_frame import warn
+
+    warn(
+        f"{type(loader.dataset).__name__}.state_dict() raised {error}. The batches go on; this "
+        "DataLoader's states now restore that dataset by replaying its epoch from the start, as for a "
+        "dataset without state_dict() (exact where it reads the same samples again)"
+    )
 
 
 def has_len(sampler: Any) -> bool:

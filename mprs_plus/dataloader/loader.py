@@ -24,8 +24,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
-from .iterator import LoaderIterator
-from .stage import LoaderStage, _Job, has_state, snapshot
+from .iterator import LoaderIterator, warn_state_failed
+from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
 from .workers import LoaderRun
 
 
@@ -111,6 +111,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # Persistent workers: each worker's dataset state as its last epoch left it (a
         # dataset with state_dict()), which a state taken between epochs carries.
         self._carry: dict[int, tuple[int, Any]] = {}
+        self._state_warned = False  # the dataset's state_dict() raised: said once
         from ..runtime.main.family import Family
 
         self._family = Family.new()
@@ -222,7 +223,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self.num_workers == 0 and has_state(self.dataset):
             # Without workers the dataset itself goes from epoch to epoch, as a persistent
             # worker's replica does: its state now (after the last epoch's end) starts the next.
-            carried = {0: (0, snapshot(self.dataset))}
+            state = snapshot(self.dataset)
+            if type(state) is StateFailure:
+                warn_state_failed(self, state[0])
+                carried = None
+            else:
+                carried = {0: (0, state)}
         return loader_state.between(self, start, carried)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

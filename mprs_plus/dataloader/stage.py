@@ -27,7 +27,7 @@ see one DataPipe and nothing behind it.
 from __future__ import annotations
 
 import copy
-
+import inspect
 import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -114,19 +114,33 @@ EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
 OWN_ITERATOR = "mprs_plus.DataLoader: its own iterator's state"
 
 
+class StateFailure(tuple):
+    """In place of a state: ``(text,)``, what ``state_dict()`` (or copying its result)
+    raised. The epoch goes on; the main process warns once and restores that worker by
+    replaying its epoch from the start, as for a dataset without state."""
+
+    __slots__ = ()
+
+
 def dataset_state(dataset: Any, fetcher: Any) -> Any:
     if getattr(fetcher, "ended", False):
         return EXHAUSTED
-    if getattr(fetcher, "dataset_iter", None) is dataset:
-        return {OWN_ITERATOR: snapshot(dataset)}
-    return snapshot(dataset)
+    state = snapshot(dataset)
+    if getattr(fetcher, "dataset_iter", None) is dataset and type(state) is not StateFailure:
+        return {OWN_ITERATOR: state}
+    return state
 
 
 def snapshot(dataset: Any) -> Any:
-    """The dataset's ``state_dict()`` as it is now. A copy: a dataset may return its live
-    containers, which its next samples change, while the state waits in a message to be
-    sent, or in the user's hands to be saved."""
-    return copy.deepcopy(dataset.state_dict())
+    """The dataset's ``state_dict()`` as it is now, or a ``StateFailure`` where that
+    raised: a state is taken for the user's checkpoints, and must never break the
+    iteration itself. A copy: a dataset may return its live containers, which its next
+    samples change, while the state waits in a message to be sent, or in the user's hands
+    to be saved."""
+    try:
+        return copy.deepcopy(dataset.state_dict())
+    except Exception as exc:  # user code
+        return StateFailure((f"{type(exc).__name__}: {exc}",))
 
 
 def _own_iterator_state(state: Any) -> bool:
@@ -134,7 +148,19 @@ def _own_iterator_state(state: Any) -> bool:
 
 
 def has_state(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    """torchdata's ``Stateful``: ``state_dict()`` and ``load_state_dict()``, the first
+    callable without arguments. A ``state_dict()`` that needs some (litdata's and Mosaic's
+    streaming datasets take the sample count and the loader's shape, for loaders of their
+    own) is not this protocol: torch's loader never calls it, and neither does this one;
+    such a dataset restores by replay."""
+    state_dict = getattr(dataset, "state_dict", None)
+    if not callable(state_dict) or not callable(getattr(dataset, "load_state_dict", None)):
+        return False
+    try:
+        parameters = inspect.signature(state_dict).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): taken as the protocol's
+        return True
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -383,7 +409,9 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
             continue
         count += 1
         if (every and count % every == 0) or count == total:
-            yield WithState((batch, stage.worker_id, count, snapshot(job.dataset)))
+            state = snapshot(job.dataset)
+            stateful = type(state) is not StateFailure  # once it raised, not again this epoch
+            yield WithState((batch, stage.worker_id, count, state))
         else:
             yield batch
 
@@ -415,7 +443,9 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
             replay -= 1
             continue
         if stateful and ((every and count % every == 0) or fetcher.ended):
-            yield WithState((batch, stage.worker_id, count, dataset_state(job.dataset, fetcher)))
+            state = dataset_state(job.dataset, fetcher)
+            stateful = type(state) is not StateFailure  # once it raised, not again this epoch
+            yield WithState((batch, stage.worker_id, count, state))
         else:
             yield batch
 
