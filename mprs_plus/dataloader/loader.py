@@ -73,20 +73,37 @@ class DataLoader(_TorchDataLoader[_T_co]):
         backend: Any = None,
         collect_stats: bool = True,
     ) -> None:
+        from ..runtime.main.family import Family
+
+        # This loader's own runtime state is set before torch's __init__ runs: a trainer that
+        # records the attributes set after it (Lightning, to re-create a loader with its own
+        # sampler) replays them on the copy, which must get its own.
+        self._run: LoaderRun | None = None  # persistent workers: the runtime kept across epochs
+        self._current: weakref.ref[LoaderIterator] | None = None
+        self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
+        self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
+        # Persistent workers: each worker's dataset state as its last epoch left it (a
+        # dataset with state_dict()), which a state taken between epochs carries.
+        self._carry: dict[int, tuple[int, Any]] = {}
+        self._state_warned = False  # the dataset's state_dict() raised: said once
+        self._family = Family.new()
+        # By keyword: a trainer that records this call to re-create the loader (Lightning,
+        # when this class was made after it wrapped torch's __init__) reads each argument
+        # by its name, whatever its position.
         super().__init__(
-            dataset,
-            batch_size,
-            shuffle,
-            sampler,
-            batch_sampler,
-            num_workers,
-            collate_fn,
-            pin_memory,
-            drop_last,
-            timeout,
-            worker_init_fn,
-            multiprocessing_context,
-            generator,
+            dataset=dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
@@ -96,6 +113,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(
                 f"snapshot_every_n_steps must be an int >= 0 (0: only at a worker's end), got {snapshot_every_n_steps!r}"
             )
+        # The arguments beyond torch's, set after its __init__: the copy gets them too.
         self.snapshot_every_n_steps = snapshot_every_n_steps
         # torch's attribute reads 2 with workers whatever was passed; the bound on what a
         # worker fetches ahead follows what the user asked for (see _options).
@@ -104,17 +122,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.backend = backend
         self.collect_stats = collect_stats
         self._options()  # checked now, as torch checks its own arguments
-        self._run: LoaderRun | None = None  # persistent workers: the runtime kept across epochs
-        self._current: weakref.ref[LoaderIterator] | None = None
-        self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
-        self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
-        # Persistent workers: each worker's dataset state as its last epoch left it (a
-        # dataset with state_dict()), which a state taken between epochs carries.
-        self._carry: dict[int, tuple[int, Any]] = {}
-        self._state_warned = False  # the dataset's state_dict() raised: said once
-        from ..runtime.main.family import Family
-
-        self._family = Family.new()
 
     # -- iterating ---------------------------------------------------------------------
 
