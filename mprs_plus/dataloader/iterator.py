@@ -69,7 +69,8 @@ class LoaderIterator:
         self.start = start
         self._fixed_state: dict[str, Any] | None = None
         self.finished = False
-        self._workers = loader.num_workers
+        self._num_workers = loader.num_workers
+        self._worker_handles: list[Any] = []  # what _workers shows, once the workers are opened
         self._restore = restore
         # Per worker: (batches of this epoch its dataset state covers, that state).
         self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else dict(carried or {})
@@ -98,7 +99,7 @@ class LoaderIterator:
         # once the epoch yields more than that.
         self._length_said = loader._IterableDataset_len_called if self._kind == _DatasetKind.Iterable else None
         self._dataset_name = repr(loader.dataset)
-        if self._workers == 0:
+        if self._num_workers == 0:
             self._stage: LoaderStage | None = LoaderStage(loader._job())
             self._items = self._in_process(loader, indices)
             self._feeding = open_feeding(loader._options())
@@ -111,6 +112,13 @@ class LoaderIterator:
 
     def __iter__(self) -> LoaderIterator:
         return self
+
+    @property
+    def _workers(self) -> list[Any]:
+        """The worker processes, as torch's iterator lists them (``pid``, ``exitcode``,
+        ``is_alive()``, ``join()``): code that watches its workers reads them here. Kept
+        once the epoch's workers stopped, as torch's list is; empty without workers."""
+        return list(self._worker_handles)
 
     def __len__(self) -> int:
         if self._length is None:
@@ -222,6 +230,7 @@ class LoaderIterator:
             else:
                 self._owns_run = True
         self._run = run
+        self._worker_handles = run.runtime.worker_processes()
         self._ahead = run.feeding.ahead if run.feeding is not None else 0
         skips: tuple[int, ...] = ()
         next_worker = 0
@@ -245,7 +254,7 @@ class LoaderIterator:
             f"Length of IterableDataset {self._dataset_name} was reported to be {self._length_said}"
             f"(when accessing len(dataloader)), but {self._returned} samples have been fetched. "
         )
-        if self._workers > 0:
+        if self._num_workers > 0:
             message += (
                 "For multiprocessing data-loading, this could be caused by not properly configuring the "
                 "IterableDataset replica at each worker. Please see "
@@ -280,7 +289,7 @@ class LoaderIterator:
         if not self.finished:
             self.finished = True
             loader = self._loader_ref()
-            if loader is not None and self._workers and not self._owns_run:  # persistent workers
+            if loader is not None and self._num_workers and not self._owns_run:  # persistent workers
                 loader._carry = {w: (0, state) for w, (_, state) in self._worker_states.items()}
                 loader._carry.update((w, (0, state)) for w, state in self._end_states.items())
                 for worker in self._stateless:  # its dataset as the epoch left it is unknown
@@ -308,9 +317,9 @@ class LoaderIterator:
         loader = self._loader_ref()
         if loader is None:
             raise RuntimeError("internal error: a loader's iterator outlived its loader")
-        if self._ahead and self._handed < (self._yielded if self._workers == 0 else self._read()):
+        if self._ahead and self._handed < (self._yielded if self._num_workers == 0 else self._read()):
             return self._running(loader, *self._handed_counts(), dict(self._worker_states))
-        if self._workers == 0:
+        if self._num_workers == 0:
             consumed, next_worker = [self._yielded], 0
             states = dict(self._worker_states)
             stage = self._stage
@@ -324,7 +333,7 @@ class LoaderIterator:
         else:
             cursor = self._cursor()
             if cursor is None:
-                consumed, next_worker = list(self._restore["consumed"]) if self._restore else [0] * self._workers, (
+                consumed, next_worker = list(self._restore["consumed"]) if self._restore else [0] * self._num_workers, (
                     self._restore["next_worker"] if self._restore else 0
                 )
             else:
@@ -376,12 +385,12 @@ class LoaderIterator:
         (copied to the device): map-style batches in order are dealt i % N, so the first n
         batches are worker w's first len(range(w, n, N)). Other loaders can only be counted
         as read, which would skip the batches on their way to the device."""
-        if self._kind == _DatasetKind.Iterable or (self._workers and not self._in_order):
+        if self._kind == _DatasetKind.Iterable or (self._num_workers and not self._in_order):
             raise ValueError(
                 "state_dict() while batches are on their way to the device (device=) needs a map-style dataset "
                 "read in order (in_order=True): take the state between epochs, or leave device=None"
             )
-        n, workers = self._handed, max(self._workers, 1)
+        n, workers = self._handed, max(self._num_workers, 1)
         return [len(range(w, n, workers)) for w in range(workers)], n % workers
 
 
