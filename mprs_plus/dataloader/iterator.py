@@ -35,9 +35,9 @@ from .stage import (
     WithState,
     WorkerEpoch,
     dataset_state,
-    has_state,
     make_fetcher,
     replay,
+    takes_state,
 )
 from .workers import LoaderRun, open_feeding
 
@@ -323,7 +323,7 @@ class LoaderIterator:
             consumed, next_worker = [self._yielded], 0
             states = dict(self._worker_states)
             stage = self._stage
-            if stage is not None and has_state(stage.job.dataset) and not self._stateless:
+            if stage is not None and takes_state(stage.job.dataset, stage._fetcher) and not self._stateless:
                 state = dataset_state(stage.job.dataset, stage._fetcher)
                 if type(state) is StateFailure:
                     self._state_failed(0, state)

@@ -112,6 +112,14 @@ EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
 # under this key: it is the iterator's state, which ``__iter__`` may set up, so a restore
 # loads it after ``iter()`` (torchdata's order), where any other is loaded before.
 OWN_ITERATOR = "mprs_plus.DataLoader: its own iterator's state"
+# An iterable dataset whose ``__iter__`` returns an iterator of its own with a state: the
+# recorded state holds both, the dataset's (None without one) and the iterator's, mid-epoch
+# (loaded into the epoch's iterator, after ``iter()``) or as an epoch ended (loaded into an
+# iterator of its own before the next epoch's ``iter()``: what it sets beyond itself, such as
+# a generator, carries into that epoch, as with torchdata's StatefulDataLoader).
+DATASET = "mprs_plus.DataLoader: the dataset's state"
+ITERATOR = "mprs_plus.DataLoader: its iterator's state"
+ENDED_ITERATOR = "mprs_plus.DataLoader: its last epoch's iterator's state"
 
 
 class StateFailure(tuple):
@@ -122,13 +130,49 @@ class StateFailure(tuple):
     __slots__ = ()
 
 
+def separate_iterator(dataset: Any, fetcher: Any) -> Any:
+    """The epoch's iterator of an iterable dataset when it is an object of its own with a
+    state (torchdata's ``Stateful``); else None."""
+    iterator = getattr(fetcher, "dataset_iter", None)
+    if iterator is None or iterator is dataset or not has_state(iterator):
+        return None
+    return iterator
+
+
+def takes_state(dataset: Any, fetcher: Any) -> bool:
+    """Whether a replica's state is recorded: its dataset's, or its epoch's iterator's."""
+    return has_state(dataset) or separate_iterator(dataset, fetcher) is not None
+
+
 def dataset_state(dataset: Any, fetcher: Any) -> Any:
+    """The replica's state mid-epoch, as ``LoaderStage.begin`` loads it."""
     if getattr(fetcher, "ended", False):
         return EXHAUSTED
+    iterator = separate_iterator(dataset, fetcher)
+    if iterator is not None:
+        return _with_iterator(ITERATOR, dataset, iterator)
     state = snapshot(dataset)
     if getattr(fetcher, "dataset_iter", None) is dataset and type(state) is not StateFailure:
         return {OWN_ITERATOR: state}
     return state
+
+
+def end_state(dataset: Any, fetcher: Any) -> Any:
+    """The replica's state as its epoch's iterator was exhausted: what the next epoch
+    starts from."""
+    iterator = separate_iterator(dataset, fetcher)
+    if iterator is not None:
+        return _with_iterator(ENDED_ITERATOR, dataset, iterator)
+    return snapshot(dataset)
+
+
+def _with_iterator(key: str, dataset: Any, iterator: Any) -> Any:
+    state = snapshot(iterator)
+    own = snapshot(dataset) if has_state(dataset) else None
+    for part in (state, own):
+        if type(part) is StateFailure:
+            return part
+    return {DATASET: own, key: state}
 
 
 def snapshot(dataset: Any) -> Any:
@@ -320,12 +364,22 @@ class LoaderStage(IterDataPipe):
         self._fetcher = None
         state = epoch.dataset_state
         after_iter = _own_iterator_state(state)
-        if state is not None and state != EXHAUSTED and not after_iter:
+        with_iterator = type(state) is dict and DATASET in state
+        if with_iterator:
+            if state[DATASET] is not None:
+                job.dataset.load_state_dict(state[DATASET])
+        elif state is not None and state != EXHAUSTED and not after_iter:
             job.dataset.load_state_dict(state)  # a restore: the dataset as it was recorded
         if job.kind == _DatasetKind.Iterable:
+            if with_iterator and ENDED_ITERATOR in state:
+                # The last epoch's iterator as it ended, made again: loading it sets what it
+                # set beyond itself (a generator); the epoch's own iterator comes next.
+                iter(job.dataset).load_state_dict(state[ENDED_ITERATOR])
             self._fetcher = make_fetcher(job)  # iter(dataset): once per epoch, restored or not
             if after_iter:
                 self._fetcher.dataset_iter.load_state_dict(state[OWN_ITERATOR])
+            elif with_iterator and ITERATOR in state:
+                self._fetcher.dataset_iter.load_state_dict(state[ITERATOR])
             self._fetcher.ended = state == EXHAUSTED
 
     def resume_from(self, skip: int) -> Iterator[Any]:
@@ -422,14 +476,14 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
     batches are made and dropped (a restore without a recorded state for them)."""
     job, fetcher = stage.job, stage._fetcher
     request = [None] * job.batch_size if job.auto_collation else None
-    stateful = has_state(job.dataset)
+    stateful = takes_state(job.dataset, fetcher)
     every = job.snapshot_every
     while True:
         try:
             batch = fetcher.fetch(request)
         except StopIteration:
             if stateful:
-                yield EndState((stage.worker_id, snapshot(job.dataset)))
+                yield EndState((stage.worker_id, end_state(job.dataset, fetcher)))
             return
         except Exception as exc:  # the dataset's iterator raised: that batch's error; a
             count += 1  # generator that raised is done, and the next fetch ends the stream
