@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
     assert type(copy) is mprs_plus.DataLoader, type(copy)
     assert copy.sampler is sampler and copy.batch_size == 2
     assert (copy.snapshot_every_n_steps, copy.collect_stats) == (3, False)
-    assert copy._family is not loader._family and copy._carry is not loader._carry
+    assert copy._family is not loader._family and copy._keep is not loader._keep
     expected = [b.tolist() for b in TorchDataLoader(dataset, batch_size=2, sampler=sampler)]
     assert [b.tolist() for b in copy] == expected == [[[1], [3]], [[5], [7]], [[9]]], expected
     print("re-created")

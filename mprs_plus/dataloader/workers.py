@@ -8,30 +8,26 @@ stops itself once unreachable (``ServiceRuntime``'s finalizer), and so does the 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .stage import LoaderStage
-
-if TYPE_CHECKING:
-    from .loader import DataLoader
+from .stage import LoaderStage, _Job
 
 
 class LoaderRun:
     """One runtime of the loader's workers and the plan it runs."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, options: Any, job: _Job, num_workers: int, family: Any) -> None:
         from ..plan import plan
         from ..runtime.main.service import open_runtime
 
-        options = loader._options()
-        stage = LoaderStage(loader._job())
-        self.plan = plan(stage, loader.num_workers)
+        stage = LoaderStage(job)
+        self.plan = plan(stage, num_workers)
         self.feeding = open_feeding(options)
         if self.feeding is not None:
             self.plan = self.plan._replace(delivery=self.feeding.delivery)
         self.runtime = open_runtime(stage, self.plan, options)
         main = self.runtime.start()
-        loader._family.started(self.runtime.figures)
+        family.started(self.runtime.figures)
         if self.feeding is not None:
             self.runtime.figures.feeding = self.feeding.counters
             main = self.feeding.wrap(main)
