@@ -172,3 +172,44 @@ def test_a_state_dict_that_raises_warns_once_and_restores_by_replay(cls, workers
                 loader.state_dict()
             loader.state_dict()
     assert len(_ours(caught)) == 1
+
+
+class RaisingSampler(torch.utils.data.Sampler):
+    """A sampler with a state it cannot give: the epoch goes on with torch's batches."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+    def state_dict(self):
+        raise RuntimeError("this state cannot be taken")
+
+    def load_state_dict(self, state):
+        raise AssertionError("never taken, so never loaded")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_whose_state_dict_raises_warns_and_the_batches_go_on(workers):
+    torch.manual_seed(5)
+    expected = [b.tolist() for b in TorchDataLoader(list(range(10)), batch_size=3, sampler=RaisingSampler(10))]
+    torch.manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = DataLoader(list(range(10)), batch_size=3, sampler=RaisingSampler(10), num_workers=workers)
+        batches = iter(loader)
+        head = [next(batches).tolist() for _ in range(2)]
+        state = loader.state_dict()
+        rest = [b.tolist() for b in batches]
+    assert head + rest == expected
+    ours = _ours(caught)
+    assert ours and all(w.filename == __file__ for w in ours), [str(w.message)[:80] for w in caught]
+    restored = DataLoader(list(range(10)), batch_size=3, sampler=RaisingSampler(10), num_workers=workers)
+    restored.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert [b.tolist() for b in restored] == rest  # its order drawn again from the recorded generator
