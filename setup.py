@@ -53,6 +53,8 @@ setup(
             # pytest.ini runs the suite on two workers (why: there).
             "pytest-xdist>=3.5",
             "dill>=0.3.6",
+            # The suite re-creates the loader as Lightning does (DDP's sampler).
+            "lightning>=2.0",
             *BENCH,
             *DOCS,
             *RENDER,

@@ -29,6 +29,10 @@ class WorkerError(RuntimeError):
 class ProcessDiedError(RuntimeError):
     """A dispatch or worker process exited without being asked to."""
 
+    # True where the message says what happened (its code could not be loaded on its
+    # node), not only how the process ended: a front end then passes that on as it is.
+    explained = False
+
 
 class PipelineStuckError(RuntimeError):
     """The next item can never come: every process of the service waits for another.

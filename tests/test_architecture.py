@@ -6,6 +6,7 @@
     runtime/child/ and the shared runtime modules never import the main side
                   (runtime/main/, reading_service, explain), directly or through others
     the package   has no import cycle
+    dataloader/   the class (loader.py) sits on top: no module of its package imports it
 
 Imports under ``if TYPE_CHECKING:`` are left out (they never run); imports inside
 functions count (they run when called). Each rule is also checked against a small made-up
@@ -212,6 +213,28 @@ def test_transport_imports_nothing_from_torch_or_the_package(graph: Graph) -> No
 
 def test_no_import_cycle(graph: Graph) -> None:
     assert cycles(graph) == []
+
+
+def importers_of(target: str, within: str) -> set[str]:
+    """The modules under ``within`` whose source imports ``target``, under
+    ``if TYPE_CHECKING:`` too: a type named there is a reach all the same."""
+    paths = sorted((ROOT.parent / within.replace(".", "/")).rglob("*.py"))
+    known = {_module_name(p) for p in ROOT.rglob("*.py")}
+    found = set()
+    for path in paths:
+        module = _module_name(path)
+        tree = ast.parse(path.read_text(), str(path))
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        if any(target in _resolve(module, path.name == "__init__.py", n, known) for n in nodes):
+            found.add(module)
+    return found
+
+
+def test_the_dataloader_class_sits_on_top_of_its_epochs() -> None:
+    """``mprs_plus.DataLoader`` (loader.py) uses the epoch (iterator.py), the workers'
+    runtime, the stage and the states; none of them reaches back into the class. Only the
+    package's ``__init__`` imports it (which also proves the parser saw that import)."""
+    assert importers_of("mprs_plus.dataloader.loader", "mprs_plus.dataloader") == {"mprs_plus.dataloader"}
 
 
 def test_each_rule_catches_a_graph_that_breaks_it() -> None:

@@ -527,6 +527,34 @@ def test_an_iterator_keeps_its_workers_after_its_loader_is_gone():
         assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+@pytest.mark.parametrize("cls", [TorchDataLoader, DataLoader])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_iterators_workers_are_its_processes_as_torchs(cls, persistent):
+    """``_workers``: what code written for torch's loader reads to watch its workers."""
+    loader = cls(Randomized(8), batch_size=2, num_workers=2, persistent_workers=persistent)
+    batches = iter(loader)
+    next(batches)
+    workers = batches._workers
+    assert len(workers) == 2
+    for worker in workers:
+        assert worker.is_alive() and worker.exitcode is None
+        assert psutil.Process(worker.pid).ppid() == os.getpid()
+    rest = list(batches)
+    assert len(rest) == 3
+    if persistent:  # the loader keeps them for its next epoch
+        assert all(worker.is_alive() for worker in workers)
+        epoch = iter(loader)
+        assert [w.pid for w in epoch._workers] == [w.pid for w in workers]
+        del epoch, batches, loader
+        import gc
+
+        gc.collect()
+    for worker in workers:  # the epoch (or the loader) ended them: each exits, and says so
+        worker.join(30)
+        assert not worker.is_alive()
+        assert worker.exitcode is not None
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize(
     "make_sampler",

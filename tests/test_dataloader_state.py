@@ -492,3 +492,83 @@ def test_a_dataset_state_is_taken_as_it_was_at_its_batch(cls, workers):
     restored = make()
     restored.load_state_dict(state)
     assert list(restored) == rest
+
+
+class ItsOwnIterator:
+    """An iterator with a state of its own, apart from its dataset (torchdata's tests'
+    ``DummyIterator``): where it is, and the worker's generator it draws its order from."""
+
+    def __init__(self, items):
+        self.items, self.i = items, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= len(self.items):
+            raise StopIteration
+        self.i += 1
+        return self.items[torch.randint(len(self.items), (1,)).item()]
+
+    def state_dict(self):
+        return {"i": self.i, "rng": torch.get_rng_state().tolist()}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+
+class MakesItsIterator(IterableDataset):
+    """No state of its own: each ``iter()`` makes a new ``ItsOwnIterator`` over the
+    worker's share (worker k has 7 + 5k samples)."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        start = sum(7 + 5 * w for w in range(worker))
+        return ItsOwnIterator(list(range(start, start + 7 + 5 * worker)))
+
+
+# StatefulDataLoader 0.9 loads the iterator's state into fresh workers too, which then draw
+# on from where the last epoch's workers stopped: not compared without persistent workers.
+@pytest.mark.parametrize("cls, persistent", [("StatefulDataLoader", True), ("mprs_plus", False), ("mprs_plus", True)])
+def test_an_iterator_with_a_state_of_its_own_carries_it_into_the_next_epoch(cls, persistent):
+    """A state between epochs restores the next epoch exactly: persistent workers drew from
+    their generators in the last epoch, and the iterator's recorded state carries that."""
+    make_loader = _loader_class(cls)
+
+    def make():
+        return make_loader(MakesItsIterator(), num_workers=2, persistent_workers=persistent, collate_fn=_identity)
+
+    seed_all(4)
+    loader = make()
+    list(loader)
+    state = loader.state_dict()
+    expected = list(loader)
+    del loader
+    seed_all(99)
+    restored = make()
+    restored.load_state_dict(state)
+    assert list(restored) == expected
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_an_iterator_with_a_state_of_its_own_restores_mid_epoch(workers, persistent):
+    def make():
+        return DataLoader(MakesItsIterator(), num_workers=workers, persistent_workers=persistent, collate_fn=_identity)
+
+    seed_all(4)
+    loader = make()
+    epochs = [list(loader) for _ in range(2)]
+    for k in (1, 3, 6):
+        seed_all(4)
+        loader = make()
+        list(loader)  # a second epoch, after the generators moved in the first
+        batches = iter(loader)
+        head = [next(batches) for _ in range(k)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del batches, loader
+        seed_all(99)
+        restored = make()
+        restored.load_state_dict(state)
+        assert head + list(restored) == epochs[1], k

@@ -942,3 +942,81 @@ def test_mprs_plus_dataloader_gives_the_same_batches_on_ray_as_with_local_worker
 
     local = batches(multiprocessing_context=LOCAL)
     assert batches(backend=RayBackend(num_cpus_per_worker=0.5)) == local
+
+
+SCRIPT_DRIVER = textwrap.dedent(
+    """
+    import sys
+
+    import ray
+    import torch
+    from torch.utils.data import Dataset
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    import mprs_plus
+
+
+    class Aug(Dataset):
+        # The training script's own class, as users write them: Ray ships it by value.
+        def __len__(self):
+            return 9
+
+        def __getitem__(self, i):
+            return {"index": i, "draw": torch.rand(2)}
+
+
+    def double(x):
+        return 2 * x
+
+
+    def batches(**kwargs):
+        torch.manual_seed(11)
+        loader = mprs_plus.DataLoader(Aug(), batch_size=2, shuffle=True, num_workers=2, **kwargs)
+        return [(b["index"].tolist(), b["draw"].tolist()) for b in loader]
+
+
+    if __name__ == "__main__":
+        local = batches(multiprocessing_context="fork")
+        ray.init(address=sys.argv[1], log_to_driver=False)
+        assert batches(backend=mprs_plus.RayBackend(num_cpus_per_worker=0)) == local
+        service = mprs_plus.MultiProcessingReadingService(2, backend=mprs_plus.RayBackend(num_cpus_per_worker=0))
+        loader = DataLoader2(IterableWrapper(range(6)).sharding_filter().map(double), reading_service=service)
+        assert sorted(loader) == [0, 2, 4, 6, 8, 10]
+        loader.shutdown()
+        print("by value")
+
+        import unshipped_data  # a module of this machine only: the nodes cannot load it
+
+        loader = mprs_plus.DataLoader(
+            unshipped_data.Numbers(), batch_size=2, num_workers=2, backend=mprs_plus.RayBackend(num_cpus_per_worker=0)
+        )
+        try:
+            list(loader)
+        except RuntimeError as exc:
+            print("error:", exc)
+    """
+)
+
+
+def test_a_dataset_defined_in_the_training_script_runs_on_the_actors(cluster, tmp_path):
+    """The script's own definitions (``__main__``) reach the actors by value, as with Ray's
+    tasks; code of a module the nodes lack is an error saying so, not a crash."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT_DRIVER)
+    elsewhere = tmp_path / "elsewhere"  # not the script's folder, which Ray puts on the actors' path
+    elsewhere.mkdir()
+    (elsewhere / "unshipped_data.py").write_text(
+        "from torch.utils.data import Dataset\n\n\nclass Numbers(Dataset):\n"
+        "    def __len__(self):\n        return 4\n\n    def __getitem__(self, i):\n        return i\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(elsewhere), ROOT]))
+    result = subprocess.run(
+        [sys.executable, str(script), cluster.address], capture_output=True, text=True, timeout=DRIVER_TIMEOUT, env=env
+    )
+    lines = result.stdout.strip().splitlines()
+    assert "by value" in lines, result.stderr[-3000:]
+    error = lines[-1]
+    assert error.startswith("error: DataLoader worker process"), result.stdout[-3000:] + result.stderr[-3000:]
+    assert "could not load" in error and "unshipped_data" in error and "working_dir" in error, error
+    assert "out-of-memory" not in error and "exited unexpectedly" not in error, error

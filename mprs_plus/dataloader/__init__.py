@@ -8,6 +8,10 @@
     state.py      the checkpoint's contents and its checks
     errors.py     the runtime's errors as torch raises them
 
+The class sits on top: it hands each epoch what the epoch reads of it (``EpochSettings``)
+and what epochs share (``LoaderKeep``); no module here imports loader.py
+(``tests/test_architecture.py`` checks it).
+
 A front end, like the reading service: it builds a plan for the one runtime
 (``runtime/``) and learns nothing of its processes and channels.
 """

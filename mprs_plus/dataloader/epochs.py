@@ -15,7 +15,6 @@ sets them back and draws the same epoch again.
 
 from __future__ import annotations
 
-import copy
 import operator
 from array import array
 from collections.abc import Iterator, Sequence
@@ -47,9 +46,23 @@ def samplers_of(loader: Any) -> tuple[Any, Any]:
 
 
 def _state_of(sampler: Any) -> Any:
-    # A copy: the epoch's draws change a sampler that hands out its live containers.
-    method = getattr(sampler, "state_dict", None)
-    return copy.deepcopy(method()) if callable(method) and callable(getattr(sampler, "load_state_dict", None)) else None
+    """A copy (the epoch's draws change a sampler that hands out its live containers) of
+    the sampler's state, torchdata's ``Stateful`` only; None without one, or where its
+    ``state_dict()`` raised: the epoch goes on, and a restore draws its order again."""
+    from .stage import StateFailure, has_state, snapshot
+
+    if not has_state(sampler):
+        return None
+    state = snapshot(sampler)
+    if type(state) is StateFailure:
+        from ..user_frame import warn
+
+        warn(
+            f"{type(sampler).__name__}.state_dict() raised {state[0]}. The batches go on; this DataLoader's "
+            "states hold no state of that sampler (a restore draws its order again from the generator)"
+        )
+        return None
+    return state
 
 
 def capture_start(loader: Any, base_seed: int | None, draws_base_seed: bool) -> EpochStart:

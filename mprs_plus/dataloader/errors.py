@@ -4,6 +4,7 @@
                              and the original traceback (torch's ``ExceptionWrapper`` wording)
     a worker that died       RuntimeError "DataLoader worker (pid 4242) is killed by signal: ..."
                              (a signal), else "DataLoader worker (pid(s) 4242) exited unexpectedly"
+    code a node cannot load  RuntimeError with what the backend says (which module, how to ship it)
     timeout= expired         RuntimeError "DataLoader timed out after 5 seconds"
     the service stopped      RuntimeError saying so
 
@@ -20,6 +21,7 @@ from ..errors import PipelineStuckError, ProcessDiedError, ServiceClosedError
 from ..runtime.data_messages import _ORIGIN, RemoteError
 
 _WORKER = re.compile(r"worker process (\d+)")
+_CHILD = re.compile(r"(?:mprs_plus )?worker(?: process)? (\d+)")  # a child as the runtime names it
 _PID = re.compile(r"pid (\d+)")
 _SIGNAL = re.compile(r"killed by (SIG[A-Z0-9]+)")
 
@@ -42,6 +44,9 @@ def torch_error(exc: BaseException, timeout: float) -> BaseException | None:
         return rebuilt
     if isinstance(exc, ProcessDiedError):
         detail = str(exc).split(". The reading service cannot continue", 1)[0]
+        if exc.explained:  # what happened is known (code a node cannot load): said as it is
+            detail = _CHILD.sub(r"DataLoader worker process \1", detail).replace("the pipeline's code", "its code")
+            return RuntimeError(f"{detail}. Then iterate the loader again to start new workers.")
         pids = _PID.findall(detail)
         advice = (
             f"{detail}. Look for an out-of-memory kill, a call to os._exit or a crash in native code in that "

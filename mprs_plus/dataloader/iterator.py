@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
@@ -26,15 +25,59 @@ from ..errors import ServiceClosedError
 from . import state as loader_state
 from .epochs import EpochStart, deal, deal_epoch
 from .errors import is_fatal, torch_error
-from .stage import BatchFailure, EndState, EpochOrders, LoaderStage, WithState, WorkerEpoch, dataset_state, has_state, make_fetcher, replay
+from .stage import (
+    BatchFailure,
+    _Job,
+    EndState,
+    EpochOrders,
+    LoaderStage,
+    StateFailure,
+    WithState,
+    WorkerEpoch,
+    dataset_state,
+    make_fetcher,
+    replay,
+    takes_state,
+)
 from .workers import LoaderRun, open_feeding
 from ..runtime.main.replacement import LostItem
 
-if TYPE_CHECKING:
-    from .loader import DataLoader
-
-
 _MIRROR_END = object()
+
+
+class EpochSettings(NamedTuple):
+    """What an epoch reads of its loader, taken by ``iter(loader)``: an epoch never reaches
+    back into the loader (the class sits on top; ``LoaderKeep`` is what they share)."""
+
+    num_workers: int
+    persistent: bool  # persistent workers, kept in LoaderKeep.run
+    prefetch_factor: int | None
+    timeout: float
+    in_order: bool
+    kind: int  # torch's _DatasetKind
+    index_sampler: Any
+    job: _Job  # what each worker (or this process) fetches and collates with
+    options: Any  # the runtime's Options
+    pin_memory_device: str  # torch's argument: the device whose pinning the feeding uses
+    family: Any  # the loader's statistics, which its runtimes join
+    shape: dict[str, Any]  # the loader's shape, as its states record it
+    length: int | None  # len(loader), None where it has none
+    length_said: int | None  # an iterable dataset's len() the loop asked before this epoch
+    dataset_name: str  # repr(dataset), for torch's warning
+    dataset_type: str  # its class's name, for ours
+
+
+class LoaderKeep:
+    """What a loader keeps from one epoch to the next, which its epochs update: the
+    persistent workers' runtime, the datasets' states they carry into the next epoch, and
+    whether the dataset's failing ``state_dict()`` was reported."""
+
+    __slots__ = ("run", "carry", "state_warned")
+
+    def __init__(self) -> None:
+        self.run: LoaderRun | None = None
+        self.carry: dict[int, tuple[int, Any]] = {}
+        self.state_warned = False
 
 
 class LoaderIterator:
@@ -42,7 +85,8 @@ class LoaderIterator:
 
     def __init__(
         self,
-        loader: DataLoader,
+        settings: EpochSettings,
+        keep: LoaderKeep,
         start: EpochStart,
         indices: Iterator[Any],
         restore: dict[str, Any] | None,
@@ -50,26 +94,32 @@ class LoaderIterator:
         carried: dict[int, tuple[int, Any]] | None = None,
         send_carried: bool = False,
     ) -> None:
-        self._loader_ref = weakref.ref(loader)
+        self._settings = settings
+        self._keep = keep
         self._shared_seed = shared_seed  # a DataPipe dataset's, as torch draws it
         self._distributed = _get_distributed_settings()
-        self._length = _length_or_none(loader)
-        self._timeout = loader.timeout
+        self._length = settings.length
+        self._timeout = settings.timeout
         self.start = start
         self._fixed_state: dict[str, Any] | None = None
         self.finished = False
-        self._workers = loader.num_workers
+        self._num_workers = settings.num_workers
+        self._worker_handles: list[Any] = []  # what _workers shows, once the workers are opened
         self._restore = restore
         # Per worker: (batches of this epoch its dataset state covers, that state).
         self._worker_states: dict[int, tuple[int, Any]] = dict(restore["worker_states"]) if restore else dict(carried or {})
         self._send_states = restore is not None or send_carried  # else the workers hold them already
+        # What each worker's dataset began the epoch with: a worker whose state_dict() raised
+        # is recorded as that again, and a restore replays its epoch from there.
+        self._epoch_states = dict(self._worker_states)
+        self._stateless: set[int] = set()  # workers whose state_dict() raised this epoch
         # Per worker: its iterable dataset's state once its iterator was exhausted (EndState).
         self._end_states: dict[int, Any] = {}
         self._owns_run = False
         self._run: LoaderRun | None = None
         self._mirror: Iterator[Any] | None = None  # a sampler without len(): see _in_workers
         self._shares: list[Any] = []
-        self._yielded = restore["consumed"][0] if restore and loader.num_workers == 0 else 0
+        self._yielded = restore["consumed"][0] if restore and settings.num_workers == 0 else 0
         # Batches the loop received, counted on from a restored state: with batches copied
         # to a device ahead of the loop, the reads run ahead of them.
         self._handed = sum(restore["consumed"]) if restore else 0
@@ -78,25 +128,32 @@ class LoaderIterator:
         self._returned = self._handed
         self._ahead = 0
         self._feeding: Any = None
-        self._in_order = loader.in_order
-        self._kind = loader._dataset_kind
+        self._in_order = settings.in_order
+        self._kind = settings.kind
         # An iterable dataset whose len() the loop asked before this epoch: torch warns
         # once the epoch yields more than that.
-        self._length_said = loader._IterableDataset_len_called if self._kind == _DatasetKind.Iterable else None
-        self._dataset_name = repr(loader.dataset)
-        if self._workers == 0:
-            self._stage: LoaderStage | None = LoaderStage(loader._job())
-            self._items = self._in_process(loader, indices)
-            self._feeding = open_feeding(loader._options())
+        self._length_said = settings.length_said if self._kind == _DatasetKind.Iterable else None
+        self._dataset_name = settings.dataset_name
+        if self._num_workers == 0:
+            self._stage: LoaderStage | None = LoaderStage(settings.job)
+            self._items = self._in_process(indices)
+            self._feeding = open_feeding(settings.options, settings.pin_memory_device)
             if self._feeding is not None:  # pinned, or on the device, as with workers
                 self._items = self._feeding.iterate(self._items)
                 self._ahead = self._feeding.ahead
         else:
             self._stage = None
-            self._items = self._in_workers(loader, indices)
+            self._items = self._in_workers(indices)
 
     def __iter__(self) -> LoaderIterator:
         return self
+
+    @property
+    def _workers(self) -> list[Any]:
+        """The worker processes, as torch's iterator lists them (``pid``, ``exitcode``,
+        ``is_alive()``, ``join()``): code that watches its workers reads them here. Kept
+        once the epoch's workers stopped, as torch's list is; empty without workers."""
+        return list(self._worker_handles)
 
     def __len__(self) -> int:
         if self._length is None:
@@ -118,7 +175,10 @@ class LoaderIterator:
         self._handed += 1
         if type(item) is EndState:  # not a batch: a worker's dataset state at its end
             worker, dataset_state = item
-            self._end_states[worker] = dataset_state
+            if type(dataset_state) is StateFailure:
+                self._state_failed(worker, dataset_state)
+            else:
+                self._end_states[worker] = dataset_state
             return self.__next__()
         if self._mirror is not None:
             self._follow(1)
@@ -132,13 +192,16 @@ class LoaderIterator:
             self._warn_past_length()
         if type(item) is WithState:
             batch, worker, count, dataset_state = item
-            self._worker_states[worker] = (count, dataset_state)
+            if type(dataset_state) is StateFailure:
+                self._state_failed(worker, dataset_state)
+            else:
+                self._worker_states[worker] = (count, dataset_state)
             return batch
         return item
 
     # -- in this process -----------------------------------------------------------------
 
-    def _in_process(self, loader: DataLoader, indices: Iterator[Any]) -> Iterator[Any]:
+    def _in_process(self, indices: Iterator[Any]) -> Iterator[Any]:
         """Set up now (an iterable dataset's ``iter()`` is taken by ``iter(loader)``, as
         torch's); the batches, lazily from the sampler, as torch's single process makes them.
         A restored epoch reads its first batches' samples again and drops them (map-style),
@@ -157,7 +220,7 @@ class LoaderIterator:
                         distributed=self._distributed),
             in_worker=False,
         )
-        iterable = loader._dataset_kind == _DatasetKind.Iterable
+        iterable = self._kind == _DatasetKind.Iterable
         fetch = stage._fetcher.fetch if iterable else make_fetcher(stage.job).fetch
         if iterable:
             for index in skipped:
@@ -169,21 +232,22 @@ class LoaderIterator:
 
     # -- in workers ----------------------------------------------------------------------
 
-    def _in_workers(self, loader: DataLoader, indices: Iterator[Any]) -> Iterator[Any]:
+    def _in_workers(self, indices: Iterator[Any]) -> Iterator[Any]:
         """Start the epoch in the workers now (as ``iter()`` of torch's loader does): each
         worker gets its round-robin share of the epoch's index batches (map-style) or runs
         its replica (an iterable dataset); returns the batches as the runtime reads them."""
-        workers = loader.num_workers
-        if loader.prefetch_factor == 0:
+        settings = self._settings
+        workers = settings.num_workers
+        if settings.prefetch_factor == 0:
             raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
         base_seed = self.start.base_seed or 0
         shares: list[Any] = [None] * workers
         sampler = None
-        if loader._dataset_kind == _DatasetKind.Map:
-            if has_len(loader._index_sampler):
-                shares = deal_epoch(loader._index_sampler, indices, workers)
+        if settings.kind == _DatasetKind.Map:
+            if has_len(settings.index_sampler):
+                shares = deal_epoch(settings.index_sampler, indices, workers)
             else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
-                sampler = (loader._index_sampler, torch.get_rng_state())
+                sampler = (settings.index_sampler, torch.get_rng_state())
                 # The main process's own iterator follows, as torch's main process draws:
                 # prefetch_factor batches per worker at the start, then one per batch received.
                 # (after the workers' copies are made: begin_epoch pickles them).
@@ -197,14 +261,15 @@ class LoaderIterator:
                     w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed
                 )
             )
-        run = loader._run if loader.persistent_workers else None
+        run = self._keep.run if settings.persistent else None
         if run is None:
-            run = LoaderRun(loader)
-            if loader.persistent_workers:
-                loader._run = run
+            run = LoaderRun(settings.options, settings.job, workers, settings.family, settings.pin_memory_device)
+            if settings.persistent:
+                self._keep.run = run
             else:
                 self._owns_run = True
         self._run = run
+        self._worker_handles = run.runtime.worker_processes()
         self._ahead = run.feeding.ahead if run.feeding is not None else 0
         skips: tuple[int, ...] = ()
         next_worker = 0
@@ -212,7 +277,7 @@ class LoaderIterator:
             skips, next_worker = tuple(self._restore["consumed"]), self._restore["next_worker"]
         try:
             run.runtime.begin_epoch(None, EpochOrders(parts), skips if any(skips) else (), next_worker)
-            self._follow(loader.prefetch_factor * workers + sum(skips))
+            self._follow(settings.prefetch_factor * workers + sum(skips))
         except Exception as exc:
             mapped = torch_error(exc, self._timeout)
             if mapped is None:
@@ -235,7 +300,7 @@ class LoaderIterator:
             f"Length of IterableDataset {self._dataset_name} was reported to be {self._length_said}"
             f"(when accessing len(dataloader)), but {self._returned} samples have been fetched. "
         )
-        if self._workers > 0:
+        if self._num_workers > 0:
             message += (
                 "For multiprocessing data-loading, this could be caused by not properly configuring the "
                 "IterableDataset replica at each worker. Please see "
@@ -260,19 +325,21 @@ class LoaderIterator:
         if self._owns_run:
             self._stop_owned()
             return
-        loader = self._loader_ref()
-        if loader is not None and loader._run is self._run and is_fatal(exc):
-            run, loader._run = loader._run, None
+        keep = self._keep
+        if keep.run is self._run and is_fatal(exc):
+            run, keep.run = keep.run, None
             if run is not None:
                 run.stop()
 
     def _finish(self) -> None:
         if not self.finished:
             self.finished = True
-            loader = self._loader_ref()
-            if loader is not None and self._workers and not self._owns_run:  # persistent workers
-                loader._carry = {w: (0, state) for w, (_, state) in self._worker_states.items()}
-                loader._carry.update((w, (0, state)) for w, state in self._end_states.items())
+            if self._num_workers and not self._owns_run:  # persistent workers
+                carry = {w: (0, state) for w, (_, state) in self._worker_states.items()}
+                carry.update((w, (0, state)) for w, state in self._end_states.items())
+                for worker in self._stateless:  # its dataset as the epoch left it is unknown
+                    carry.pop(worker, None)
+                self._keep.carry = carry
             self._stop_owned()
 
     def _abandon(self) -> None:
@@ -293,35 +360,48 @@ class LoaderIterator:
     # -- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        loader = self._loader_ref()
-        if loader is None:
-            raise RuntimeError("internal error: a loader's iterator outlived its loader")
-        if self._ahead and self._handed < (self._yielded if self._workers == 0 else self._read()):
-            return self._running(loader, *self._handed_counts(), dict(self._worker_states))
-        if self._workers == 0:
+        if self._ahead and self._handed < (self._yielded if self._num_workers == 0 else self._read()):
+            return self._running(*self._handed_counts(), dict(self._worker_states))
+        if self._num_workers == 0:
             consumed, next_worker = [self._yielded], 0
             states = dict(self._worker_states)
             stage = self._stage
-            if stage is not None and has_state(stage.job.dataset):
-                states[0] = (self._yielded, dataset_state(stage.job.dataset, stage._fetcher))
+            if stage is not None and takes_state(stage.job.dataset, stage._fetcher) and not self._stateless:
+                state = dataset_state(stage.job.dataset, stage._fetcher)
+                if type(state) is StateFailure:
+                    self._state_failed(0, state)
+                    states = dict(self._worker_states)
+                else:
+                    states[0] = (self._yielded, state)
         else:
             cursor = self._cursor()
             if cursor is None:
-                consumed, next_worker = list(self._restore["consumed"]) if self._restore else [0] * self._workers, (
+                consumed, next_worker = list(self._restore["consumed"]) if self._restore else [0] * self._num_workers, (
                     self._restore["next_worker"] if self._restore else 0
                 )
             else:
                 consumed, next_worker = list(cursor.consumed), cursor.next_worker
             states = dict(self._worker_states)
-        return self._running(loader, consumed, next_worker, states)
+        return self._running(consumed, next_worker, states)
 
-    def _running(self, loader: DataLoader, consumed: list[int], next_worker: int, states: dict[int, Any]) -> dict[str, Any]:
+    def _state_failed(self, worker: int, failure: StateFailure) -> None:
+        """A worker's ``state_dict()`` raised: its epoch is recorded as begun, and a restore
+        replays it (exact where the dataset reads the same samples again, as any dataset
+        without a state); the loader warns once."""
+        self._stateless.add(worker)
+        if worker in self._epoch_states:
+            self._worker_states[worker] = self._epoch_states[worker]
+        else:
+            self._worker_states.pop(worker, None)
+        warn_state_failed(self._keep, self._settings.dataset_type, failure[0])
+
+    def _running(self, consumed: list[int], next_worker: int, states: dict[int, Any]) -> dict[str, Any]:
         # What stays the same through the epoch (the loader's shape, the epoch's start) is
         # built once: a state after every batch costs the loop little (each state still
         # gets dicts of its own).
         fixed = self._fixed_state
         if fixed is None:
-            fixed = self._fixed_state = loader_state.running(loader, self.start, [], 0, {})
+            fixed = self._fixed_state = loader_state.running(self._settings.shape, self.start, [], 0, {})
         return {**fixed, "shape": dict(fixed["shape"]), "start": dict(fixed["start"]), "consumed": consumed, "next_worker": next_worker, "worker_states": states}
 
     def _cursor(self) -> Any:
@@ -346,13 +426,27 @@ class LoaderIterator:
         (copied to the device): map-style batches in order are dealt i % N, so the first n
         batches are worker w's first len(range(w, n, N)). Other loaders can only be counted
         as read, which would skip the batches on their way to the device."""
-        if self._kind == _DatasetKind.Iterable or (self._workers and not self._in_order):
+        if self._kind == _DatasetKind.Iterable or (self._num_workers and not self._in_order):
             raise ValueError(
                 "state_dict() while batches are on their way to the device (device=) needs a map-style dataset "
                 "read in order (in_order=True): take the state between epochs, or leave device=None"
             )
-        n, workers = self._handed, max(self._workers, 1)
+        n, workers = self._handed, max(self._num_workers, 1)
         return [len(range(w, n, workers)) for w in range(workers)], n % workers
+
+
+def warn_state_failed(keep: LoaderKeep, dataset_type: str, error: str) -> None:
+    """Once per loader: its dataset's ``state_dict()`` raised, the batches go on."""
+    if keep.state_warned:
+        return
+    keep.state_warned = True
+    from ..user_frame import warn
+
+    warn(
+        f"{dataset_type}.state_dict() raised {error}. The batches go on; this "
+        "DataLoader's states now restore that dataset by replaying its epoch from the start, as for a "
+        "dataset without state_dict() (exact where it reads the same samples again)"
+    )
 
 
 def has_len(sampler: Any) -> bool:
@@ -361,18 +455,6 @@ def has_len(sampler: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _length_or_none(loader: DataLoader) -> int | None:
-    # len() of a loader over an iterable dataset records that the length was asked, for
-    # torch's warning when an epoch yields more: only the user's own call may count.
-    said = loader._IterableDataset_len_called
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-    finally:
-        loader._IterableDataset_len_called = said
 
 
 class _Fetched:

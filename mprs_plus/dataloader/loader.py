@@ -24,9 +24,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
-from .iterator import LoaderIterator
-from .stage import LoaderStage, _Job, has_state, snapshot
-from .workers import LoaderRun
+from .iterator import EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
+from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -77,20 +76,35 @@ class DataLoader(_TorchDataLoader[_T_co]):
         collect_stats: bool = True,
         worker_restarts: int = 0,
     ) -> None:
+        from ..runtime.main.family import Family
+
+        # This loader's own runtime state is set before torch's __init__ runs: a trainer that
+        # records the attributes set after it (Lightning, to re-create a loader with its own
+        # sampler) replays them on the copy, which must get its own.
+        # What the epochs share and update: persistent workers' runtime, the datasets'
+        # states they carry, a warning given.
+        self._keep = LoaderKeep()
+        self._current: weakref.ref[LoaderIterator] | None = None
+        self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
+        self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
+        self._family = Family.new()
+        # By keyword: a trainer that records this call to re-create the loader (Lightning,
+        # when this class was made after it wrapped torch's __init__) reads each argument
+        # by its name, whatever its position.
         super().__init__(
-            dataset,
-            batch_size,
-            shuffle,
-            sampler,
-            batch_sampler,
-            num_workers,
-            collate_fn,
-            pin_memory,
-            drop_last,
-            timeout,
-            worker_init_fn,
-            multiprocessing_context,
-            generator,
+            dataset=dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
@@ -100,6 +114,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             raise ValueError(
                 f"snapshot_every_n_steps must be an int >= 0 (0: only at a worker's end), got {snapshot_every_n_steps!r}"
             )
+        # The arguments beyond torch's, set after its __init__: the copy gets them too.
         self.snapshot_every_n_steps = snapshot_every_n_steps
         # torch's attribute reads 2 with workers whatever was passed; the bound on what a
         # worker fetches ahead follows what the user asked for (see _options).
@@ -108,25 +123,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.backend = backend
         self.collect_stats = collect_stats
         self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
-        self._restarts_used = 0  # by the loader's earlier runs of workers (one per epoch without persistent workers)
         self._options()  # checked now, as torch checks its own arguments
-        self._run: LoaderRun | None = None  # persistent workers: the runtime kept across epochs
-        self._current: weakref.ref[LoaderIterator] | None = None
-        self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
-        self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
-        # Persistent workers: each worker's dataset state as its last epoch left it (a
-        # dataset with state_dict()), which a state taken between epochs carries.
-        self._carry: dict[int, tuple[int, Any]] = {}
-        from ..runtime.main.family import Family
-
-        self._family = Family.new()
 
     # -- iterating ---------------------------------------------------------------------
 
     def __iter__(self) -> LoaderIterator:  # type: ignore[override]
         restore, self._restore = self._restore, None
         persistent = self.persistent_workers and self.num_workers > 0
-        carried, send = dict(self._carry) if persistent else {}, False
+        carried, send = dict(self._keep.carry) if persistent else {}, False
         if restore is not None:
             # What drew the recorded epoch (or, between epochs, what the next one draws
             # from), set back: the draws below repeat the uninterrupted run's.
@@ -147,9 +151,34 @@ class DataLoader(_TorchDataLoader[_T_co]):
         previous = self._current() if self._current is not None else None
         if previous is not None and persistent:
             previous._abandon()  # its epoch ends: the workers move on to this one, as torch's reset does
-        iterator = LoaderIterator(self, start, indices, restore, shared_seed, carried, send)
+        iterator = LoaderIterator(self._epoch_settings(), self._keep, start, indices, restore, shared_seed, carried, send)
         self._current = weakref.ref(iterator)
         return iterator
+
+    @property
+    def _run(self) -> Any:
+        """Persistent workers' runtime, kept across epochs (None without)."""
+        return self._keep.run
+
+    def _epoch_settings(self) -> EpochSettings:
+        return EpochSettings(
+            num_workers=self.num_workers,
+            persistent=bool(self.persistent_workers and self.num_workers > 0),
+            prefetch_factor=self.prefetch_factor,
+            timeout=self.timeout,
+            in_order=self.in_order,
+            kind=self._dataset_kind,
+            index_sampler=self._index_sampler,
+            job=self._job(),
+            options=self._options(),
+            pin_memory_device=self.pin_memory_device,
+            family=self._family,
+            shape=loader_state.shape(self),
+            length=_length_or_none(self),
+            length_said=self._IterableDataset_len_called,
+            dataset_name=repr(self.dataset),
+            dataset_type=type(self.dataset).__name__,
+        )
 
     def _options(self) -> Any:
         from ..options import Options
@@ -176,7 +205,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
             pin_memory=bool(self.pin_memory),
             device=self.device,
             worker_restarts=self.worker_restarts,
-            restarts_used=self._restarts_used,
         )
 
     def _job(self) -> _Job:
@@ -233,11 +261,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self._restore is not None:
             return dict(self._restore)
         start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))
-        carried = self._carry if self.persistent_workers else None
+        carried = self._keep.carry if self.persistent_workers else None
         if self.num_workers == 0 and has_state(self.dataset):
             # Without workers the dataset itself goes from epoch to epoch, as a persistent
             # worker's replica does: its state now (after the last epoch's end) starts the next.
-            carried = {0: (0, snapshot(self.dataset))}
+            state = snapshot(self.dataset)
+            if type(state) is StateFailure:
+                warn_state_failed(self._keep, type(self.dataset).__name__, state[0])
+                carried = None
+            else:
+                carried = {0: (0, state)}
         return loader_state.between(self, start, carried)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -246,7 +279,19 @@ class DataLoader(_TorchDataLoader[_T_co]):
         dataset kind is a ``ValueError``."""
         self._restore = loader_state.check(self, state_dict)
         self._current = None  # state_dict() now reports the loaded state, until the next iter()
-        run, self._run = self._run, None
+        run, self._keep.run = self._keep.run, None
         if run is not None:  # persistent workers seeded for another run: the restore starts its own
             run.stop()
             self._base_seed = None
+
+
+def _length_or_none(loader: DataLoader[Any]) -> int | None:
+    # len() of a loader over an iterable dataset records that the length was asked, for
+    # torch's warning when an epoch yields more: only the user's own call may count.
+    said = loader._IterableDataset_len_called
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+    finally:
+        loader._IterableDataset_len_called = said

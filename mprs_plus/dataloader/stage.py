@@ -27,7 +27,7 @@ see one DataPipe and nothing behind it.
 from __future__ import annotations
 
 import copy
-
+import inspect
 import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -114,21 +114,79 @@ EXHAUSTED = {"mprs_plus.DataLoader": "exhausted"}
 # under this key: it is the iterator's state, which ``__iter__`` may set up, so a restore
 # loads it after ``iter()`` (torchdata's order), where any other is loaded before.
 OWN_ITERATOR = "mprs_plus.DataLoader: its own iterator's state"
+# An iterable dataset whose ``__iter__`` returns an iterator of its own with a state: the
+# recorded state holds both, the dataset's (None without one) and the iterator's, mid-epoch
+# (loaded into the epoch's iterator, after ``iter()``) or as an epoch ended (loaded into an
+# iterator of its own before the next epoch's ``iter()``: what it sets beyond itself, such as
+# a generator, carries into that epoch, as with torchdata's StatefulDataLoader).
+DATASET = "mprs_plus.DataLoader: the dataset's state"
+ITERATOR = "mprs_plus.DataLoader: its iterator's state"
+ENDED_ITERATOR = "mprs_plus.DataLoader: its last epoch's iterator's state"
+
+
+class StateFailure(tuple):
+    """In place of a state: ``(text,)``, what ``state_dict()`` (or copying its result)
+    raised. The epoch goes on; the main process warns once and restores that worker by
+    replaying its epoch from the start, as for a dataset without state."""
+
+    __slots__ = ()
+
+
+def separate_iterator(dataset: Any, fetcher: Any) -> Any:
+    """The epoch's iterator of an iterable dataset when it is an object of its own with a
+    state (torchdata's ``Stateful``); else None."""
+    iterator = getattr(fetcher, "dataset_iter", None)
+    if iterator is None or iterator is dataset or not has_state(iterator):
+        return None
+    return iterator
+
+
+def takes_state(dataset: Any, fetcher: Any) -> bool:
+    """Whether a replica's state is recorded: its dataset's, or its epoch's iterator's."""
+    return has_state(dataset) or separate_iterator(dataset, fetcher) is not None
 
 
 def dataset_state(dataset: Any, fetcher: Any) -> Any:
+    """The replica's state mid-epoch, as ``LoaderStage.begin`` loads it."""
     if getattr(fetcher, "ended", False):
         return EXHAUSTED
-    if getattr(fetcher, "dataset_iter", None) is dataset:
-        return {OWN_ITERATOR: snapshot(dataset)}
+    iterator = separate_iterator(dataset, fetcher)
+    if iterator is not None:
+        return _with_iterator(ITERATOR, dataset, iterator)
+    state = snapshot(dataset)
+    if getattr(fetcher, "dataset_iter", None) is dataset and type(state) is not StateFailure:
+        return {OWN_ITERATOR: state}
+    return state
+
+
+def end_state(dataset: Any, fetcher: Any) -> Any:
+    """The replica's state as its epoch's iterator was exhausted: what the next epoch
+    starts from."""
+    iterator = separate_iterator(dataset, fetcher)
+    if iterator is not None:
+        return _with_iterator(ENDED_ITERATOR, dataset, iterator)
     return snapshot(dataset)
 
 
+def _with_iterator(key: str, dataset: Any, iterator: Any) -> Any:
+    state = snapshot(iterator)
+    own = snapshot(dataset) if has_state(dataset) else None
+    for part in (state, own):
+        if type(part) is StateFailure:
+            return part
+    return {DATASET: own, key: state}
+
+
 def snapshot(dataset: Any) -> Any:
-    """The dataset's ``state_dict()`` as it is now. A copy: a dataset may return its live
-    containers, which its next samples change, while the state waits in a message to be
-    sent, or in the user's hands to be saved."""
-    return copy.deepcopy(dataset.state_dict())
+    """The dataset's ``state_dict()`` as it is now, or a ``StateFailure`` where that
+    raised: a state is taken for the user's checkpoints, and must never break the
+    iteration itself. A copy: a dataset may return its live containers, which its next
+    samples change, while the state waits in a message to be sent, or in the user's hands
+    to be saved."""
+    try:
+        return copy.deepcopy(dataset.state_dict())
+    except Exception as exc:  # user code
+        return StateFailure((f"{type(exc).__name__}: {exc}",))
 
 
 def _own_iterator_state(state: Any) -> bool:
@@ -136,7 +194,19 @@ def _own_iterator_state(state: Any) -> bool:
 
 
 def has_state(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    """torchdata's ``Stateful``: ``state_dict()`` and ``load_state_dict()``, the first
+    callable without arguments. A ``state_dict()`` that needs some (litdata's and Mosaic's
+    streaming datasets take the sample count and the loader's shape, for loaders of their
+    own) is not this protocol: torch's loader never calls it, and neither does this one;
+    such a dataset restores by replay."""
+    state_dict = getattr(dataset, "state_dict", None)
+    if not callable(state_dict) or not callable(getattr(dataset, "load_state_dict", None)):
+        return False
+    try:
+        parameters = inspect.signature(state_dict).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): taken as the protocol's
+        return True
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -307,12 +377,22 @@ class LoaderStage(IterDataPipe):
         self._fetcher = None
         state = epoch.dataset_state
         after_iter = _own_iterator_state(state)
-        if state is not None and state != EXHAUSTED and not after_iter:
+        with_iterator = type(state) is dict and DATASET in state
+        if with_iterator:
+            if state[DATASET] is not None:
+                job.dataset.load_state_dict(state[DATASET])
+        elif state is not None and state != EXHAUSTED and not after_iter:
             job.dataset.load_state_dict(state)  # a restore: the dataset as it was recorded
         if job.kind == _DatasetKind.Iterable:
+            if with_iterator and ENDED_ITERATOR in state:
+                # The last epoch's iterator as it ended, made again: loading it sets what it
+                # set beyond itself (a generator); the epoch's own iterator comes next.
+                iter(job.dataset).load_state_dict(state[ENDED_ITERATOR])
             self._fetcher = make_fetcher(job)  # iter(dataset): once per epoch, restored or not
             if after_iter:
                 self._fetcher.dataset_iter.load_state_dict(state[OWN_ITERATOR])
+            elif with_iterator and ITERATOR in state:
+                self._fetcher.dataset_iter.load_state_dict(state[ITERATOR])
             self._fetcher.ended = state == EXHAUSTED
 
     @property
@@ -417,7 +497,9 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
             continue
         count += 1
         if (every and count % every == 0) or count == total:
-            yield WithState((batch, stage.worker_id, count, snapshot(job.dataset)))
+            state = snapshot(job.dataset)
+            stateful = type(state) is not StateFailure  # once it raised, not again this epoch
+            yield WithState((batch, stage.worker_id, count, state))
         else:
             yield batch
 
@@ -428,14 +510,14 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
     batches are made and dropped (a restore without a recorded state for them)."""
     job, fetcher = stage.job, stage._fetcher
     request = [None] * job.batch_size if job.auto_collation else None
-    stateful = has_state(job.dataset)
+    stateful = takes_state(job.dataset, fetcher)
     every = job.snapshot_every
     while True:
         try:
             batch = fetcher.fetch(request)
         except StopIteration:
             if stateful:
-                yield EndState((stage.worker_id, snapshot(job.dataset)))
+                yield EndState((stage.worker_id, end_state(job.dataset, fetcher)))
             return
         except Exception as exc:  # the dataset's iterator raised: that batch's error; a
             count += 1  # generator that raised is done, and the next fetch ends the stream
@@ -449,7 +531,9 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
             replay -= 1
             continue
         if stateful and ((every and count % every == 0) or fetcher.ended):
-            yield WithState((batch, stage.worker_id, count, dataset_state(job.dataset, fetcher)))
+            state = dataset_state(job.dataset, fetcher)
+            stateful = type(state) is not StateFailure  # once it raised, not again this epoch
+            yield WithState((batch, stage.worker_id, count, state))
         else:
             yield batch
 

@@ -32,7 +32,9 @@ BETWEEN = "between_epochs"
 _FORMAT = "mprs_plus.DataLoader/1"
 
 
-def _shape(loader: Any) -> dict[str, Any]:
+def shape(loader: Any) -> dict[str, Any]:
+    """What a state restores only into: the loader's dataset kind and length, batch size,
+    ``drop_last``, worker count."""
     try:
         length = len(loader.dataset)
     except TypeError:
@@ -47,12 +49,12 @@ def _shape(loader: Any) -> dict[str, Any]:
 
 
 def running(
-    loader: Any, start: EpochStart, consumed: list[int], next_worker: int, worker_states: dict[int, tuple[int, Any]]
+    loader_shape: dict[str, Any], start: EpochStart, consumed: list[int], next_worker: int, worker_states: dict[int, tuple[int, Any]]
 ) -> dict[str, Any]:
     return {
         "format": _FORMAT,
         "phase": RUNNING,
-        "shape": _shape(loader),
+        "shape": loader_shape,
         "start": start.to_dict(),
         "consumed": consumed,
         "next_worker": next_worker,
@@ -66,7 +68,7 @@ def between(loader: Any, start: EpochStart, worker_states: dict[int, tuple[int, 
     return {
         "format": _FORMAT,
         "phase": BETWEEN,
-        "shape": _shape(loader),
+        "shape": shape(loader),
         "start": start.to_dict(),
         "consumed": [],
         "next_worker": 0,
@@ -97,7 +99,7 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
             "load_state_dict() expects a state from mprs_plus.DataLoader.state_dict(); this one is not "
             "(a state of another loader class cannot be resumed exactly)"
         )
-    expected, recorded = _shape(loader), state["shape"]
+    expected, recorded = shape(loader), state["shape"]
     differences = [
         f"{name} {recorded.get(name)!r} in the state, {value!r} here"
         for name, value in expected.items()

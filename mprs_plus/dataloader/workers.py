@@ -9,34 +9,30 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .stage import LoaderStage
-
-if TYPE_CHECKING:
-    from .loader import DataLoader
+from .stage import LoaderStage, _Job
 
 
 class LoaderRun:
     """One runtime of the loader's workers and the plan it runs."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, options: Any, job: _Job, num_workers: int, family: Any, pin_memory_device: str = "") -> None:
         from ..plan import plan
         from ..runtime.main.service import open_runtime
 
-        if loader.worker_restarts:  # the budget is the loader's: count what earlier runs spent
-            loader._restarts_used += len(loader._family.stats().replacements)
-        options = loader._options()
-        stage = LoaderStage(loader._job())
-        self.plan = plan(stage, loader.num_workers)
-        self.feeding = open_feeding(options, loader.pin_memory_device)
+        if options.worker_restarts:  # the budget is the loader's: count what earlier runs spent
+            options = options._replace(restarts_used=family.replacements_made())
+        stage = LoaderStage(job)
+        self.plan = plan(stage, num_workers)
+        self.feeding = open_feeding(options, pin_memory_device)
         self._close_feeding: Any = None
         if self.feeding is not None:
             self.plan = self.plan._replace(delivery=self.feeding.delivery)
         self.runtime = open_runtime(stage, self.plan, options)
         with self.feeding.channels() if self.feeding is not None else contextlib.nullcontext():
             main = self.runtime.start()
-        loader._family.started(self.runtime.figures)
+        family.started(self.runtime.figures)
         if self.feeding is not None:
             self.runtime.figures.feeding = self.feeding.counters
             main = self.feeding.wrap(main)

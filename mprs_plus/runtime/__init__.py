@@ -9,6 +9,7 @@ Rooms by process: a module's folder says where its code runs.
       family.py      a service and its copies in this process share their statistics
       topology.py    which children exist, their channels and statistics rows, by name
       supervisor.py  starts the children, sends control messages, stops them
+      handles.py     a child as torch's loader shows its workers (pid, is_alive(), join())
       lifecycle.py   bounded stop (join -> terminate -> kill), exit hook, death errors
       reader.py      the epoch, one mux over every worker output, death diagnosis
       cursor.py      reads of one worker output, in order or as ready; what was handed out

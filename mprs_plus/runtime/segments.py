@@ -148,6 +148,19 @@ class PortableSources(tuple):
         return _loads_segment, dumps_segment(tuple(self))
 
 
+def for_cloudpickle(setup: Any) -> Any:
+    """A child's setup (a named tuple) with its segments left to a pickler that ships the
+    training script's own definitions by value, Ray's cloudpickle: pickle (and dill) would
+    name a class of ``__main__`` by reference, which a process that is not a copy of the
+    script (an actor on a node) cannot find."""
+    plain = {
+        name: WorkerProgram(*value) if isinstance(value, PortableWorkerProgram) else tuple(value)
+        for name, value in setup._asdict().items()
+        if isinstance(value, (PortableWorkerProgram, PortableSources))
+    }
+    return setup._replace(**plain) if plain else setup
+
+
 def _groups(plan: Plan, outputs: Sequence[int], segment: Segment) -> tuple[int, ...]:
     """Group number of each output: outputs whose nodes in ``segment`` (or whose dispatched
     inputs) overlap share a group."""

@@ -71,6 +71,7 @@ class ActorProcess:
         self.actor = actor
         self.exitcode: int | None = None
         self.reason = ""  # why it ended, in words, when not asked to
+        self.cannot_load = False  # it ended because the segment's code is not on its node
         self.refused = 0  # connections its listeners refused, as of the last statistics it sent
         self._run = run
         self._where_ref = where
@@ -148,7 +149,12 @@ class ActorProcess:
         except ray.exceptions.RayTaskError as exc:
             self.exitcode = 1
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else None
-            if isinstance(cause, (ImportError, AttributeError)) or "ModuleNotFoundError" in str(exc):
+            text = str(exc)
+            # Ray wraps an error of unpickling the setup in a system error that keeps only its text.
+            if isinstance(cause, (ImportError, AttributeError)) or "ModuleNotFoundError" in text or (
+                "No module named" in text or "Can't get attribute" in text
+            ):
+                self.cannot_load = True
                 self.reason = (
                     "could not load the pipeline's code on its node "
                     f"({_first_line(cause or exc)}): ship it with RayBackend(runtime_env={{'working_dir': ...}}) "
@@ -263,6 +269,11 @@ class RayPlacement:
         # the service's timeout, not at once).
         if getattr(setup, "liveness", ()):
             setup = setup._replace(liveness=())
+        # Ray's cloudpickle carries the segments: the training script's own classes and
+        # functions by value (as Ray's tasks and Ray Data take them), modules by reference.
+        from ...runtime.segments import for_cloudpickle
+
+        setup = for_cloudpickle(setup)
         try:
             run = actor.run.remote(target, setup, rows)
         except Exception as exc:
@@ -357,6 +368,13 @@ class RayPlacement:
             )
         if not dead:
             return ProcessDiedError("a Ray actor of the reading service stopped answering its channel unexpectedly")
+        if all(p.cannot_load for p in processes if p.exitcode is not None):
+            error = ProcessDiedError(
+                "; ".join(dead) + ". The reading service cannot continue: create a new DataLoader2 once the code "
+                "reaches the nodes."
+            )
+            error.explained = True
+            return error
         return ProcessDiedError(
             "; ".join(dead) + ". The reading service cannot continue. Look at `ray status` and the node's logs "
             "(an out-of-memory kill, a lost node, a crash in native code), then create a new DataLoader2."

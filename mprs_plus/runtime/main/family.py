@@ -28,6 +28,7 @@ class Family:
     def __init__(self, token: str) -> None:
         self.token = token
         self._figures: Figures | None = None  # of the copy started last: live, or as they stood at its stop
+        self._replaced_before = 0  # dead workers replaced by the runtimes started before it
 
     @classmethod
     def new(cls) -> Family:
@@ -40,7 +41,14 @@ class Family:
         return cls._registry.get(token) or cls.new()
 
     def started(self, figures: Figures) -> None:
+        self._replaced_before = self.replacements_made()
         self._figures = figures
+
+    def replacements_made(self) -> int:
+        """Dead workers replaced by every runtime of this family so far: a loader's
+        ``worker_restarts`` budget is its life's, whether its workers persist or not."""
+        current = len(self._figures.replacements) if self._figures is not None else 0
+        return self._replaced_before + current
 
     def stats(self) -> Stats:
         return self._figures.snapshot() if self._figures is not None else _empty()

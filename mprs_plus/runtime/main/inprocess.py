@@ -62,6 +62,9 @@ class InProcessRuntime:
         self._main = self.options.worker_reset_fn(self._main, WorkerInfo(1, 0), seed_generator)
         return self._main
 
+    def worker_processes(self) -> list[Any]:
+        return []  # no worker: everything runs in this process
+
     def read_cursor(self) -> ReadCursor | None:
         return None
 

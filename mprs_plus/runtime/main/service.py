@@ -317,6 +317,12 @@ class ServiceRuntime:
         for link, reset in reset_of.items():
             supervisor.send(link, reset)
 
+    def worker_processes(self) -> list[Any]:
+        """Each worker as torch's loader shows its own (``handles.ChildHandle``)."""
+        from .handles import ChildHandle
+
+        return [ChildHandle(link) for link in self._topology.workers]
+
     def read_cursor(self) -> ReadCursor | None:
         """What the main process handed out of the current epoch (one worker output), or
         None before it was read."""
