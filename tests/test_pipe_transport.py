@@ -5,7 +5,7 @@ runs again with ``MPRS_PLUS_TRANSPORT=pipe``, as part of the suite's own command
 The transport's tests (channels, lending, page locking, processes, portable paths), the
 service end to end, stop, faults, stuck reads and ordering, checkpoints, worker errors,
 release of memory and descriptors, zero copy and fork safety, statistics, start-up,
-pausing, and batches collated straight into the lend area. The tests that look inside the rings skip themselves there; the docs and the
+pausing, batches collated straight into the lend area, and SharedList under the loaders. The tests that look inside the rings skip themselves there; the docs and the
 tests of everything above the transport (planning, options, the Ray backend) run once."""
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ SUBSET = [
     "tests/test_run_ahead.py",
     "tests/test_pause.py",
     "tests/test_dataloader_in_place.py",
+    "tests/test_shared_list.py",
 ]
 
 
