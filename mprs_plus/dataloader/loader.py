@@ -205,7 +205,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"(batch i goes to worker i % {self.num_workers}) from {type(self.dataset).__name__} and collates it"
             )
         header = f"mprs_plus.DataLoader: {work}; LoaderStage is that work.\n"
-        return header + plan(LoaderStage(self._job()), self.num_workers).explain()
+        text = header + plan(LoaderStage(self._job()), self.num_workers).explain()
+        memory = self._family.stats().memory  # what its workers did so far: "" before they ran
+        return f"{text}\nmemory: {memory}\n" if memory else text
 
     # -- checkpoints -------------------------------------------------------------------
 

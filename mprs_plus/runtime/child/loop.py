@@ -314,6 +314,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 lock.release()
             if failure is not None:
                 if stats is not None:
+                    stats.sample_memory()  # an epoch's end: even a short epoch is sampled
                     stats.publish()  # before the END: a reader that saw it sees these counts
                 if isinstance(failure, StopIteration):
                     lane.finish()
@@ -330,6 +331,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             stats.items_out += 1
             if not stats.items_out & 63:
                 stats.publish()
+                stats.sample_memory(due_only=True)
         return False
     finally:
         if stats is not None:

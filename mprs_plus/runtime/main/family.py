@@ -15,6 +15,8 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ...user_frame import warn
+
 if TYPE_CHECKING:
     from ...stats import Stats
     from .stats import StatsView
@@ -58,6 +60,7 @@ class Figures:
         self._reader: MainReader | None = None
         self._final: Stats | None = None
         self.feeding: Any = None  # the feeding's counters (``feeding.py``), when items are pinned
+        self._memory_warned = False
 
     def watch(self, view: StatsView | None, reader: MainReader) -> None:
         self._view, self._reader = view, reader
@@ -70,6 +73,16 @@ class Figures:
             return _with_feeding(_empty(), self.feeding)
         view.main.items_in = reader.handed_out()
         return _with_feeding(view.snapshot(epochs=reader.epoch), self.feeding)
+
+    def check_memory(self) -> None:
+        """At an epoch's end (and the next one's start): warn once, at the user's line, when
+        the workers copy what they share with the main process (``mprs_plus.stats.copying``)."""
+        if self._memory_warned or self._view is None:
+            return
+        memory = self.snapshot().memory
+        if memory:
+            self._memory_warned = True
+            warn(memory[0].upper() + memory[1:], RuntimeWarning)
 
     def freeze(self) -> None:
         """The first step of the stop, while the children still run."""
