@@ -81,7 +81,9 @@ class LoaderIterator:
         # An iterable dataset whose len() the loop asked before this epoch: torch warns
         # once the epoch yields more than that.
         self._length_said = loader._IterableDataset_len_called if self._kind == _DatasetKind.Iterable else None
-        self._dataset_name = repr(loader.dataset)
+        # Named only where torch's warning may need it: the repr of a map-style dataset that
+        # is a list of 1.5M records took 16 s of the first batch.
+        self._dataset_name = repr(loader.dataset) if self._length_said is not None else ""
         if self._workers == 0:
             self._stage: LoaderStage | None = LoaderStage(loader._job())
             self._items = self._in_process(loader, indices)
