@@ -30,10 +30,12 @@ How it crosses into another process (pickled as a handle, never as its bytes)
                  carries the machine's boot id and the block's inode, so that a receiver
                  on another machine, or one whose sender has let go, is told so instead of
                  mapping something else.
-    another      a handle cannot reach memory on another machine: unpickling there raises
-    machine      an error that says so. Build the list on that machine (each process
-                 there then holds the bytes once, or all of them once through its own
-                 ``SharedList``), or use columns in files that every node maps.
+    another      a handle cannot reach memory on another machine. Where a pickle may be read
+    machine      on one (in a Ray cluster of several nodes), it carries the block's bytes
+                 too, out of band (Ray's pickler keeps them in its object store): the bytes
+                 travel once to each process there, which reads its copy; a process of the
+                 same machine still maps the shared block. Elsewhere, unpickling on another
+                 machine raises an error that says so.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import sys
 import weakref
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -57,11 +60,17 @@ _OFFSET = 8  # bytes per offset
 def _boot_id() -> str:
     """This machine's boot id: two processes with the same one share a kernel, so a
     descriptor of one can be opened by the other through ``/proc``. "" where unknown."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                _BOOT_ID = f.read().strip()
+        except OSError:
+            _BOOT_ID = ""
+    return _BOOT_ID
+
+
+_BOOT_ID: str | None = None
 
 
 class _Handle(NamedTuple):
@@ -79,37 +88,41 @@ class _Handle(NamedTuple):
 
 
 class _Block:
-    """One block mapped in this process: its descriptor, the read-only mapping, the offsets.
+    """One block in this process: its descriptor and read-only mapping (or, on another
+    machine, a copy of its bytes: ``fd`` None), the items' bytes and their offsets.
 
     The descriptor is closed and the pages unmapped when the last ``SharedList`` of this
     process that uses the block is gone; the kernel frees the block once no process holds it."""
 
-    __slots__ = ("fd", "mapping", "data", "offsets", "count", "data_end", "size", "identity", "__weakref__")
+    __slots__ = ("fd", "memory", "data", "offsets", "count", "data_end", "size", "identity", "__weakref__")
 
-    def __init__(self, fd: int, count: int, data_end: int) -> None:
+    def __init__(self, fd: int | None, count: int, data_end: int, copy: Any = None, identity: Any = None) -> None:
         self.fd = fd
-        info = os.fstat(fd)
-        self.size = info.st_size
-        self.identity = (info.st_dev, info.st_ino)
+        if fd is not None:
+            info = os.fstat(fd)
+            self.identity = (_boot_id(), info.st_dev, info.st_ino)
+            self.memory = memoryview(mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ))
+        else:
+            self.identity = identity
+            self.memory = memoryview(copy).cast("B")
+        self.size = len(self.memory)
         self.count, self.data_end = count, data_end
-        self.mapping = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
-        whole = memoryview(self.mapping)
-        self.data = whole[:data_end]
+        self.data = self.memory[:data_end]
         offsets_at = _aligned(data_end)
-        self.offsets = whole[offsets_at : offsets_at + (count + 1) * _OFFSET].cast("Q")
-        whole.release()
-        weakref.finalize(self, os.close, fd)  # last: until here a failure leaves the descriptor to the caller
+        self.offsets = self.memory[offsets_at : offsets_at + (count + 1) * _OFFSET].cast("Q")
+        if fd is not None:
+            weakref.finalize(self, os.close, fd)  # last: until here a failure leaves the descriptor to the caller
 
     def handle(self) -> _Handle:
-        passed = reduction.DupFd(self.fd) if get_spawning_popen() is not None else None
-        return _Handle(
-            _boot_id(), os.getpid(), self.fd, passed, *self.identity, self.size, self.count, self.data_end
-        )
+        fd = self.fd if self.fd is not None else -1
+        passed = reduction.DupFd(fd) if fd >= 0 and get_spawning_popen() is not None else None
+        boot_id, device, inode = self.identity
+        return _Handle(boot_id, os.getpid(), fd, passed, device, inode, self.size, self.count, self.data_end)
 
 
 # The blocks mapped in this process, by identity: a view and its list, or a list that
 # arrives twice, share one mapping.
-_BLOCKS: weakref.WeakValueDictionary[tuple[int, int], _Block] = weakref.WeakValueDictionary()
+_BLOCKS: weakref.WeakValueDictionary[tuple[str, int, int], _Block] = weakref.WeakValueDictionary()
 
 
 def _aligned(n: int) -> int:
@@ -186,7 +199,7 @@ class _Writer:
 
 def _open(handle: _Handle) -> _Block:
     """Map the block a handle names, in the process that unpickles it."""
-    identity = (handle.device, handle.inode)
+    identity = (handle.boot_id, handle.device, handle.inode)
     known = _BLOCKS.get(identity)
     if handle.passed is not None:
         fd = handle.passed.detach()  # ours now: closed below if the block is mapped here already
@@ -199,7 +212,7 @@ def _open(handle: _Handle) -> _Block:
         fd = _reach(handle)
     try:
         info = os.fstat(fd)
-        if (info.st_dev, info.st_ino) != identity:
+        if (handle.boot_id, info.st_dev, info.st_ino) != identity:
             raise _unreachable(handle, "its holder no longer holds it")
         block = _Block(fd, handle.count, handle.data_end)
     except BaseException:
@@ -213,6 +226,8 @@ def _reach(handle: _Handle) -> int:
     """Open the block through the holder's descriptor (``/proc/<pid>/fd/<n>``)."""
     if not handle.boot_id or handle.boot_id != _boot_id():
         raise _unreachable(handle, "it was pickled on another machine (or where /proc is not available)")
+    if handle.fd < 0:
+        raise _unreachable(handle, f"process {handle.pid} that pickled it holds a copy, not the shared block")
     try:
         return os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
@@ -227,11 +242,39 @@ def _unreachable(handle: _Handle, why: str) -> RuntimeError:
     )
 
 
-def _from_handle(handle: _Handle, start: int, stop: int, step: int) -> SharedList:
+def _from_handle(handle: _Handle, start: int, stop: int, step: int, payload: Any = None) -> SharedList:
+    try:
+        block = _open(handle)
+    except RuntimeError:
+        if payload is None:
+            raise
+        block = _copy_of(handle, payload)  # another machine: the bytes came with the pickle
     shared = SharedList.__new__(SharedList)
-    shared._block = _open(handle)
+    shared._block = block
     shared._indices = range(start, stop, step)
     return shared
+
+
+def _copy_of(handle: _Handle, payload: Any) -> _Block:
+    """The block's bytes that travelled with the pickle, as this process's block (one per
+    block per process: a list and its views, or a list that arrives twice, share it)."""
+    identity = (handle.boot_id, handle.device, handle.inode)
+    known = _BLOCKS.get(identity)
+    if known is not None:
+        return known
+    block = _Block(None, handle.count, handle.data_end, copy=payload, identity=identity)
+    _BLOCKS[identity] = block
+    return block
+
+
+def _other_machines_may_read() -> bool:
+    """Whether a pickle made now may be read on another machine: in a Ray cluster of
+    several nodes (Ray moves an actor's arguments to its node)."""
+    ray = sys.modules.get("ray")
+    try:
+        return bool(ray is not None and ray.is_initialized() and sum(1 for node in ray.nodes() if node["Alive"]) > 1)
+    except Exception:  # a Ray that cannot say: the handle alone, as on one machine
+        return False
 
 
 class SharedList(Sequence):
@@ -250,8 +293,9 @@ class SharedList(Sequence):
     - ``s[a:b:c]`` is a ``SharedList`` over the same block (no copy; ``list(s[a:b])`` copies
       the items out), so a split of a dataset shares its memory too;
     - pickling it (a worker's start, a Ray actor's arguments) carries a handle of a few
-      hundred bytes, whatever the data's size; another process maps the same block. On
-      another machine it cannot: unpickling there raises an error that says so.
+      hundred bytes, whatever the data's size; another process of the machine maps the
+      same block. Across machines (a Ray cluster of several nodes) the bytes travel too,
+      once per receiving process, which reads its own copy.
 
     The block is freed when the last ``SharedList`` over it, in any process, is gone;
     nothing is left in ``/dev/shm`` or the temporary directory, even after SIGKILL.
@@ -303,9 +347,14 @@ class SharedList(Sequence):
     def __repr__(self) -> str:
         return f"SharedList({len(self):,} items, {self._block.size / 2**20:,.1f} MiB shared)"
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        indices = self._indices
-        return _from_handle, (self._block.handle(), indices.start, indices.stop, indices.step)
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        block, indices = self._block, self._indices
+        handle = block.handle()
+        payload: Any = None
+        if handle.passed is None and (block.fd is None or _other_machines_may_read()):
+            # The bytes too: out of band where the pickler takes buffers so (Ray's does).
+            payload = pickle.PickleBuffer(block.memory) if protocol >= 5 else bytes(block.memory)
+        return _from_handle, (handle, indices.start, indices.stop, indices.step, payload)
 
     def __copy__(self) -> SharedList:
         return self  # immutable: a copy would be the same items
