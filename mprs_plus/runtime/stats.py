@@ -31,9 +31,9 @@ Fields, per process:
                   an item (the service starting, DataLoader2 setting up)
     first_item    main process only: seconds from the start until the first item reached
                   the loop (the above, plus the workers' start and first item)
-    private_start children only: bytes of private memory when the lane started, and as
-    private_now   last sampled (``private_memory.py``: when the lane starts, then at most
-                  every few seconds and when an epoch ends; never per item)
+    private_start children only: bytes of private memory when the lane started (once its
+    private_now   first item was handed on), and as last sampled (``private_memory.py``: then
+                  at most every few seconds, and when an epoch ends; never per item)
     resident_start  the same for resident memory, so that pages copied from the main
     resident_now    process (private grows, resident does not) tell from its own allocations
 
@@ -134,7 +134,6 @@ class StatsWriter:
         "started_at",
         "channels",
         "_memory_due",
-        "_memory_last",
     )
 
     def __init__(self, table: Any, base: int, row: int) -> None:
@@ -153,7 +152,6 @@ class StatsWriter:
         self.started_at = 0.0
         self.channels: tuple[Sender, ...] = ()  # output endpoints, for bytes and queue fill
         self._memory_due = 0.0  # when the next memory sample is due (children only)
-        self._memory_last = -1.0  # when the last one was taken
 
     def __getstate__(self) -> tuple[Any, int, int]:
         return (self._table, self._base, self._row)
@@ -170,11 +168,10 @@ class StatsWriter:
         is its start. ``due_only``: only if the last one is old enough (called where items
         flow: every ``EVERY`` seconds, or a hundred times as long as a sample took, whichever
         is longer, so that sampling never costs a worker more than 1% of its time);
-        otherwise if it is older than a second (an epoch's end)."""
+        otherwise now (its first item, an epoch's end: even a short epoch is seen)."""
         now = time.monotonic()
-        if now < (self._memory_due if due_only else self._memory_last + 1.0):
+        if due_only and now < self._memory_due:
             return
-        self._memory_last = now
         private, resident = sample()
         took = time.monotonic() - now
         self._memory_due = now + max(EVERY, 100 * took)

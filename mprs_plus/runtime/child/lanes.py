@@ -53,7 +53,6 @@ def enter_lane(lane: Lane) -> None:
     _current.borrow = lane.borrow
     if lane.stats is not None:
         lane.stats.start()
-        lane.stats.sample_memory()  # where its private memory starts from
     if lane.liveness is not None:
         note_blocking(lane.liveness.note)  # its sleeps in channel waits, for a stuck read (liveness.py)
 

@@ -332,6 +332,10 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             if not stats.items_out & 63:
                 stats.publish()
                 stats.sample_memory(due_only=True)
+            elif stats.items_out == 1:
+                # Where its private memory starts from: after the first item is handed on,
+                # so that the sample (milliseconds in a large forked process) never delays it.
+                stats.sample_memory()
         return False
     finally:
         if stats is not None:
