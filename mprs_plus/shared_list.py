@@ -131,13 +131,12 @@ def _aligned(n: int) -> int:
 
 def _build(items: Iterable[Any]) -> _Block:
     """Pickle ``items`` one after the other into a fresh block, then their offsets."""
-    fd, _kind = anonymous_file("mprs_plus SharedList", 0)
+    out = _Writer()
     try:
         offsets = array("Q", [0])
         pending: list[bytes] = []
         pending_bytes = written = 0
         dumps, protocol = pickle.dumps, pickle.HIGHEST_PROTOCOL
-        out = _Writer(fd)
         for item in items:
             data = dumps(item, protocol)
             written += len(data)
@@ -152,22 +151,28 @@ def _build(items: Iterable[Any]) -> _Block:
         pending.append(offsets.tobytes())
         out.write(b"".join(pending))
         out.finish()
-        block = _Block(fd, len(offsets) - 1, written)
+        block = _Block(out.fd, len(offsets) - 1, written)
     except BaseException:
-        os.close(fd)
+        out.close()
         raise
     _BLOCKS[block.identity] = block
     return block
 
 
 class _Writer:
-    """Appends to the block's descriptor. ``write`` works on a memfd, a file and Linux's
-    POSIX shared memory; where a shared-memory object takes no ``write`` (macOS), the bytes
-    are gathered and copied in once through a mapping, at the end."""
+    """Appends to a fresh block. ``write`` works on a memfd, a file and Linux's POSIX
+    shared memory; where a shared-memory object takes no ``write`` and is sized once, at
+    its creation (macOS), the bytes are gathered, and copied at the end into a block made
+    to their size."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    _NAME = "mprs_plus SharedList"
+
+    def __init__(self) -> None:
+        self.fd: int | None = anonymous_file(self._NAME, 0)[0]
         self.gathered: list[bytes] | None = None
+
+    def _write(self, view: memoryview) -> int:
+        return os.write(self.fd, view)
 
     def write(self, data: bytes) -> None:
         if self.gathered is not None:
@@ -176,7 +181,7 @@ class _Writer:
         view = memoryview(data)
         while view:
             try:
-                done = os.write(self.fd, view)
+                done = self._write(view)
             except OSError:
                 if os.lseek(self.fd, 0, os.SEEK_CUR):
                     raise  # it took some bytes already: a real failure (out of memory, say)
@@ -188,13 +193,20 @@ class _Writer:
         if self.gathered is None:
             return
         total = sum(len(part) for part in self.gathered)
-        os.ftruncate(self.fd, total)
-        with mmap.mmap(self.fd, total) as mapping:
+        fd, _kind = anonymous_file(self._NAME, total)
+        self.close()
+        self.fd = fd
+        with mmap.mmap(fd, total) as mapping:
             at = 0
             for part in self.gathered:
                 mapping[at : at + len(part)] = part
                 at += len(part)
         self.gathered = None
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def _open(handle: _Handle) -> _Block:

@@ -58,6 +58,20 @@ def test_a_slice_is_a_view_of_the_same_block_with_list_semantics():
         shared[3:9][6]
 
 
+def test_where_shared_memory_takes_no_write_it_is_built_in_one_copy(monkeypatch):
+    # As macOS's POSIX shared memory: no write(), sized once at its creation.
+    from mprs_plus import shared_list
+
+    def refuse(self, view):
+        raise OSError(6, "Device not configured")
+
+    monkeypatch.setattr(shared_list._Writer, "_write", refuse)
+    source = records(3000)
+    shared = SharedList(source)
+    assert list(shared) == source and shared[-1] == source[-1]
+    assert pickle.loads(pickle.dumps(shared))[1234] == source[1234]
+
+
 def test_every_access_is_a_fresh_copy_and_nothing_stored_changes():
     shared = SharedList([{"labels": [1, 2]}])
     item = shared[0]
