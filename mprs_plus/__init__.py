@@ -25,6 +25,7 @@ __all__ = [
     "RayBackend",
     "Segment",
     "ServiceClosedError",
+    "SharedList",
     "WorkerError",
     "plan",
 ]
@@ -43,6 +44,7 @@ _HOMES = {
     "MultiProcessingReadingService": ".reading_service",
     "RayBackend": ".backends.ray",
     "DataLoader": ".dataloader",
+    "SharedList": ".shared_list",
 }
 
 
@@ -88,3 +90,4 @@ if TYPE_CHECKING:
     from .segment import Segment
     from .reading_service import MultiProcessingReadingService
     from .dataloader import DataLoader
+    from .shared_list import SharedList

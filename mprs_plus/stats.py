@@ -53,6 +53,18 @@ class ProcessStats:
     # those it copied into that memory.
     large_built_in_place: int = 0
     large_copied_in: int = 0
+    # Children: bytes of memory only this process holds (copies of pages it shared with the
+    # main process included), as last sampled, and its growth since the process started;
+    # the growth of its resident memory beside it. 0 where not measured (docs/memory.md).
+    private_bytes: int = 0
+    private_growth_bytes: int = 0
+    resident_growth_bytes: int = 0
+
+    @property
+    def copied_bytes(self) -> int:
+        """Growth of its private memory beyond its resident memory's: pages it shared (with
+        the main process, after a fork) and holds a copy of now. Its own allocations grow both."""
+        return max(0, self.private_growth_bytes - max(0, self.resident_growth_bytes))
 
     @property
     def busy_fraction(self) -> float:
@@ -111,7 +123,21 @@ def make_process_stats(role: Segment, index: int, pid: int, rows: list[dict[str,
         first_item_s=total("first_item"),
         large_built_in_place=int(total("lent_in_place")),
         large_copied_in=int(total("lent_copied")),
+        **_memory(rows),
     )
+
+
+def _memory(rows: list[dict[str, float]]) -> dict[str, int]:
+    """A process's memory, from the lanes that sampled it (each samples the whole process)."""
+    sampled = [row for row in rows if row.get("private_now") or row.get("resident_now")]
+    if not sampled:
+        return {}
+    last = max(sampled, key=lambda row: row["private_now"])
+    return {
+        "private_bytes": int(last["private_now"]),
+        "private_growth_bytes": int(last["private_now"] - min(row["private_start"] for row in sampled)),
+        "resident_growth_bytes": int(last["resident_now"] - min(row["resident_start"] for row in sampled)),
+    }
 
 
 @dataclass(frozen=True)
@@ -185,6 +211,10 @@ class Stats:
         for made in self.replacements:
             causes[made.cause] = causes.get(made.cause, 0) + 1
         return causes
+    # The main process's resident memory when the service started, against which the
+    # workers' growth is judged, and the sentence naming copy-on-access ("" when none).
+    main_memory_bytes: int = 0
+    memory: str = ""
 
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)
@@ -249,6 +279,14 @@ class Stats:
                 f"  large buffers: {large.lent:,} handed over as views of shared memory, {large.copied:,} copied "
                 f"(too many held, or no room to lend); {large.held_buffers:,} held now, {large.held_bytes / 1e6:,.1f} MB"
             )
+        workers = [p for p in self.processes if p.role == Segment.WORKER and p.private_bytes]
+        if workers:
+            lines.append(
+                f"  workers' private memory: {sum(p.private_bytes for p in workers) / 2**20:,.0f} MiB across "
+                f"{len(workers)}, {_signed_mib(sum(p.private_growth_bytes for p in workers))} since they started "
+                f"({_signed_mib(sum(p.copied_bytes for p in workers))} of it pages copied from what they shared; "
+                f"the main process held {self.main_memory_bytes / 2**20:,.0f} MiB at the start)"
+            )
         if self.device is not None:
             lines.append(self.device.summary())
         if self.replacements:
@@ -261,7 +299,9 @@ class Stats:
         return "\n".join(lines)
 
 
-def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = None) -> Stats:
+def aggregate(
+    processes: list[ProcessStats], large_buffers: Lending | None = None, main_memory_bytes: int = 0
+) -> Stats:
     segments = []
     for role in Segment:
         members = [p for p in processes if p.role == role]
@@ -289,7 +329,50 @@ def aggregate(processes: list[ProcessStats], large_buffers: Lending | None = Non
     network = any(p.node for p in processes)  # children placed on nodes talk over the network
     each_worker = [p for p in processes if p.role == Segment.WORKER]
     verdict = bottleneck(segments, network=network, startup=_startup(processes), each_worker=each_worker)
-    return Stats(tuple(processes), tuple(segments), verdict, large)
+    memory = copying(processes, main_memory_bytes)
+    if memory:
+        verdict = f"{memory}. Throughput: {verdict}"
+    return Stats(
+        tuple(processes), tuple(segments), verdict, large, main_memory_bytes=main_memory_bytes, memory=memory
+    )
+
+
+def _signed_mib(n: int) -> str:
+    return f"{'+' if n >= 0 else '-'}{abs(n) / 2**20:,.0f} MiB"
+
+
+# The workers' private memory grew, together, by more than this share of what the main
+# process held at the start, and mostly by copies of pages they shared with it: the verdict
+# names copy-on-access (docs/memory.md).
+COPYING_SHARE = 0.25
+# ...and by at least this many bytes: a small process's workers copying a few pages of the
+# interpreter's own objects are not worth a warning.
+COPYING_AT_LEAST = 256 * 2**20
+
+
+def copying(processes: list[ProcessStats], main_memory_bytes: int) -> str:
+    """The sentence naming copy-on-access, or "" when the workers do not copy much.
+
+    Judged on the workers' private memory growth since they started (``ProcessStats``):
+    it must exceed ``COPYING_SHARE`` of the main process's resident memory at the start and
+    ``COPYING_AT_LEAST`` bytes, and at least half of it must be pages copied from what the
+    workers shared (private memory grew where resident memory did not: a worker's own
+    allocations, decoded images say, grow both and are not this)."""
+    workers = [p for p in processes if p.role == Segment.WORKER and p.private_bytes]
+    growth = sum(max(0, p.private_growth_bytes) for p in workers)
+    copied = sum(p.copied_bytes for p in workers)
+    if not workers or main_memory_bytes <= 0:
+        return ""
+    if growth <= COPYING_SHARE * main_memory_bytes or growth < COPYING_AT_LEAST or 2 * copied < growth:
+        return ""
+    n = len(workers)
+    return (
+        f"workers are copying the dataset they share with the main process (+{growth / 2**30:.2f} GiB across "
+        f"{n} worker{'s' if n != 1 else ''}; the main process held {main_memory_bytes / 2**30:.2f} GiB at the "
+        "start): each Python object a worker reads has its reference count changed, and the kernel copies its "
+        "page into that worker. Hold the records as numpy or Arrow columns, or in a mprs_plus.SharedList, "
+        "which every worker maps without a copy (see 'Memory' in the docs)"
+    )
 
 
 def _share(members: list[ProcessStats], seconds: Callable[[ProcessStats], float]) -> float:

@@ -599,3 +599,16 @@ def starving_pipe(n: int) -> IterDataPipe:
         IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).filter(is_even)
     )
 
+
+
+class SharedListReader(IterDataPipe):
+    """Reads its share of a ``SharedList`` and says, with each item, whether this process
+    maps the shared block (True) or holds a copy of its bytes (False)."""
+
+    def __init__(self, records: Any) -> None:
+        self.records = records
+
+    def __iter__(self):
+        mapped = self.records._block.fd is not None
+        for item in self.records:
+            yield item, mapped, os.getpid()

@@ -571,3 +571,14 @@ def test_loader_comparison_takes_each_ratio_against_its_reference() -> None:
     assert first.verdict.word == "PASS"
     text = loader_compare.table(results, [cpu, first])
     assert "best: StatefulDataLoader 1k" in text and "| failed |" in text and "SPDL: RuntimeError: broke" in text
+
+
+@pytest.mark.timeout(200)
+def test_shared_list_benchmark_quick_run_reports_every_figure() -> None:
+    """``benchmarks/shared_list.py --quick`` runs every case end to end (spawned workers
+    included); no figure is checked."""
+    done = _run_script("shared_list.py", "--quick", timeout=170)
+    out = done.stdout
+    for figure in ("build:", "read (random s[i]):", "memory: block", "list ", "shared ", "columns ", "first batch:",
+                   "spawn/fork first batch:", "loader samples/s against the list's:"):
+        assert figure in out, out

@@ -6,7 +6,7 @@ The transport's tests (channels, lending, page locking, processes, portable path
 service end to end, stop, faults, stuck reads and ordering, checkpoints, worker errors,
 release of memory and descriptors, zero copy and fork safety, statistics, start-up,
 replacing dead workers,
-pausing, and batches collated straight into the lend area. The tests that look inside the rings skip themselves there; the docs and the
+pausing, batches collated straight into the lend area, and SharedList under the loaders. The tests that look inside the rings skip themselves there; the docs and the
 tests of everything above the transport (planning, options, the Ray backend) run once."""
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ SUBSET = [
     "tests/test_pause.py",
     "tests/test_dataloader_in_place.py",
     "tests/test_worker_restarts.py",
+    "tests/test_shared_list.py",
 ]
 
 

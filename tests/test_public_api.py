@@ -17,6 +17,7 @@ def test_public_names_are_pinned_and_sorted():
         "RayBackend",
         "Segment",
         "ServiceClosedError",
+        "SharedList",
         "WorkerError",
         "plan",
     }

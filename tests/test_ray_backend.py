@@ -150,6 +150,19 @@ def test_the_seed_pipeline_runs_its_workers_on_both_nodes(cluster):
     assert len(nodes) == 2
 
 
+def test_actors_of_this_machine_map_a_shared_list_on_either_node(cluster):
+    """Two nodes of one machine: the pickle carries the bytes too (it may cross machines),
+    but each actor maps the block its holder, this process, shares."""
+    from mprs_plus import SharedList
+
+    records = SharedList({"label": i} for i in range(40))
+    pipe = pipelines.SharedListReader(records).sharding_filter()
+    got = _run(pipe, RayBackend(scheduling_strategy="SPREAD", num_cpus_per_worker=0.5))
+    assert sorted(item["label"] for item, _, _ in got) == list(range(40))
+    assert all(mapped for _, mapped, _ in got)
+    assert len({pid for _, _, pid in got}) == 2 and os.getpid() not in {pid for _, _, pid in got}
+
+
 @pytest.mark.parametrize("dispatch", [True, False], ids=["dispatch", "no dispatch"])
 def test_same_items_in_the_same_order_as_local_workers(cluster, dispatch):
     if dispatch:

@@ -439,3 +439,92 @@ def test_verdict_of_even_busy_workers_still_says_add_workers():
         _main_process(waiting=9.6),
     )
     assert verdict.startswith("the workers are the bottleneck: they are 72% busy"), verdict
+
+
+# Copy-on-access: the workers' private memory against what the main process held at start.
+GIB = 2**30
+
+
+def _worker_memory(index, growth, copied, private=None):
+    """A worker whose private memory grew by ``growth`` bytes, ``copied`` of them pages it
+    shared (its resident memory grew by the rest: its own allocations)."""
+    return replace(
+        _child("worker", index, busy=0.9),
+        private_bytes=private if private is not None else growth + 50 * 2**20,
+        private_growth_bytes=growth,
+        resident_growth_bytes=growth - copied,
+    )
+
+
+def test_verdict_workers_copying_what_they_share_names_the_fixes():
+    processes = [_worker_memory(0, int(0.4 * GIB), int(0.38 * GIB)), _worker_memory(1, int(0.4 * GIB), int(0.4 * GIB))]
+    stats = aggregate([*processes, _main_process(waiting=6.0)], main_memory_bytes=int(1.2 * GIB))
+    assert stats.memory.startswith(
+        "workers are copying the dataset they share with the main process (+0.80 GiB across 2 workers; "
+        "the main process held 1.20 GiB at the start)"
+    ), stats.memory
+    assert "numpy or Arrow columns" in stats.memory and "mprs_plus.SharedList" in stats.memory
+    # It comes first; the throughput verdict follows it.
+    assert stats.bottleneck.startswith(stats.memory + ". Throughput: the workers are the bottleneck")
+    summary = stats.summary()
+    assert summary.splitlines()[0] == stats.bottleneck
+    assert "workers' private memory: 919 MiB across 2, +819 MiB since they started (+799 MiB of it pages copied" in summary
+
+
+@pytest.mark.parametrize(
+    "growth, copied, main, why",
+    [
+        (0.2, 0.2, 1.2, "under a quarter of the main process's memory"),
+        (0.2, 0.2, 0.3, "under the floor of 256 MiB, however small the main process"),
+        (0.8, 0.2, 1.2, "mostly the workers' own allocations, not copies"),
+        (0.8, 0.8, 0.0, "the main process's memory unknown"),
+    ],
+)
+def test_no_copying_verdict_below_the_threshold(growth, copied, main, why):
+    half = int(growth * GIB / 2), int(copied * GIB / 2)
+    processes = [_worker_memory(0, *half), _worker_memory(1, *half), _main_process(waiting=6.0)]
+    stats = aggregate(processes, main_memory_bytes=int(main * GIB))
+    assert stats.memory == "", why
+    assert not stats.bottleneck.startswith("workers are copying"), why
+
+
+def test_unmeasured_memory_adds_nothing_to_the_summary():
+    stats = aggregate([_child("worker", busy=0.9), _main_process(waiting=6.0)], main_memory_bytes=GIB)
+    assert stats.memory == "" and "private memory" not in stats.summary()
+
+
+def _fetch_each_in_turn(batch):
+    return len(batch)
+
+
+def test_workers_copying_a_list_of_dicts_are_warned_about_at_the_users_line(monkeypatch):
+    """Forced: the thresholds are lowered so that a small list of dicts, shuffled, crosses
+    them; the copies are real (forked workers reading the dicts)."""
+    import warnings
+
+    import mprs_plus.stats
+    from mprs_plus import DataLoader
+
+    monkeypatch.setattr(mprs_plus.stats, "COPYING_SHARE", 0.001)
+    monkeypatch.setattr(mprs_plus.stats, "COPYING_AT_LEAST", 0)
+    records = [{"path": f"/data/{i:07d}.jpg", "label": i % 10, "box": [i, 4, 4, 4]} for i in range(200_000)]
+    loader = DataLoader(
+        records, batch_size=512, shuffle=True, num_workers=2, collate_fn=_fetch_each_in_turn,
+        multiprocessing_context="fork", persistent_workers=True,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Two epochs: the second's end sees the first one's samples whatever the timing (a
+        # map-style epoch can end in the main process before its workers sample their end).
+        for _ in range(2):
+            for _ in loader:
+                pass
+    copying = [w for w in caught if "workers are copying the dataset" in str(w.message).lower()]
+    assert len(copying) == 1, [str(w.message) for w in caught]  # once, not once per epoch
+    assert copying[0].filename == __file__ and issubclass(copying[0].category, RuntimeWarning)
+    stats = loader.stats()
+    assert stats.memory and stats.bottleneck.startswith("workers are copying the dataset")
+    workers = [p for p in stats.processes if p.role == "worker"]
+    assert all(p.copied_bytes > 0 for p in workers), workers
+    assert "memory: workers are copying the dataset" in loader.explain()
+    del loader

@@ -31,6 +31,11 @@ Fields, per process:
                   an item (the service starting, DataLoader2 setting up)
     first_item    main process only: seconds from the start until the first item reached
                   the loop (the above, plus the workers' start and first item)
+    private_start children only: bytes of private memory when the lane started (once its
+    private_now   first item was handed on), and as last sampled (``private_memory.py``: then
+                  at most every few seconds, and when an epoch ends; never per item)
+    resident_start  the same for resident memory, so that pages copied from the main
+    resident_now    process (private grows, resident does not) tell from its own allocations
 
 There is one row per *lane* (a thread producing one output, see ``lanes.py``), so that
 every row has exactly one writer thread; ``stats()`` adds a process's rows up.
@@ -47,6 +52,7 @@ import time
 from typing import Any
 
 from ..transport import Sender
+from .private_memory import EVERY, sample
 
 FIELDS = (
     "items_in",
@@ -65,6 +71,10 @@ FIELDS = (
     "first_item",
     "lent_in_place",
     "lent_copied",
+    "private_start",
+    "private_now",
+    "resident_start",
+    "resident_now",
 )
 (
     _ITEMS_IN,
@@ -83,6 +93,10 @@ FIELDS = (
     _FIRST_ITEM,
     _LENT_IN_PLACE,
     _LENT_COPIED,
+    _PRIVATE_START,
+    _PRIVATE_NOW,
+    _RESIDENT_START,
+    _RESIDENT_NOW,
 ) = range(len(FIELDS))
 
 
@@ -119,6 +133,7 @@ class StatsWriter:
         "first_item",
         "started_at",
         "channels",
+        "_memory_due",
     )
 
     def __init__(self, table: Any, base: int, row: int) -> None:
@@ -136,6 +151,7 @@ class StatsWriter:
         self.first_item = 0.0
         self.started_at = 0.0
         self.channels: tuple[Sender, ...] = ()  # output endpoints, for bytes and queue fill
+        self._memory_due = 0.0  # when the next memory sample is due (children only)
 
     def __getstate__(self) -> tuple[Any, int, int]:
         return (self._table, self._base, self._row)
@@ -146,6 +162,23 @@ class StatsWriter:
     def start(self) -> None:
         self.started_at = time.monotonic()
         self._table[self._base + _STARTED] = self.started_at
+
+    def sample_memory(self, *, due_only: bool = False) -> None:
+        """Sample this process's private and resident memory into the row: the first sample
+        is its start. ``due_only``: only if the last one is old enough (called where items
+        flow: every ``EVERY`` seconds, or a hundred times as long as a sample took, whichever
+        is longer, so that sampling never costs a worker more than 1% of its time);
+        otherwise now (its first item, an epoch's end: even a short epoch is seen)."""
+        now = time.monotonic()
+        if due_only and now < self._memory_due:
+            return
+        private, resident = sample()
+        took = time.monotonic() - now
+        self._memory_due = now + max(EVERY, 100 * took)
+        table, base = self._table, self._base
+        if not table[base + _PRIVATE_START] and not table[base + _RESIDENT_START]:
+            table[base + _PRIVATE_START], table[base + _RESIDENT_START] = private, resident
+        table[base + _PRIVATE_NOW], table[base + _RESIDENT_NOW] = private, resident
 
     def publish(self) -> None:
         table, base = self._table, self._base

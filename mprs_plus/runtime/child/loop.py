@@ -337,6 +337,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 lock.release()
             if failure is not None:
                 if stats is not None:
+                    stats.sample_memory()  # an epoch's end: even a short epoch is sampled
                     stats.publish()  # before the END: a reader that saw it sees these counts
                 if isinstance(failure, StopIteration):
                     lane.finish()
@@ -353,6 +354,11 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             stats.items_out += 1
             if not stats.items_out & 63:
                 stats.publish()
+                stats.sample_memory(due_only=True)
+            elif stats.items_out == 1:
+                # Where its private memory starts from: after the first item is handed on,
+                # so that the sample (milliseconds in a large forked process) never delays it.
+                stats.sample_memory()
         return False
     finally:
         if stats is not None:

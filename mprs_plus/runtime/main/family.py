@@ -15,6 +15,8 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ...user_frame import warn
+
 if TYPE_CHECKING:
     from ...stats import Stats
     from .stats import StatsView
@@ -67,6 +69,7 @@ class Figures:
         self._final: Stats | None = None
         self.feeding: Any = None  # the feeding's counters (``feeding.py``), when items are pinned
         self.replacements: list[Any] = []  # dead workers replaced (``replacement.py``), in order
+        self._memory_warned = False
 
     def watch(self, view: StatsView | None, reader: MainReader) -> None:
         self._view, self._reader = view, reader
@@ -79,6 +82,16 @@ class Figures:
             return _with_replacements(_with_feeding(_empty(), self.feeding), self.replacements)
         view.main.items_in = reader.handed_out()
         return _with_replacements(_with_feeding(view.snapshot(epochs=reader.epoch), self.feeding), self.replacements)
+
+    def check_memory(self) -> None:
+        """At an epoch's end (and the next one's start): warn once, at the user's line, when
+        the workers copy what they share with the main process (``mprs_plus.stats.copying``)."""
+        if self._memory_warned or self._view is None:
+            return
+        memory = self.snapshot().memory
+        if memory:
+            self._memory_warned = True
+            warn(memory[0].upper() + memory[1:], RuntimeWarning)
 
     def freeze(self) -> None:
         """The first step of the stop, while the children still run."""

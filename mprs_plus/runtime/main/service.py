@@ -247,7 +247,7 @@ class ServiceRuntime:
         if stats is None:
             return self._main
         # What the loop iterates: the main segment, its time counted apart from the loop's.
-        return ServiceClock(self._main, stats.main)
+        return ServiceClock(self._main, stats.main, self.figures.check_memory)
 
     # -- epochs, pause, resume, limit ----------------------------------------------------
 
@@ -266,6 +266,8 @@ class ServiceRuntime:
         Children not started yet start here, one after another, each with its Reset
         already queued (see ``start``)."""
         reader = self._started()
+        if reader.epoch:
+            self.figures.check_memory()  # the epoch before may have been left unfinished
         if seed_generator is not None:  # None: a front end that seeds its workers itself (its reset function does)
             from torchdata.dataloader2.graph import set_graph_random_seed  # only where torchdata's seeding is used
 

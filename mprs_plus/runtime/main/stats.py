@@ -17,7 +17,7 @@ The report types load on the first snapshot, not when a service starts.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from torch.utils.data import IterDataPipe
 
 from ...segment import Segment
 from ...transport import lending
+from ..private_memory import resident
 from ..stats import StatsTable, StatsWriter
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class StatsView:
         self._topology = topology
         self._pid = pid
         self._lending_before = lending()  # the process's counters run across services
+        # What the main process held as the service started: the workers' growth is judged
+        # against it (``mprs_plus.stats.copying``). Its resident size: a cheap read.
+        self.main_memory = resident()
 
     def writers(self, link: Any) -> tuple[StatsWriter, ...]:
         """The rows ``link``'s lanes write, in lane order."""
@@ -95,7 +99,7 @@ class StatsView:
         now, before = lending(), self._lending_before
         # Children placed on nodes (p.node): the verdict names the network for their channels.
         lent = now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied)
-        return replace(aggregate(processes, lent), epochs=epochs)
+        return replace(aggregate(processes, lent, self.main_memory), epochs=epochs)
 
 
 class _InService:
@@ -106,10 +110,12 @@ class _InService:
     handed out alive for as long as the loop holds the iterator, after ``shutdown()`` too,
     and with it the lent buffer's shared memory."""
 
-    __slots__ = ("_items", "_writer", "_first")
+    __slots__ = ("_items", "_writer", "_first", "_at_end")
 
-    def __init__(self, items: Iterator[Any], writer: StatsWriter, first: bool) -> None:
-        self._items, self._writer, self._first = items, writer, first
+    def __init__(
+        self, items: Iterator[Any], writer: StatsWriter, first: bool, at_end: Callable[[], None] | None = None
+    ) -> None:
+        self._items, self._writer, self._first, self._at_end = items, writer, first, at_end
 
     def __iter__(self) -> _InService:
         return self
@@ -119,7 +125,12 @@ class _InService:
         asked = clock()
         try:
             item = next(self._items)
-        finally:
+        except StopIteration:
+            self._writer.in_service += clock() - asked
+            if self._at_end is not None:
+                self._at_end()  # the epoch's end: its figures are complete (the workers sampled theirs)
+            raise
+        else:
             self._writer.in_service += clock() - asked
         if self._first:  # the service's first item: the end of its start, for the verdict
             self._first = False
@@ -136,17 +147,21 @@ class _InService:
 class ServiceClock(IterDataPipe):
     """The outermost DataPipe of the main segment: counts the seconds the user's loop spends
     waiting on ``next()`` (``in_service``), so that what is left of the main process's time
-    is the loop's own. Copies (pickled, deep-copied) iterate without counting."""
+    is the loop's own. Copies (pickled, deep-copied) iterate without counting.
 
-    def __init__(self, source: Any, writer: StatsWriter | None) -> None:
+    ``at_end`` runs when an epoch's items are all handed out (the memory check of
+    ``Figures``)."""
+
+    def __init__(self, source: Any, writer: StatsWriter | None, at_end: Callable[[], None] | None = None) -> None:
         self.source = source
         self._writer = writer
+        self._at_end = at_end
 
     def __getstate__(self) -> dict[str, Any]:
         return {"source": self.source}  # the writer's table crosses no process boundary
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.source, self._writer = state["source"], None
+        self.source, self._writer, self._at_end = state["source"], None, None
 
 
 def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
@@ -159,7 +174,7 @@ def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
         # The service's first epoch: the time before is the start, not the steady state
         # the verdict is about.
         writer.first_ask = time.monotonic() - writer.started_at
-    return _InService(items, writer, first)
+    return _InService(items, writer, first, self._at_end)
 
 
 # Assigned after the class is made: torch's DataPipe metaclass would wrap an ``__iter__``
