@@ -407,7 +407,7 @@ def test_a_death_error_waits_for_the_watcher_to_say_why_the_stream_broke(monkeyp
             time.sleep(seconds)
 
     monkeypatch.setattr(placement, "time", Clock)
-    actor = types.SimpleNamespace(name="worker 0", node="node-a", pid=7, exitcode=None, reason=None)
+    actor = types.SimpleNamespace(name="worker 0", node="node-a", pid=7, exitcode=None, reason=None, cannot_load=False)
 
     def watcher():
         if waiting.wait(30):
