@@ -24,8 +24,6 @@ use, twice a second (``MemoryWatch``): the warning names the last sample, and sa
 from __future__ import annotations
 
 import signal
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -99,17 +97,7 @@ class MemoryWatch:
             import psutil
         except ImportError:  # no samples: the warning says the memory is unknown
             return
-        watch = weakref.ref(self)
-
-        def run() -> None:
-            while not lifecycle.wait_closed(_SAMPLE_SECONDS):
-                live = watch()
-                if live is None:
-                    return
-                live.sample(psutil, pids())
-                del live
-
-        threading.Thread(target=run, name="mprs_plus memory watch", daemon=True).start()
+        lifecycle.every(_SAMPLE_SECONDS, self, lambda live: live.sample(psutil, pids()), "mprs_plus memory watch")
 
     def sample(self, psutil: Any, pids: list[int]) -> None:
         for pid in pids:

@@ -44,7 +44,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -565,15 +564,5 @@ def _prime_graph_walks(plan: Plan) -> None:
 def _start_stats_logger(figures: Figures, interval: float, lifecycle: Lifecycle) -> None:
     """Log ``stats().summary()`` every ``interval`` seconds until the service stops; holds the
     statistics only weakly, so it never keeps a dropped service alive."""
-    service = weakref.ref(figures)
-
-    def run() -> None:
-        while not lifecycle.wait_closed(interval):
-            live = service()
-            if live is None:
-                return
-            _STATS_LOG.info("%s", live.snapshot().summary())
-            del live
-
-    threading.Thread(target=run, name="mprs_plus stats", daemon=True).start()
+    lifecycle.every(interval, figures, lambda live: _STATS_LOG.info("%s", live.snapshot().summary()), "mprs_plus stats")
 

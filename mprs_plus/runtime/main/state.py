@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 
 class State(enum.IntEnum):
@@ -59,3 +62,19 @@ class Lifecycle:
     def wait_closed(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a stop to begin; whether it has."""
         return self._stop_began.wait(timeout)
+
+    def every(self, seconds: float, owner: Any, action: Callable[[Any], None], name: str) -> None:
+        """Call ``action(owner)`` every ``seconds`` on a daemon thread until a stop begins or
+        ``owner`` is collected: the thread holds it only weakly, so it never keeps a dropped
+        service (or what the service dropped) alive."""
+        held = weakref.ref(owner)
+
+        def run() -> None:
+            while not self.wait_closed(seconds):
+                live = held()
+                if live is None:
+                    return
+                action(live)
+                del live
+
+        threading.Thread(target=run, name=name, daemon=True).start()
