@@ -88,7 +88,19 @@ Page-locked lend areas: a copy to a device may still read an extent the user dro
     places an extent across two, nor lends a buffer larger than the largest), so that
     the memory locked follows what the channel uses, and every lent buffer is page-locked
     memory of one registration and
-    a non-blocking copy to the device reads the worker's bytes directly. Such a copy runs
+    a non-blocking copy to the device reads the worker's bytes directly.
+
+    Only an area that will be locked is cut so: the sender must know before its first
+    extent, and its receiver may live in another process by then. So the decision is
+    made as the channel is made (``lay_out_area``: inside ``pinning_receivers()``, or
+    while a locker locks every receiver) and kept in the control page (``LOCK_CHUNKED``),
+    where both ends read it. Any other area is one chunk, and one buffer may take all of
+    it (a buffer over half the area is lent, not copied); a receiver that locks such an
+    area anyway (it was made inside ``pinning_receivers()`` though its channel was not)
+    locks all of it at its first lend. A replacement's channels, opened later, are opened
+    as the first ones were (``pinning_as_now``).
+
+    Such a copy runs
     after the call that enqueued it returned: the user may drop the last view while the
     device still reads it. So when a lent root dies in such a process, the locker is
     asked for a *fence* (events recorded on the current streams) and the extent goes back
@@ -134,15 +146,18 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 from ._memory import PAGE, SharedRegion
 from .traffic import Lending
+
+T = TypeVar("T")
 
 # Bytes; smaller buffers are copied through the ring. Below this size lending saved the
 # receiver nothing and copying went faster; from it on, lending saves the receiver CPU,
@@ -155,19 +170,26 @@ SLOT_BASE = 64  # control word of slot 0's state (lines 0-3 are the ring's, _rin
 # Control words the sender counts its large buffers in, built in place and copied in
 # (line 4; the pipe transport's control page uses them too), so both ends report them.
 LENT_IN_PLACE, LENT_COPIED = 32, 33
-# The area is page-locked in chunks, each as it is first lent from: this many at most,
-# each twice the one before (the first two equal), so that what is locked stays within
-# twice what the channel has used. The sender never places an extent across two chunks.
+# An area that will be page-locked is locked in chunks, each as it is first lent from:
+# this many at most, each twice the one before (the first two equal), so that what is
+# locked stays within twice what the channel has used. The sender never places an extent
+# across two chunks. Any other area is one chunk: an extent may be as large as the area.
 LOCK_CHUNKS = 6
+# Control word (line 5) set once as the channel is made, before either end exists: 1 when
+# its area is laid out in lock chunks (``lay_out_area``). Both ends read it, in any process.
+LOCK_CHUNKED = 40
 FREE, LENT = 0, 1
 LENT_BIT = 1 << 63  # in a buffer's length word: the frame holds [offset, slot], not bytes
 DESCRIPTOR = 16  # bytes of [offset, slot] in a frame
 
 
 
-def lock_chunk_ends(capacity: int) -> list[int]:
+def lock_chunk_ends(capacity: int, chunked: bool = True) -> list[int]:
     """Where each lock chunk of a lend area of ``capacity`` bytes ends (page-aligned; the
-    last at ``capacity``). Sender and receiver compute the same list."""
+    last at ``capacity``); an area not ``chunked`` is one chunk. Sender and receiver
+    compute the same list (``chunk_ends_of``)."""
+    if not chunked:
+        return [capacity]
     first = max(PAGE, (capacity >> (LOCK_CHUNKS - 1)) // PAGE * PAGE)
     ends, end = [], first
     while end < capacity:
@@ -175,6 +197,20 @@ def lock_chunk_ends(capacity: int) -> list[int]:
         end *= 2
     ends.append(capacity)
     return ends
+
+
+def lay_out_area(region: SharedRegion) -> None:
+    """Decide, as a channel is made (before its ends), whether its lend area is cut into
+    lock chunks: only if a receiver made here and now would page-lock it. Chunks cost the
+    sender its largest extents (a buffer over half the area is copied through the ring),
+    so an area nobody locks stays one piece."""
+    if region.lend_size:
+        region.ctl[LOCK_CHUNKED] = int(_locks_receivers_made_now())
+
+
+def chunk_ends_of(region: SharedRegion) -> list[int]:
+    """``lock_chunk_ends`` of ``region``'s lend area, as ``lay_out_area`` laid it out."""
+    return lock_chunk_ends(region.lend_size, bool(region.ctl[LOCK_CHUNKED]))
 
 
 class PageLocker(Protocol):
@@ -219,12 +255,36 @@ def lock_pages_with(locker: PageLocker | None, marked_only: bool = False) -> Non
 @contextlib.contextmanager
 def pinning_receivers() -> Iterator[None]:
     """Receivers made in this context (on this thread) are page-locked while a locker is
-    installed with ``marked_only``."""
+    installed with ``marked_only``, and the channels opened in it have their lend areas
+    cut into lock chunks (``lay_out_area``)."""
     _marking.depth = getattr(_marking, "depth", 0) + 1
     try:
         yield
     finally:
         _marking.depth -= 1
+
+
+def _marked_now() -> bool:
+    return bool(getattr(_marking, "depth", 0))
+
+
+def _locks_receivers_made_now() -> bool:
+    return _marked_now() or (_locker is not None and not _marked_only)
+
+
+def pinning_as_now(function: Callable[..., T]) -> Callable[..., T]:
+    """``function``, which opens channels later (a replacement worker's), made to open them
+    as they would be opened here and now: inside ``pinning_receivers()`` if this thread is
+    inside it now, so that they are page-locked and laid out as the first ones were."""
+    if not _marked_now():
+        return function
+
+    @functools.wraps(function)
+    def marked(*args: Any, **kwargs: Any) -> T:
+        with pinning_receivers():
+            return function(*args, **kwargs)
+
+    return marked
 
 
 class _Holding:
@@ -570,7 +630,8 @@ class LendArea:
         self._area = area
         self._region = region
         self._capacity = area.nbytes
-        self._chunk_ends = lock_chunk_ends(self._capacity)
+        # One chunk, unless the channel was made to be page-locked (``lay_out_area``).
+        self._chunk_ends = chunk_ends_of(region) if region is not None else [self._capacity]
         self._largest = max(end - start for start, end in zip([0, *self._chunk_ends], self._chunk_ends))
         self._top = 0
         self._free: list[tuple[int, int]] = []  # (offset, size)
@@ -819,11 +880,12 @@ class LentViews:
         # in the process that registered it, and the mapping it holds while registered.
         self.locker: PageLocker | None = None
         self.locked_mapping: Any = None
-        self._chunk_ends = lock_chunk_ends(region.lend_size) if region.lend_size else []
+        self._chunk_ends = chunk_ends_of(region) if region.lend_size else []
         self._locked_chunks: dict[int, int] = {}  # chunk index -> address registered
         self._locked_pid = 0  # the process that registered them
         self._lock_refused = False  # a registration was refused: lend the rest unlocked
-        self._marked = bool(getattr(_marking, "depth", 0))  # made for a loader that pins
+        # Made for a loader that pins: here, or where its channel was made (``lay_out_area``).
+        self._marked = _marked_now() or bool(region.lend_size and region.ctl[LOCK_CHUNKED])
         self._base = 0  # the area's address in this process, once known
         self.retired = False
         region.before_release.append(self._retire)

@@ -21,6 +21,8 @@ no copy out (``_lend.py``).
     |         tx_rescues   (producer: the same)                              |
     | line 4  lent_in_place  lent_copied  (producer: large buffers sent      |
     |         from where they were built, and copied in; _lend.py)          |
+    | line 5  lock_chunked (set once as the channel is made: its lend area   |
+    |         is cut into page-lock chunks; _lend.py)                        |
     | words 64..319: the state of each lend slot (rules in _lend.py)         |
     +-----------------------------------------------------------------------+
     data ring: positions count bytes forever; offset = position % size

@@ -92,6 +92,7 @@ from ._lend import (
     SLOTS,
     LendArea,
     LentViews,
+    lay_out_area,
 )
 from ._lend import lending as lending
 from ._memory import PAGE, SharedRegion
@@ -611,6 +612,7 @@ def open_pipe_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> 
         raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
     capacity_bytes = max(MIN_RING, -(-capacity_bytes // PAGE) * PAGE)  # rounded as a ring's size is
     region = SharedRegion.create(0, "mprs_plus channel", lend_size=LEND_FACTOR * capacity_bytes)
+    lay_out_area(region)  # in lock chunks only if it will be page-locked
     connections: list[Connection] = []
     try:
         reader, writer = ctx.Pipe(duplex=False)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ._lend import LEND_FACTOR
+from ._lend import LEND_FACTOR, lay_out_area
 from ._memory import PAGE, SharedRegion
 from ._receiver import ShmReceiver
 from ._ring import ENDPOINTS, MIN_RING, close_fds
@@ -58,6 +58,7 @@ def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> t
         space_r, space_w = wake_pipe()  # consumer -> producer: "there is room"
         fds += [space_r, space_w]
         region = SharedRegion.create(size, "mprs_plus channel", lend_size=LEND_FACTOR * size)
+        lay_out_area(region)  # in lock chunks only if it will be page-locked
     except BaseException:
         close_fds(fds)
         raise

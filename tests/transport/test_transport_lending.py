@@ -9,6 +9,7 @@ import gc
 import mmap
 import multiprocessing
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -242,6 +243,35 @@ def test_a_message_larger_than_the_ring_carries_lent_buffers_too():
     assert all(e == extra and (a == i).all() for i, (e, a) in enumerate(got))
     assert lending().lent - before.lent == 3
     assert all(backed_by_shared_memory(a) for _, a in got)
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_over_half_the_lend_area_is_lent_through_a_channel_nobody_page_locks():
+    """160 MiB through a channel of a worker's size (a 64 MiB ring, a 256 MiB lend area)
+    made for a loader that does not pin: only an area that will be page-locked is cut into
+    chunks (the largest half the area), so this one is one piece and the tensor is lent,
+    not copied."""
+    sender, receiver = open_channel(FORK, capacity_items=4, capacity_bytes=64 << 20)
+    try:
+        tensor = torch.full((40 << 20,), 3.0)  # 160 MiB
+        assert tensor.nbytes > receiver._lent._region.lend_size // 2
+        before = lending()
+        # Lent, the frame holds only where the bytes lie; copied, it would be streamed
+        # through the ring, which needs this thread reading: a producer thread sends.
+        producer = threading.Thread(target=sender.send, args=(tensor,))
+        producer.start()
+        got = receiver.recv(timeout=30)
+        producer.join(30)
+        during = lending()
+        assert during.lent == before.lent + 1 and during.copied == before.copied
+        assert during.held_bytes == before.held_bytes + tensor.nbytes  # the user holds the area's bytes
+        assert torch.equal(got, tensor)
+        del got
+        assert lending().held_bytes == before.held_bytes
+        assert sender.lent_extents() == 0  # back to the sender once dropped
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_a_view_outlives_its_channel():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -152,13 +153,16 @@ def test_what_is_locked_grows_with_what_is_held_and_is_all_unlocked_once_release
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_sender_never_places_an_extent_across_two_lock_chunks(seed):
-    """Buffers of random sizes, some given back at random: every extent lies within one
-    chunk, so a lent tensor is page-locked memory of one registration."""
+    """Buffers of random sizes, some given back at random, in a channel made for a loader
+    that pins: every extent lies within one chunk, so a lent tensor is page-locked memory
+    of one registration."""
     rng = np.random.default_rng(seed)
-    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    with _lend.pinning_receivers():
+        sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
     try:
         area = sender._area
         ends = _lend.lock_chunk_ends(receiver._lent._region.lend_size)
+        assert area._chunk_ends == ends and len(ends) == _lend.LOCK_CHUNKS  # laid out in chunks
         starts = [0, *ends[:-1]]
         held: list[int] = []
         for _ in range(300):
@@ -176,6 +180,76 @@ def test_the_sender_never_places_an_extent_across_two_lock_chunks(seed):
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_channel_made_for_a_loader_that_pins_copies_a_buffer_larger_than_its_largest_chunk(locker):
+    """No chunk holds it, and an extent never straddles two: it crosses as a copy, into
+    memory the locker gives (page-locked too)."""
+    with _lend.pinning_receivers():
+        sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    try:
+        ends = _lend.lock_chunk_ends(receiver._lent._region.lend_size)
+        largest = max(end - start for start, end in zip([0, *ends], ends))
+        before = lending()
+        # Larger than the ring too: streamed through it while this thread reads.
+        producer = threading.Thread(target=sender.send, args=(np.full(largest + ITEM, 5, dtype=np.uint8),))
+        producer.start()
+        item = receiver.recv(timeout=5)
+        producer.join(5)
+        assert len(item) == largest + ITEM and (np.asarray(item) == 5).all()
+        assert lending().lent == before.lent and lending().copied == before.copied + 1
+        assert sender.lent_extents() == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_channel_made_for_no_loader_that_pins_is_one_piece(locker):
+    """Made outside ``pinning_receivers()`` while no locker locks every receiver: a buffer
+    larger than half the area (the largest lock chunk) is lent, not copied. A receiver that
+    locks it all the same (a locker installed later) registers the whole area at once, so
+    that buffer lies within one registration."""
+    _lend.lock_pages_with(locker, marked_only=True)
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)
+    try:
+        size = receiver._lent._region.lend_size
+        assert sender._area._chunk_ends == [size]
+        _lend.lock_pages_with(locker)  # now every receiver locks, this one too
+        before = lending()
+        big = 3 * size // 4  # over the largest chunk (half the area) of a chunked one
+        sender.send(np.full(big, 9, dtype=np.uint8))
+        item = receiver.recv(timeout=5)
+        assert item.nbytes == big and (item == 9).all()
+        assert lending().lent == before.lent + 1 and lending().copied == before.copied
+        ranges = registered(locker)
+        assert [nbytes for _, nbytes in ranges] == [size] and within_one(ranges, item)
+        del item
+    finally:
+        gc.collect()
+        locker.finish()
+        lending()
+        sender.close()
+        receiver.close()
+    assert registered(locker) == []
+
+
+def test_a_function_that_opens_channels_later_opens_them_as_they_were_opened_then():
+    """A replacement worker's channels are opened long after the first ones, outside the
+    context they were made in: ``pinning_as_now`` lays them out the same way."""
+
+    def lock_chunked() -> int:
+        sender, receiver = open_channel(FORK, capacity_items=4, capacity_bytes=RING)
+        try:
+            return int(sender._region.ctl[_lend.LOCK_CHUNKED])
+        finally:
+            sender.close()
+            receiver.close()
+
+    with _lend.pinning_receivers():
+        pinning = _lend.pinning_as_now(lock_chunked)
+    plain = _lend.pinning_as_now(lock_chunked)
+    assert plain is lock_chunked
+    assert (pinning(), plain()) == (1, 0)
 
 
 def test_a_dropped_buffer_goes_back_only_after_its_fence_passes(channel, locker):

@@ -56,6 +56,7 @@ from ...options import Options
 from ...plan import Plan
 from ...segment import Segment
 from ...transport import Receiver, Sender
+from ...transport._lend import pinning_as_now
 from .lifecycle import stop_at_exit
 from .gate import CLOSED_MESSAGE
 from .reader import MainReader
@@ -208,7 +209,7 @@ class ServiceRuntime:
             skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
             self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
             self.figures.replacements = self._replacements.made
-            replace = _weak_method(self, ServiceRuntime._replace_worker)
+            replace = pinning_as_now(_weak_method(self, ServiceRuntime._replace_worker))  # its channels as these
         try:
             windows = _wire_children(
                 self.plan, self.options, topology, supervisor, stats, liveness, self._ctx, self._setups
