@@ -361,3 +361,33 @@ def test_worker_restarts_with_a_dispatch_process_is_refused_at_start():
             list(loader)
         finally:
             loader.shutdown()
+
+
+def test_a_replacements_channels_are_laid_out_as_the_dead_workers(tmp_path, monkeypatch):
+    """A loader that pins opens its channels inside ``pinning_receivers()`` (its feeding's
+    ``channels()``), so that their lend areas are cut into page-lock chunks; a replacement's
+    channels, opened later from the loop, must be cut the same way, or its tensors would
+    straddle registrations."""
+    from mprs_plus.transport import _lend, pipe, shm
+
+    layouts: list[int] = []
+
+    def recorded(region):
+        _lend.lay_out_area(region)
+        layouts.append(int(region.ctl[_lend.LOCK_CHUNKED]))
+
+    for module in (shm, pipe):
+        monkeypatch.setattr(module, "lay_out_area", recorded)
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    dataset = Draws(kill_at=29, marker=str(tmp_path / "killed"))
+    loader = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=2, worker_restarts=1)
+    with _lend.pinning_receivers():  # as a pinning loader opens them
+        iterator = iter(loader)
+    first = len(layouts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = [_plain(batch) for batch in iterator]
+    assert (tmp_path / "killed").exists() and got == expected
+    assert first > 0 and len(layouts) > first  # the replacement opened channels of its own
+    assert set(layouts) == {1}

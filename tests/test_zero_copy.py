@@ -80,3 +80,27 @@ def test_tensors_on_shared_memory_behave_as_ordinary_tensors():
     assert shared.is_shared() and torch.equal(shared, first)
     first += 1  # writable, like any tensor the loader hands out
     assert torch.equal(first, torch.full_like(first, float(int(items[0][0]))))
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_over_half_a_channels_lend_area_is_lent_without_pin_memory():
+    """A 160 MiB tensor, in a worker channel's 256 MiB lend area: a service that does not
+    pin leaves the area in one piece (only page-locked areas are cut into chunks, the
+    largest half the area), so it arrives as a view, not copied through the ring. One per
+    epoch: a second one read while the loop still holds the first would pass the held
+    bound and be copied, as documented."""
+    numel = 40 << 20  # float32: 160 MiB
+    pipe = IterableWrapper([7]).sharding_filter().map(functools.partial(pipelines.filled_tensor, numel=numel))
+    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(1))
+    try:
+        seen = []
+        for _ in range(2):
+            for item in loader:
+                assert item.numel() == numel and bool((item == 7).all())
+                seen.append(int(item[0]))
+            del item
+        large = loader.reading_service.stats().large_buffers
+    finally:
+        loader.shutdown()
+    assert seen == [7, 7]
+    assert large.lent == 2 and large.copied == 0
