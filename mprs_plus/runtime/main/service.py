@@ -209,7 +209,7 @@ class ServiceRuntime:
             skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
             self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
             self.figures.replacements = self._replacements.made
-            replace = pinning_as_now(_weak_method(self, ServiceRuntime._replace_worker))  # its channels as these
+            replace = pinning_as_now(_weak_method(self, ServiceRuntime._replace_worker))  # its channels pinned as ours
         try:
             windows = _wire_children(
                 self.plan, self.options, topology, supervisor, stats, liveness, self._ctx, self._setups
