@@ -175,14 +175,12 @@ def test_large_batches_lent_by_the_dead_worker_stay_valid(tmp_path):
         assert large.tolist() == expected[number][0]
 
 
-def test_a_poison_sample_is_that_batchs_error_and_the_epoch_goes_on(tmp_path):
-    """Index 29 kills every worker that reads it: after a replacement dies on the same
-    batch, that batch is raised in torch's words, and the next batches are the run's.
-    (The first worker may die before its previous batch left it: then its replacement
-    makes that batch and dies at the poison one first, a replacement more; hence 3.)"""
-    expected = batches(TorchDataLoader, Draws())[0]
+def poison_run(**kwargs):
+    """Index 29 (batch 7, worker 1's fourth) kills every worker that reads it: the loop's
+    batches, None where next() raised, the errors, the replacements and their warnings."""
     torch.manual_seed(0)
-    loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=3)
+    loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=2,
+                                  **kwargs)
     got, errors = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -197,18 +195,43 @@ def test_a_poison_sample_is_that_batchs_error_and_the_epoch_goes_on(tmp_path):
                 got.append(None)
                 continue
             got.append(_plain(batch))
+    return got, errors, loader.stats().replacements, replaced(caught)
+
+
+def check_poison_run(got, errors, made, said):
+    """Two deaths, the poison batch raised in torch's words in its place, the others the run's."""
+    expected = batches(TorchDataLoader, Draws())[0]
     assert len(errors) == 1
     assert "DataLoader worker (pid " in errors[0] and "is killed by signal: Killed" in errors[0]
     assert "indices [28, 29, 30, 31]" in errors[0]
-    assert got.index(None) == 7  # batch 7 holds index 29
-    # Every other batch has the uninterrupted run's indices; those before the poison batch
-    # are the uninterrupted run's batches exactly.
-    assert [b[0] for b in got[:7]] == [b[0] for b in expected[:7]]
+    assert got.index(None) == 7  # batch 7 holds index 29; the next next() went on with batch 8
+    assert len(got) == len(expected)
+    # Those before the poison batch are the uninterrupted run's batches exactly; those after
+    # it have its indices (the draws the poison batch made are lost with it).
     assert got[:7] == expected[:7]
     assert [[row[0] for row in b] for b in got[8:]] == [[row[0] for row in b] for b in expected[8:]]
-    made = loader.stats().replacements
-    assert len(replaced(caught)) == len(made) >= 2
-    assert [m.poison for m in made] == [False] * (len(made) - 1) + [True]
+    assert [m.poison for m in made] == [False, True]  # exactly two deaths, within worker_restarts=2
+    assert [m.worker for m in made] == [1, 1]
+    assert len(said) == 2
+
+
+def test_a_poison_sample_is_that_batchs_error_after_two_deaths_and_the_epoch_goes_on():
+    got, errors, made, said = poison_run()
+    check_poison_run(got, errors, made, said)
+
+
+def test_a_poison_sample_costs_two_deaths_when_the_dead_worker_held_batches_it_never_sent(monkeypatch):
+    """The workers' batching clock is stopped (forked workers inherit it): a small batch
+    leaves a worker only when the worker flushes, so worker 1 has made its batches 3 and 5
+    and sent neither when batch 7 kills it. Its death already says which batch it was
+    making; the replacement makes 3 and 5 again, hands them on one by one, and dies
+    making 7: that is the poison batch, at the second death, not the third."""
+    from mprs_plus.runtime.child import batching
+
+    monkeypatch.setattr(batching, "_clock", lambda: 0.0)
+    got, errors, made, said = poison_run(multiprocessing_context="fork")
+    assert made[0].items < 3  # the first death had made batches that never reached the main process
+    check_poison_run(got, errors, made, said)
 
 
 def test_a_spent_budget_is_the_error_and_says_how_many_were_replaced(tmp_path):
