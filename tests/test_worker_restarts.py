@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import mprs_plus
-from restart_datasets import ChainedKills, DiesInInit, Draws, DrawsIterable, KillAt, LogsReads
+from restart_datasets import ChainedKills, CountsWithState, DiesInInit, Draws, DrawsIterable, KillAt, LogsReads
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -84,6 +85,36 @@ def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(t
     reads = [int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split()]
     assert reads.count(4) == 1
     assert reads.count(1205) == 2  # the sample that killed the worker is read again, by its replacement
+
+
+def test_an_iterable_dataset_with_state_is_replaced_from_its_recorded_state_not_from_its_epochs_start(
+    tmp_path, monkeypatch
+):
+    """An iterable dataset with state_dict() has its state recorded with the generators (here
+    every 10 ms: under fork the children see the setting); the replacement loads the latest
+    record the loop has passed and makes only the elements after it, not worker 1's share
+    of the epoch again, and the loop gets the uninterrupted run's batches."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.01)
+    n, kill_at = 8000, 6401  # worker 1's element 3200 of 4000
+    expected = batches(TorchDataLoader, CountsWithState(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            CountsWithState(n, str(tmp_path), kill_at, str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    made = Counter(int(line) for log in tmp_path.glob("made-*") for line in log.read_text().split())
+    assert sorted(made) == list(range(n))
+    assert made[1] == 1  # worker 1's first element was made once: its epoch was not made again
+    assert made[kill_at] == 2  # the element that killed the worker, made again by its replacement
+    again = sum(count - 1 for count in made.values())
+    assert 0 < again < 3200  # fewer than the elements worker 1 had made when it died
 
 
 def test_without_worker_restarts_a_killed_worker_is_still_the_error(tmp_path):
