@@ -111,6 +111,40 @@ class LogsReads(Draws):
         return super().__getitem__(i)
 
 
+class CountsReads(LogsReads):
+    """``LogsReads`` whose samples also say how many samples its replica had read before
+    them: its state (``state_dict()``), which a replacement must load to make the same."""
+
+    def __init__(self, folder, **kwargs):
+        super().__init__(folder, **kwargs)
+        self.reads = 0
+
+    def __getitem__(self, i):
+        drawn = super().__getitem__(i)
+        self.reads += 1
+        return torch.cat([drawn, torch.tensor([float(self.reads)], dtype=torch.float64)])
+
+    def state_dict(self):
+        return {"reads": self.reads}
+
+    def load_state_dict(self, state):
+        self.reads = state["reads"]
+
+
+class Reads(Draws):
+    """``CountsReads``'s samples, for the uninterrupted run: each says how many samples the
+    replica had read before it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.reads = 0
+
+    def __getitem__(self, i):
+        drawn = super().__getitem__(i)
+        self.reads += 1
+        return torch.cat([drawn, torch.tensor([float(self.reads)], dtype=torch.float64)])
+
+
 class KillsEvery:
     """A DataPipe map function: item ``value`` kills every process that makes it."""
 

@@ -18,7 +18,17 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import mprs_plus
-from restart_datasets import ChainedKills, CountsWithState, DiesInInit, Draws, DrawsIterable, KillAt, LogsReads
+from restart_datasets import (
+    ChainedKills,
+    CountsReads,
+    CountsWithState,
+    DiesInInit,
+    Draws,
+    DrawsIterable,
+    KillAt,
+    LogsReads,
+    Reads,
+)
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -85,6 +95,30 @@ def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(t
     reads = [int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split()]
     assert reads.count(4) == 1
     assert reads.count(1205) == 2  # the sample that killed the worker is read again, by its replacement
+
+
+def test_a_map_style_dataset_with_state_is_replaced_from_its_recorded_state(tmp_path, monkeypatch):
+    """Each sample says how many its replica had read: the dataset's state, recorded with
+    the generators (here every 10 ms), which the replacement loads before it reads again
+    only the samples after the record."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.01)
+    n, kill_at = 4000, 3205  # batch 801, worker 1's 401st of 500
+    expected = batches(TorchDataLoader, Reads(n=n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            CountsReads(str(tmp_path), n=n, kill_at=kill_at, marker=str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    reads = Counter(int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split())
+    assert reads[4] == 1  # worker 1's first sample was read once: its epoch was not read again
+    assert reads[kill_at] == 2
 
 
 def test_an_iterable_dataset_with_state_is_replaced_from_its_recorded_state_not_from_its_epochs_start(
