@@ -362,6 +362,49 @@ def test_a_checkpoint_taken_after_a_replacement_restores_the_rest_of_the_epoch(t
     del loader
 
 
+def test_a_worker_killed_after_a_checkpoint_restore_is_replaced_after_what_the_restore_skipped(tmp_path):
+    """A restored epoch's workers skip the batches the checkpoint's loop had; a replacement
+    in that epoch skips them too, and those the loop received since."""
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Draws(), batch_size=4, num_workers=2)
+    iterator = iter(loader)
+    head = [_plain(next(iterator)) for _ in range(4)]
+    state = loader.state_dict()
+    del iterator, loader
+    restored = mprs_plus.DataLoader(Draws(kill_at=37, marker=str(tmp_path / "killed")), batch_size=4, num_workers=2,
+                                    worker_restarts=1)
+    restored.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rest = [_plain(batch) for batch in restored]
+    assert (tmp_path / "killed").exists()
+    assert head + rest == expected
+    assert len(restored.stats().replacements) == 1
+
+
+def test_the_poison_rule_follows_the_item_each_worker_died_making():
+    """The rule alone (no process): a death names the item the worker was making; a
+    replacement that dies making the same one, with every item before it received, makes
+    it a poison item (its error takes that item's place). A death before the stream began
+    (None) names no item, and one with items before it missing is replaced again."""
+    from mprs_plus.runtime.main.replacement import Replacements
+
+    def unused():
+        return RuntimeError("unused")
+
+    replacements = Replacements(budget=5, skips_lost=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        first = replacements.on_death(1, 100, -9, 1, (1,), unused, (3,))  # items 1 and 2 made, never sent
+        in_init = replacements.on_death(1, 101, -9, 1, (1,), unused, (None,))  # died before its stream began
+        missing = replacements.on_death(1, 102, -9, 1, (2,), unused, (3,))  # item 2 never reached the main process
+        poison = replacements.on_death(1, 103, -9, 1, (3,), unused, (3,))
+        elsewhere = replacements.on_death(0, 104, -9, 1, (3,), unused, (3,))  # another worker: its first death
+    assert [m.poison for m in (first, in_init, missing, poison, elsewhere)] == [False, False, False, True, False]
+    assert poison.items == 3
+
+
 def test_a_sigkill_near_the_memory_limit_is_said_to_be_likely_the_out_of_memory_killer():
     """The warning's words, from the memory watch's last sample (no process needed)."""
     from mprs_plus.runtime.main.replacement import Replacements

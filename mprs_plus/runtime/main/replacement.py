@@ -173,9 +173,9 @@ class Replacements:
             worker, pid, cause, epoch, sum(received), rss, cause == "SIGKILL" and self.memory.near_limit, poison
         )
         self.made.append(made)
-        if poison or at is None:
+        if poison:
             self._last_death.pop(worker, None)
-        else:
+        elif at is not None:  # a death before its stream began says nothing of the item
             self._last_death[worker] = (epoch, at)
         _warn(made, self.used_before + len(self.made), self.budget)
         return made
