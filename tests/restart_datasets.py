@@ -193,3 +193,10 @@ class CountsWithState(IterableDataset):
 
     def load_state_dict(self, state):
         self.loaded = state["taken"]
+
+
+class LargeState(CountsWithState):
+    """``CountsWithState`` whose state carries 100 KiB besides: more than a record holds."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "padding": bytes(100 << 10)}

@@ -26,6 +26,7 @@ from restart_datasets import (
     Draws,
     DrawsIterable,
     KillAt,
+    LargeState,
     LogsReads,
     Reads,
 )
@@ -149,6 +150,27 @@ def test_an_iterable_dataset_with_state_is_replaced_from_its_recorded_state_not_
     assert made[kill_at] == 2  # the element that killed the worker, made again by its replacement
     again = sum(count - 1 for count in made.values())
     assert 0 < again < 3200  # fewer than the elements worker 1 had made when it died
+
+
+def test_a_dataset_state_too_large_for_a_record_is_replayed_from_the_epochs_start(tmp_path, monkeypatch):
+    """A state that does not fit its record is not recorded (here each batch tries): the
+    replacement makes the worker's epoch again from its start, and the batches are the same."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.0)
+    expected = batches(TorchDataLoader, CountsWithState(400))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            LargeState(400, str(tmp_path), 301, str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    made = Counter(int(line) for log in tmp_path.glob("made-*") for line in log.read_text().split())
+    assert made[1] == 2  # worker 1's epoch was made again from its start
 
 
 def test_without_worker_restarts_a_killed_worker_is_still_the_error(tmp_path):
