@@ -155,15 +155,21 @@ class Replacements:
         gets when it is not (``death_error()``: the runtime's error for the death).
 
         ``making``: per lane, the position of the item the worker was making in ``epoch``
-        (None where it had begun none: a death in its reset or ``worker_init_fn``). Poison:
-        a worker that dies making the item its predecessor died making. It is left out only
-        where every item before it was received (the ``LostItem`` takes its place); else
-        (which a careful replacement prevents) the death is replaced like any other."""
+        (None where it had begun none: a death in its reset or ``worker_init_fn``); None
+        where no such slots are kept, and then the items received stand for it (a careful
+        replacement that dies with no more received than its predecessor died making the
+        next one, at the cost of a third death when the first had made items it never
+        sent). Poison: a worker that dies making the item its predecessor died making. It
+        is left out only where every item before it was received (the ``LostItem`` takes
+        its place); else (which a careful replacement prevents) the death is replaced like
+        any other."""
         used = self.used_before + len(self.made)
         if used >= self.budget:
             raise _spent(death_error(), used, self.budget)
         cause = cause_of(exitcode)
-        at = making if making is not None and None not in making else None
+        at: tuple[int | None, ...] | None = received if making is None else making
+        if at is not None and None in at:
+            at = None  # it died before its stream began: it names no item
         same = at is not None and self._last_death.get(worker) == (epoch, at)
         if same and not (self.skips_lost and len(received) == 1):
             raise _unskippable(death_error(), worker, at or received)

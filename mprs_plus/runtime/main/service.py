@@ -382,7 +382,7 @@ class ServiceRuntime:
         process.join(DEATH_GRACE)
         setup = self._setups[link.index]
         record = setup.record
-        making = tuple(lane.making(epoch) for lane in setup.liveness)  # which item it died making
+        making = tuple(lane.making(epoch) for lane in setup.liveness) or None  # which item it died making
         for lane in setup.liveness:
             lane.forget()  # the replacement has begun none yet
         made = replacements.on_death(
