@@ -11,8 +11,8 @@ def record_liveness_tables(monkeypatch) -> list[liveness.Liveness]:
     made: list[liveness.Liveness] = []
     real_init = liveness.Liveness.__init__
 
-    def recording_init(self, *args):
-        real_init(self, *args)
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
         made.append(self)
 
     monkeypatch.setattr(liveness.Liveness, "__init__", recording_init)

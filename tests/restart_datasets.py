@@ -111,6 +111,40 @@ class LogsReads(Draws):
         return super().__getitem__(i)
 
 
+class CountsReads(LogsReads):
+    """``LogsReads`` whose samples also say how many samples its replica had read before
+    them: its state (``state_dict()``), which a replacement must load to make the same."""
+
+    def __init__(self, folder, **kwargs):
+        super().__init__(folder, **kwargs)
+        self.reads = 0
+
+    def __getitem__(self, i):
+        drawn = super().__getitem__(i)
+        self.reads += 1
+        return torch.cat([drawn, torch.tensor([float(self.reads)], dtype=torch.float64)])
+
+    def state_dict(self):
+        return {"reads": self.reads}
+
+    def load_state_dict(self, state):
+        self.reads = state["reads"]
+
+
+class Reads(Draws):
+    """``CountsReads``'s samples, for the uninterrupted run: each says how many samples the
+    replica had read before it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.reads = 0
+
+    def __getitem__(self, i):
+        drawn = super().__getitem__(i)
+        self.reads += 1
+        return torch.cat([drawn, torch.tensor([float(self.reads)], dtype=torch.float64)])
+
+
 class KillsEvery:
     """A DataPipe map function: item ``value`` kills every process that makes it."""
 
@@ -121,3 +155,48 @@ class KillsEvery:
         if x == self.value:
             os.kill(os.getpid(), signal.SIGKILL)
         return x
+
+
+class CountsWithState(IterableDataset):
+    """Each worker yields its share of range(n) (every num_workers-th) with a draw from
+    torch's generator; its state is how far into its share it is. Every element it makes is
+    noted in a file of the making process's own (``folder``), and element ``kill_at``
+    kills its process the first time (``marker``)."""
+
+    def __init__(self, n, folder=None, kill_at=-1, marker=None):
+        self.n, self.folder, self.kill_at, self.marker = n, folder, kill_at, marker
+        self.taken = 0
+        self.loaded = None
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        self.taken, self.loaded = self.loaded or 0, None
+        log = None if self.folder is None else open(os.path.join(self.folder, f"made-{os.getpid()}"), "a")
+        try:
+            while start + step * self.taken < self.n:
+                value = start + step * self.taken
+                self.taken += 1
+                if log is not None:
+                    log.write(f"{value}\n")
+                    log.flush()
+                if value == self.kill_at:
+                    die_once(self.marker)
+                yield torch.tensor([float(value), float(torch.rand(()))], dtype=torch.float64)
+        finally:
+            if log is not None:
+                log.close()
+        self.taken = 0
+
+    def state_dict(self):
+        return {"taken": self.taken}
+
+    def load_state_dict(self, state):
+        self.loaded = state["taken"]
+
+
+class LargeState(CountsWithState):
+    """``CountsWithState`` whose state carries 100 KiB besides: more than a record holds."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "padding": bytes(100 << 10)}

@@ -11,13 +11,25 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import mprs_plus
-from restart_datasets import ChainedKills, DiesInInit, Draws, DrawsIterable, KillAt, LogsReads
+from restart_datasets import (
+    ChainedKills,
+    CountsReads,
+    CountsWithState,
+    DiesInInit,
+    Draws,
+    DrawsIterable,
+    KillAt,
+    LargeState,
+    LogsReads,
+    Reads,
+)
 
 THIS_FILE = os.path.abspath(__file__)
 
@@ -84,6 +96,81 @@ def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(t
     reads = [int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split()]
     assert reads.count(4) == 1
     assert reads.count(1205) == 2  # the sample that killed the worker is read again, by its replacement
+
+
+def test_a_map_style_dataset_with_state_is_replaced_from_its_recorded_state(tmp_path, monkeypatch):
+    """Each sample says how many its replica had read: the dataset's state, recorded with
+    the generators (here every 10 ms), which the replacement loads before it reads again
+    only the samples after the record."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.01)
+    n, kill_at = 4000, 3205  # batch 801, worker 1's 401st of 500
+    expected = batches(TorchDataLoader, Reads(n=n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            CountsReads(str(tmp_path), n=n, kill_at=kill_at, marker=str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    reads = Counter(int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split())
+    assert reads[4] == 1  # worker 1's first sample was read once: its epoch was not read again
+    assert reads[kill_at] == 2
+
+
+def test_an_iterable_dataset_with_state_is_replaced_from_its_recorded_state_not_from_its_epochs_start(
+    tmp_path, monkeypatch
+):
+    """An iterable dataset with state_dict() has its state recorded with the generators (here
+    every 10 ms: under fork the children see the setting); the replacement loads the latest
+    record the loop has passed and makes only the elements after it, not worker 1's share
+    of the epoch again, and the loop gets the uninterrupted run's batches."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.01)
+    n, kill_at = 8000, 6401  # worker 1's element 3200 of 4000
+    expected = batches(TorchDataLoader, CountsWithState(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            CountsWithState(n, str(tmp_path), kill_at, str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    made = Counter(int(line) for log in tmp_path.glob("made-*") for line in log.read_text().split())
+    assert sorted(made) == list(range(n))
+    assert made[1] == 1  # worker 1's first element was made once: its epoch was not made again
+    assert made[kill_at] == 2  # the element that killed the worker, made again by its replacement
+    again = sum(count - 1 for count in made.values())
+    assert 0 < again < 3200  # fewer than the elements worker 1 had made when it died
+
+
+def test_a_dataset_state_too_large_for_a_record_is_replayed_from_the_epochs_start(tmp_path, monkeypatch):
+    """A state that does not fit its record is not recorded (here each batch tries): the
+    replacement makes the worker's epoch again from its start, and the batches are the same."""
+    import mprs_plus.runtime.generators as generators
+
+    monkeypatch.setattr(generators, "RECORD_SECONDS", 0.0)
+    expected = batches(TorchDataLoader, CountsWithState(400))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            LargeState(400, str(tmp_path), 301, str(tmp_path / "killed")),
+            worker_restarts=1,
+            multiprocessing_context="fork",
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    made = Counter(int(line) for log in tmp_path.glob("made-*") for line in log.read_text().split())
+    assert made[1] == 2  # worker 1's epoch was made again from its start
 
 
 def test_without_worker_restarts_a_killed_worker_is_still_the_error(tmp_path):
@@ -175,14 +262,12 @@ def test_large_batches_lent_by_the_dead_worker_stay_valid(tmp_path):
         assert large.tolist() == expected[number][0]
 
 
-def test_a_poison_sample_is_that_batchs_error_and_the_epoch_goes_on(tmp_path):
-    """Index 29 kills every worker that reads it: after a replacement dies on the same
-    batch, that batch is raised in torch's words, and the next batches are the run's.
-    (The first worker may die before its previous batch left it: then its replacement
-    makes that batch and dies at the poison one first, a replacement more; hence 3.)"""
-    expected = batches(TorchDataLoader, Draws())[0]
+def poison_run(**kwargs):
+    """Index 29 (batch 7, worker 1's fourth) kills every worker that reads it: the loop's
+    batches, None where next() raised, the errors, the replacements and their warnings."""
     torch.manual_seed(0)
-    loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=3)
+    loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=2,
+                                  **kwargs)
     got, errors = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -197,18 +282,43 @@ def test_a_poison_sample_is_that_batchs_error_and_the_epoch_goes_on(tmp_path):
                 got.append(None)
                 continue
             got.append(_plain(batch))
+    return got, errors, loader.stats().replacements, replaced(caught)
+
+
+def check_poison_run(got, errors, made, said):
+    """Two deaths, the poison batch raised in torch's words in its place, the others the run's."""
+    expected = batches(TorchDataLoader, Draws())[0]
     assert len(errors) == 1
     assert "DataLoader worker (pid " in errors[0] and "is killed by signal: Killed" in errors[0]
     assert "indices [28, 29, 30, 31]" in errors[0]
-    assert got.index(None) == 7  # batch 7 holds index 29
-    # Every other batch has the uninterrupted run's indices; those before the poison batch
-    # are the uninterrupted run's batches exactly.
-    assert [b[0] for b in got[:7]] == [b[0] for b in expected[:7]]
+    assert got.index(None) == 7  # batch 7 holds index 29; the next next() went on with batch 8
+    assert len(got) == len(expected)
+    # Those before the poison batch are the uninterrupted run's batches exactly; those after
+    # it have its indices (the draws the poison batch made are lost with it).
     assert got[:7] == expected[:7]
     assert [[row[0] for row in b] for b in got[8:]] == [[row[0] for row in b] for b in expected[8:]]
-    made = loader.stats().replacements
-    assert len(replaced(caught)) == len(made) >= 2
-    assert [m.poison for m in made] == [False] * (len(made) - 1) + [True]
+    assert [m.poison for m in made] == [False, True]  # exactly two deaths, within worker_restarts=2
+    assert [m.worker for m in made] == [1, 1]
+    assert len(said) == 2
+
+
+def test_a_poison_sample_is_that_batchs_error_after_two_deaths_and_the_epoch_goes_on():
+    got, errors, made, said = poison_run()
+    check_poison_run(got, errors, made, said)
+
+
+def test_a_poison_sample_costs_two_deaths_when_the_dead_worker_held_batches_it_never_sent(monkeypatch):
+    """The workers' batching clock is stopped (forked workers inherit it): a small batch
+    leaves a worker only when the worker flushes, so worker 1 has made its batches 3 and 5
+    and sent neither when batch 7 kills it. Its death already says which batch it was
+    making; the replacement makes 3 and 5 again, hands them on one by one, and dies
+    making 7: that is the poison batch, at the second death, not the third."""
+    from mprs_plus.runtime.child import batching
+
+    monkeypatch.setattr(batching, "_clock", lambda: 0.0)
+    got, errors, made, said = poison_run(multiprocessing_context="fork")
+    assert made[0].items < 3  # the first death had made batches that never reached the main process
+    check_poison_run(got, errors, made, said)
 
 
 def test_a_spent_budget_is_the_error_and_says_how_many_were_replaced(tmp_path):
@@ -272,6 +382,49 @@ def test_a_checkpoint_taken_after_a_replacement_restores_the_rest_of_the_epoch(t
     fresh.load_state_dict(state)
     assert head + [_plain(batch) for batch in fresh] == expected
     del loader
+
+
+def test_a_worker_killed_after_a_checkpoint_restore_is_replaced_after_what_the_restore_skipped(tmp_path):
+    """A restored epoch's workers skip the batches the checkpoint's loop had; a replacement
+    in that epoch skips them too, and those the loop received since."""
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Draws(), batch_size=4, num_workers=2)
+    iterator = iter(loader)
+    head = [_plain(next(iterator)) for _ in range(4)]
+    state = loader.state_dict()
+    del iterator, loader
+    restored = mprs_plus.DataLoader(Draws(kill_at=37, marker=str(tmp_path / "killed")), batch_size=4, num_workers=2,
+                                    worker_restarts=1)
+    restored.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rest = [_plain(batch) for batch in restored]
+    assert (tmp_path / "killed").exists()
+    assert head + rest == expected
+    assert len(restored.stats().replacements) == 1
+
+
+def test_the_poison_rule_follows_the_item_each_worker_died_making():
+    """The rule alone (no process): a death names the item the worker was making; a
+    replacement that dies making the same one, with every item before it received, makes
+    it a poison item (its error takes that item's place). A death before the stream began
+    (None) names no item, and one with items before it missing is replaced again."""
+    from mprs_plus.runtime.main.replacement import Replacements
+
+    def unused():
+        return RuntimeError("unused")
+
+    replacements = Replacements(budget=5, skips_lost=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        first = replacements.on_death(1, 100, -9, 1, (1,), unused, (3,))  # items 1 and 2 made, never sent
+        in_init = replacements.on_death(1, 101, -9, 1, (1,), unused, (None,))  # died before its stream began
+        missing = replacements.on_death(1, 102, -9, 1, (2,), unused, (3,))  # item 2 never reached the main process
+        poison = replacements.on_death(1, 103, -9, 1, (3,), unused, (3,))
+        elsewhere = replacements.on_death(0, 104, -9, 1, (3,), unused, (3,))  # another worker: its first death
+    assert [m.poison for m in (first, in_init, missing, poison, elsewhere)] == [False, False, False, True, False]
+    assert poison.items == 3
 
 
 def test_a_sigkill_near_the_memory_limit_is_said_to_be_likely_the_out_of_memory_killer():

@@ -30,7 +30,7 @@ import copy
 import inspect
 import itertools
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -373,6 +373,11 @@ class LoaderStage(IterDataPipe):
                 )
             if job.worker_init_fn is not None:
                 job.worker_init_fn(epoch.worker_id)
+        restored = generators.dataset_restore()
+        if restored is not None:
+            # A replacement of a dead worker: the dataset's state recorded, with the
+            # generators, after that many of its batches (``runtime/generators.py``).
+            epoch.state_count, epoch.dataset_state = restored
         self._epoch = epoch
         self._fetcher = None
         state = epoch.dataset_state
@@ -415,7 +420,7 @@ class LoaderStage(IterDataPipe):
             raise RuntimeError("internal error: a loader stage resumed before its epoch began")
         done = epoch.state_count  # batches the recorded dataset state already covers
         # A replacement of a dead worker: its generators were loaded as they stood after
-        # that many batches (``runtime/generators.py``), recorded only without a dataset state.
+        # that many batches (``runtime/generators.py``), with its dataset's state if it has one.
         done = max(done, generators.jump_to())
         if epoch.batches is not None:
             replay(self.job, _without(enumerate(epoch.batches[done:skip], done), lost))
@@ -479,7 +484,9 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
     fetch = make_fetcher(job).fetch
     stateful = has_state(job.dataset)
     every = job.snapshot_every
-    note = generators.note  # without a dataset state, a batch depends on its indices and the generators
+    # A batch depends on its indices, the generators and the dataset's state, where it has one.
+    note = generators.note
+    recorded = _recorded(lambda: snapshot(job.dataset)) if stateful else None
     position = count
     for indices in batches:
         position += 1
@@ -487,12 +494,11 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
             batch = fetch(indices)
         except Exception as exc:  # user code: that batch's error, and the epoch goes on
             count += 1
-            if not stateful:
-                note(position)
+            note(position, recorded)
             yield failed_batch(exc, stage)
             continue
+        note(position, recorded)
         if not stateful:
-            note(position)
             yield batch
             continue
         count += 1
@@ -512,6 +518,9 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
     request = [None] * job.batch_size if job.auto_collation else None
     stateful = takes_state(job.dataset, fetcher)
     every = job.snapshot_every
+    # With a state, a batch depends on it and the generators: a replacement starts from a record.
+    note = generators.note if stateful else None
+    recorded = _recorded(lambda: dataset_state(job.dataset, fetcher))
     while True:
         try:
             batch = fetcher.fetch(request)
@@ -527,6 +536,8 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
                 replay -= 1
             continue
         count += 1
+        if note is not None:
+            note(count, recorded)
         if replay > 0:
             replay -= 1
             continue
@@ -536,6 +547,19 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
             yield WithState((batch, stage.worker_id, count, state))
         else:
             yield batch
+
+
+def _recorded(take: Callable[[], Any]) -> Callable[[], Any]:
+    """``take()``, a state as a restore loads it, for a record of a dead worker's replacement
+    (``runtime/generators.py``); a ``StateFailure`` raises there, and is not recorded."""
+
+    def state() -> Any:
+        found = take()
+        if type(found) is StateFailure:
+            raise RuntimeError(found[0])
+        return found
+
+    return state
 
 
 def _iterate_stage(stage: LoaderStage) -> Iterator[Any]:

@@ -31,10 +31,11 @@ class Reset(NamedTuple):
     epoch: int
     payload: bytes
     skip: tuple[int, ...] = ()  # per lane: items to produce and drop before the first one sent
-    # A replacement of a dead worker (``main/replacement.py``): the generator states to load
-    # once the reset function ran, pickled with the position they were recorded at
-    # (``generators.py``), and per lane the position of an item to leave out (one that
-    # killed the worker twice), -1 for none.
+    # A replacement of a dead worker (``main/replacement.py``): its predecessor's record
+    # (the generator states to load once the reset function ran, and the dataset's state
+    # where it has one), pickled with the position it was recorded at (``generators.py``),
+    # and per lane the position of an item to leave out (one that killed the worker twice),
+    # -1 for none.
     restore: bytes = b""
     lost: tuple[int, ...] = ()
     # A replacement hands its first ``careful`` items after the skip on one by one, each

@@ -1,16 +1,19 @@
-"""A worker's global generators, recorded where the main process can read them after the
-worker died: what a replacement loads to draw what the dead one drew, and where it can
-start without making the items before.
+"""A worker's global generators, and its dataset's state where it has one, recorded where
+the main process can read them after the worker died: what a replacement loads to draw
+what the dead one drew, and where it can start without making the items before.
 
     worker, each Reset      reset function (seeding, worker_init_fn on a first epoch)
-                            --> GeneratorRecord.write(epoch, 0, capture())    the epoch's start
-    worker, while it makes  note(position) by the stream, after each item: at most every
-    items                   RECORD_SECONDS --> write(epoch, position, capture())
+                            --> GeneratorRecord.write(epoch, 0, generators)  the epoch's start
+    worker, while it makes  note(position[, state]) by the stream, after each item: at most
+    items                   every RECORD_SECONDS --> write(epoch, position, generators and
+                            the dataset's state)
     main, after the death   read(epoch, at_most=items received) --> the latest record at or
-                            before what the loop has: (position, states)
-    replacement, its Reset  reset function, then load(states); a stream that can start at a
-                            position without making the items before it (``jump_to``, a
-                            map-style ``mprs_plus.DataLoader``) replays only from there
+                            before what the loop has: (position, record)
+    replacement, its Reset  prepare(record) before the reset function, which loads the
+                            dataset's state (``dataset_restore``); begin_epoch loads the
+                            generators after it; the stream starts at the record's position
+                            (``jump_to``, ``LoaderStage.resume_from``) and makes again only
+                            the items after it
 
 Why it is needed: a process seeds ``random``, ``torch`` and numpy once (torch's loader) or
 every epoch (torchdata's reseeding), and persistent workers carry their generators from one
@@ -19,10 +22,15 @@ would be; loading the recorded states makes it the worker that began this epoch 
 had made ``position`` items of it), and the replay of the items after that draws exactly
 what the dead worker drew.
 
-Only a stream that calls ``note`` records mid-epoch: one whose items depend on nothing but
-their position and the generators (``LoaderStage`` of a map-style dataset without
-``state_dict()``). The cost is one clock read per item, and a capture (about 20 µs) every
-``RECORD_SECONDS``: nothing on the path of an item of any other stream.
+Only a stream that calls ``note`` records mid-epoch, one whose items depend on nothing but
+their position, the generators and the dataset's own state (``LoaderStage``: a map-style
+dataset, with or without ``state_dict()``, and an iterable dataset with one). The cost is
+one clock read per item, and every ``RECORD_SECONDS`` a capture (about 20 µs, plus the
+dataset's ``state_dict()``): nothing on the path of an item of any other stream.
+
+A record is bounded (``SLOT_BYTES``): a dataset whose state does not fit, or whose
+``state_dict()`` raises, is not recorded again in that epoch, and a replacement goes on
+from the latest record that fit, or from the epoch's start.
 
 Slot 0 holds the epoch's start; slots 1..``RING`` the latest mid-epoch records in turn. A
 record newer than what the loop received (items made, not yet sent: at most one message)
@@ -38,33 +46,42 @@ import random
 import struct
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-SLOT_BYTES = 24 << 10  # random (~2.5 KiB), torch (~5 KiB) and numpy (~2.5 KiB) pickled: ample room
+# The three generators pickled take about 9 KiB (random ~2.5, torch ~5, numpy ~2.5): a
+# dataset's state may take the rest.
+SLOT_BYTES = 64 << 10
 RING = 8  # mid-epoch slots
 RECORD_SECONDS = 0.1  # at most one mid-epoch record this often
-_HEAD = struct.Struct("<QQQQ")  # sequence number, epoch, position, length of the pickled states
+_HEAD = struct.Struct("<QQQQ")  # sequence number, epoch, position, length of the pickled record
+_NO_STATE = ()  # a record without a dataset state (pickled as the record's second part)
 
 
-def capture() -> bytes:
-    """This process's global generators, pickled: ``random``, ``torch`` and numpy's when it
-    is loaded (nothing can have drawn from it otherwise)."""
+def capture() -> tuple[Any, Any, Any]:
+    """This process's global generators: ``random``, ``torch`` and numpy's when it is
+    loaded (nothing can have drawn from it otherwise)."""
     numpy_random = sys.modules.get("numpy.random")
     numpy_state = numpy_random.get_state() if numpy_random is not None else None
-    return pickle.dumps((random.getstate(), torch.get_rng_state(), numpy_state), protocol=5)
+    return (random.getstate(), torch.get_rng_state(), numpy_state)
 
 
-def load(states: bytes) -> None:
+def load(states: tuple[Any, Any, Any]) -> None:
     """Set this process's global generators to ``states`` (from ``capture``)."""
-    python_state, torch_state, numpy_state = pickle.loads(states)
+    python_state, torch_state, numpy_state = states
     random.setstate(python_state)
     torch.set_rng_state(torch_state)
     if numpy_state is not None:
         import numpy.random
 
         numpy.random.set_state(numpy_state)
+
+
+def _pickled(dataset_state: Any = _NO_STATE) -> bytes:
+    """A record: the generators now, and the dataset's state (a one-item tuple) or none."""
+    return pickle.dumps((capture(), dataset_state), protocol=5)
 
 
 class GeneratorRecord:
@@ -82,9 +99,10 @@ class GeneratorRecord:
         self._memory = memory
         self._turn = 0
 
-    def write(self, epoch: int, position: int, states: bytes) -> None:
+    def write(self, epoch: int, position: int, states: bytes) -> bool:
+        """Record ``states`` (from ``_pickled``); False, and nothing written, if they do not fit."""
         if len(states) + _HEAD.size > SLOT_BYTES:
-            return  # cannot happen with the three generators; a replacement then replays more
+            return False  # a dataset's state too large: a replacement replays more
         if position == 0:
             slot = 0
         else:
@@ -97,6 +115,7 @@ class GeneratorRecord:
         view[start : start + _HEAD.size] = bytes(_HEAD.size)  # unreadable until its bytes are whole
         view[start + _HEAD.size : start + _HEAD.size + len(states)] = states
         view[start : start + _HEAD.size] = _HEAD.pack(sequence, epoch, position, len(states))
+        return True
 
     def read(self, epoch: int, at_most: int) -> tuple[int, bytes] | None:
         """(position, states) of the latest complete record of ``epoch`` at a position no
@@ -125,29 +144,74 @@ class _Recording:
     record: GeneratorRecord | None = None
     epoch = 0
     next_at = 0.0
+    stopped = False  # the dataset's state did not fit, or raised: no more records this epoch
     jump = 0  # a replacement: the position its loaded states were recorded at
+    pending: tuple[int, tuple[Any, Any, Any], Any] | None = None  # a replacement's record, until loaded
+    dataset: tuple[int, Any] | None = None  # its dataset's state, until the stream takes it
 
 
 _recording = _Recording()
 
 
-def begin_epoch(record: GeneratorRecord | None, epoch: int, jump: int = 0) -> None:
-    """Called by the child's control once the epoch's reset ran (and a replacement loaded
-    its states): the epoch's start is recorded, and mid-epoch notes go to ``record``."""
+def prepare(restore: bytes) -> None:
+    """Called by the child's control as a Reset arrives, before the reset function runs:
+    ``restore`` is a replacement's record (``pack((position, record))``), or empty. The
+    dataset's state in it waits for the stream (``dataset_restore``), the generators for
+    ``begin_epoch``."""
+    _recording.pending = _recording.dataset = None
+    if not restore:
+        return
+    position, record = pickle.loads(restore)
+    states, dataset = pickle.loads(record)
+    _recording.pending = (position, states, dataset)
+    if dataset:  # (state,), or _NO_STATE
+        _recording.dataset = (position, dataset[0])
+
+
+def dataset_restore() -> tuple[int, Any] | None:
+    """For a stream whose dataset has a state, in its reset: (position, the dataset's state
+    after that many items) recorded with the generators the replacement loads; else None.
+    Read once."""
+    found, _recording.dataset = _recording.dataset, None
+    return found
+
+
+def begin_epoch(record: GeneratorRecord | None, epoch: int) -> None:
+    """Called by the child's control once the epoch's reset ran: a replacement loads its
+    predecessor's generators (``prepare``); the epoch's start is recorded, and mid-epoch
+    notes go to ``record``."""
+    pending, _recording.pending = _recording.pending, None
+    _recording.dataset = None  # a stream that did not take it has no state to load
+    jump = 0
+    if pending is not None:
+        jump, states, _ = pending
+        load(states)
     _recording.record, _recording.epoch, _recording.jump = record, epoch, jump
+    _recording.stopped = False
     _recording.next_at = time.monotonic() + RECORD_SECONDS
-    if record is not None:
-        record.write(epoch, 0, capture())
+    if record is not None and jump == 0:  # a replacement from a later record: slot 0 keeps the start
+        record.write(epoch, 0, _pickled())
 
 
-def note(position: int) -> None:
+def note(position: int, state: Callable[[], Any] | None = None) -> None:
     """A stream made its items before ``position`` (and drew nothing since): record the
-    generators now if the last record is ``RECORD_SECONDS`` old. A no-op without a record."""
+    generators now if the last record is ``RECORD_SECONDS`` old, with ``state()``, the
+    dataset's state as it is now, for a stream whose items depend on it. A no-op without
+    a record."""
     recording = _recording
-    if recording.record is None or time.monotonic() < recording.next_at:
+    if recording.record is None or recording.stopped or time.monotonic() < recording.next_at:
         return
     recording.next_at = time.monotonic() + RECORD_SECONDS
-    recording.record.write(recording.epoch, position, capture())
+    if state is None:
+        recording.record.write(recording.epoch, position, _pickled())
+        return
+    try:
+        record = _pickled((state(),))
+    except Exception:  # user code (state_dict(), its pickling): not recorded again this epoch
+        recording.stopped = True
+        return
+    if not recording.record.write(recording.epoch, position, record):
+        recording.stopped = True  # too large: each try would cost a state_dict() and a pickling for nothing
 
 
 def jump_to() -> int:

@@ -174,19 +174,19 @@ class SegmentControl:
             return
         seed_generator, iter_reset_fn = value
         try:
+            if self._record is not None:
+                from .. import generators
+
+                # A replacement: the record of its predecessor it starts from. The reset
+                # function loads its dataset's state, ``begin_epoch`` its generators after it.
+                generators.prepare(restore)
             # numpy.random is loaded only if the pipeline uses it; a reset without a seed
             # generator seeds the segment itself (a front end's own reset function).
             with deferred_numpy_seed() if seed_generator is not None else contextlib.nullcontext():
                 self.root = self._reset(self.root, epoch, seed_generator, iter_reset_fn)
             outputs = outputs_of(self.root, self.count)
             if self._record is not None:
-                from .. import generators
-
-                jump = 0
-                if restore:  # a replacement: the generators as the dead worker had them at ``jump``
-                    jump, states = unpack(restore)
-                    generators.load(states)
-                generators.begin_epoch(self._record, epoch, jump)
+                generators.begin_epoch(self._record, epoch)
         except BaseException as exc:
             loop.fail_all(RemoteError.capture(exc, self._where), every=True)
             return

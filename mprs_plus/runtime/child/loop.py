@@ -198,6 +198,8 @@ class ChildLoop:
             self.states[k] = LaneState.IDLE
             lane.fail(RemoteError.capture(exc, self.where))
             return
+        if lane.liveness is not None:  # which item it makes: counted from here (liveness.py)
+            lane.liveness.begin_stream(self.epoch, skip if callable(fast) else 0)
         self.states[k] = LaneState.RUNNING
 
     def fail_all(self, error: RemoteError, every: bool = False) -> None:
@@ -290,10 +292,14 @@ def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -
     when interrupted (False, ``skips[k]`` says what is left) or when the stream ends first
     (True: END or ERROR sent)."""
     lock, next_item = lane.lock, lane.next_item
+    liveness = lane.liveness
     while skips[k] and not inbox.interrupt:  # unlocked read, as in produce()
         if lock is not None:
             lock.acquire()  # a skipping lane holds no unsent items: waiting here blocks nobody
         try:
+            if liveness is not None and liveness.begun is not None:
+                liveness.value += 1
+                liveness.begun[liveness.slot] = liveness.value
             next_item()
         except StopIteration:
             lane.finish()
@@ -313,6 +319,13 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     END or ERROR sent)."""
     lock, next_item, emit, stats, window = lane.lock, lane.next_item, lane.emit, lane.stats, lane.window
     clock = time.perf_counter
+    # While dead workers are replaced: one store per item says which item the lane makes
+    # (``liveness.py``), so that a poison sample is known at its first death.
+    liveness = lane.liveness
+    begun = liveness.begun if liveness is not None else None
+    slot = value = 0
+    if begun is not None:
+        slot, value = liveness.slot, liveness.value
 
     def interrupted() -> bool:
         return inbox.interrupt
@@ -325,6 +338,9 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 lane.flush()  # never wait for the compute lock holding unsent items
                 lock.acquire()
             failure: BaseException | None = None
+            if begun is not None:
+                value += 1
+                begun[slot] = value
             started = clock()
             try:
                 item = next_item()
@@ -361,5 +377,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 stats.sample_memory()
         return False
     finally:
+        if begun is not None:
+            liveness.value = value
         if stats is not None:
             stats.publish()

@@ -107,12 +107,21 @@ class MainChannels:
         except ChannelError as exc:
             raise ServiceClosedError("the reading service was shut down during iteration") from exc
         received = self._received
-        if received is not None and message[0] == Kind.ITEMS:
+        if received is not None and message[0] == Kind.ITEMS and message[1] == self.epoch:
             count = received[index]
-            if message[1] != count[0]:
-                count[0], count[1] = message[1], 0
+            if count[0] != self.epoch:
+                count[0], count[1] = self.epoch, 0
             count[1] += len(message[2])
         return message
+
+    def begin_epoch(self, epoch: int, consumed: Sequence[int] = ()) -> None:
+        """Move on to ``epoch``; a restored one counts ``consumed[w]`` items of worker w
+        (its first output) as received: they are the items its stream skips, and a
+        replacement must skip them too."""
+        self.epoch = epoch
+        if self._received is not None:
+            for worker, items in enumerate(consumed):
+                self._received[worker * self._outputs] = [epoch, items]
 
     def _replace_dead(self, grace: float = DEATH_GRACE) -> list[ChildLink]:
         """Replace every dead worker, if replacements are allowed, and return them (none: the
@@ -351,7 +360,7 @@ class MainReader:
         ``consumed[w]`` items of worker w count as handed out."""
         self._gate.check()
         self.epoch += 1
-        self._main_channels.epoch = self.epoch
+        self._main_channels.begin_epoch(self.epoch, consumed)
         self._mux.advance(self.epoch)
         self._handed_before = self.handed_out()
         self.cursors = [

@@ -1,11 +1,19 @@
 """A dead worker replaced, not the run ended: the budget, the poison rule, what is said.
 
-    reader finds worker w dead --> Replacements.on_death(w, pid, exit code, items received)
+    reader finds worker w dead --> Replacements.on_death(w, pid, exit code, items received,
+                                                         the item it was making)
         budget spent ............. the death error, saying how many were replaced before
-        same item as last death .. a poison item: its place gets a ``LostItem`` (the loop's
-                                   error for that item) and the replacement leaves it out;
+        making the item its        a poison item: its place gets a ``LostItem`` (the loop's
+        predecessor died making .. error for that item) and the replacement leaves it out;
                                    only for a stream that can leave an item out (``skips_lost``)
         otherwise ................ a replacement, restored to the items the loop has
+
+Which item a worker was making is in shared memory (``liveness.py``: each lane stores the
+position of the item it begins), so the first death already names it, even when the dead
+worker had made items after the last one the main process received and never sent them.
+A replacement hands its first items on one at a time (``Reset.careful``): when it dies
+making the same item, every item before it has reached the main process, and the
+``LostItem`` takes exactly that item's place. A poison sample costs two deaths.
     --> a warning at the user's line, a ``Replacement`` in the statistics
 
 A replacement is a restore of one worker (``restore.py`` does it for all of them): started
@@ -131,7 +139,7 @@ class Replacements:
         self.skips_lost = skips_lost  # the worker stream can leave an item out (``LoaderStage``)
         self.made: list[Replacement] = []
         self.memory = MemoryWatch()
-        self._last_death: dict[int, tuple[int, tuple[int, ...]]] = {}  # worker -> (epoch, items received)
+        self._last_death: dict[int, tuple[int, tuple[int, ...]]] = {}  # worker -> (epoch, item it was making)
 
     def on_death(
         self,
@@ -141,28 +149,40 @@ class Replacements:
         epoch: int,
         received: tuple[int, ...],
         death_error: Any,
-        began: bool = True,
+        making: tuple[int | None, ...] | None = None,
     ) -> Replacement:
         """Record the death of ``worker`` and say how it is replaced; raise the error the user
         gets when it is not (``death_error()``: the runtime's error for the death).
 
-        Poison: a replacement hands its first item on at once (``Reset.careful``), so one
-        that began its epoch (``began``: its reset, ``worker_init_fn`` included, ran) and
-        died with nothing more received than its predecessor died making that item."""
+        ``making``: per lane, the position of the item the worker was making in ``epoch``
+        (None where it had begun none: a death in its reset or ``worker_init_fn``); None
+        where no such slots are kept, and then the items received stand for it (a careful
+        replacement that dies with no more received than its predecessor died making the
+        next one, at the cost of a third death when the first had made items it never
+        sent). Poison: a worker that dies making the item its predecessor died making. It
+        is left out only where every item before it was received (the ``LostItem`` takes
+        its place); else (which a careful replacement prevents) the death is replaced like
+        any other."""
         used = self.used_before + len(self.made)
         if used >= self.budget:
             raise _spent(death_error(), used, self.budget)
         cause = cause_of(exitcode)
-        poison = began and self._last_death.get(worker) == (epoch, received)
-        if poison and not (self.skips_lost and len(received) == 1):
-            raise _unskippable(death_error(), worker, received)
+        at: tuple[int | None, ...] | None = received if making is None else making
+        if at is not None and None in at:
+            at = None  # it died before its stream began: it names no item
+        same = at is not None and self._last_death.get(worker) == (epoch, at)
+        if same and not (self.skips_lost and len(received) == 1):
+            raise _unskippable(death_error(), worker, at or received)
+        poison = same and at == received
         rss = self.memory.rss.get(pid)
         made = Replacement(
             worker, pid, cause, epoch, sum(received), rss, cause == "SIGKILL" and self.memory.near_limit, poison
         )
         self.made.append(made)
-        after = tuple(n + 1 for n in received) if poison else received
-        self._last_death[worker] = (epoch, after)
+        if poison:
+            self._last_death.pop(worker, None)
+        elif at is not None:  # a death before its stream began says nothing of the item
+            self._last_death[worker] = (epoch, at)
         _warn(made, self.used_before + len(self.made), self.budget)
         return made
 
@@ -195,11 +215,11 @@ def _spent(error: Exception, made: int, budget: int) -> Exception:
     return ProcessDiedError(text + note)
 
 
-def _unskippable(error: Exception, worker: int, received: tuple[int, ...]) -> Exception:
+def _unskippable(error: Exception, worker: int, at: tuple[Any, ...]) -> Exception:
     text = str(error)
     note = (
         f" (a replacement of worker {worker} died at the same item as the worker before it, item "
-        f"{max(received)} of its epoch; a stream of this kind cannot leave an item out)"
+        f"{max(at)} of its epoch; a stream of this kind cannot leave an item out)"
     )
     if _CANNOT in text:
         return ProcessDiedError(text.replace(_CANNOT, note + _CANNOT, 1))

@@ -83,8 +83,9 @@ if TYPE_CHECKING:
 
 _DATA_BYTES = 64 << 20
 # Items a replacement hands on one by one (``Reset.careful``): more than a worker's lane
-# holds unsent at most (a message of 64 items, ``child/batching.py``), so a replacement
-# that dies again has passed every item its predecessor may have made and not sent.
+# holds unsent at most (a message of 64 items, ``child/batching.py``), so the item its
+# predecessor died making is among them: a replacement that dies making it too has sent
+# every item before it, and the poison item's error takes exactly its place.
 CAREFUL_ITEMS = 65
 _STATS_LOG = logging.getLogger("mprs_plus.stats")
 
@@ -170,7 +171,6 @@ class ServiceRuntime:
         self._replacements: Replacements | None = None
         self._setups: dict[int, WorkerSetup] = {}
         self._sent: dict[int, list[Any]] = {}
-        self._records_at: dict[int, int] = {}  # a replacement's generator record, as it started
         self.figures = Figures()
         self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
         weakref.finalize(self, self._supervisor.stop)
@@ -195,7 +195,8 @@ class ServiceRuntime:
         stats = None
         if self.options.collect_stats:
             stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid(), supervisor.placement)
-        liveness = Liveness(self._ctx, topology.stats_rows)  # kept whatever the options: a stuck read's evidence
+        # Kept whatever the options: a stuck read's evidence (and, to replace dead workers, the item each makes).
+        liveness = Liveness(self._ctx, topology.stats_rows, positions=bool(self.options.worker_restarts))
         lanes = [row for link in topology.children() for row in link.stats_rows]
         replace = None
         if self.options.worker_restarts:
@@ -382,9 +383,11 @@ class ServiceRuntime:
         process.join(DEATH_GRACE)
         setup = self._setups[link.index]
         record = setup.record
-        began = record is None or record.sequence() > self._records_at.get(link.index, -1)
+        making = tuple(lane.making(epoch) for lane in setup.liveness) or None  # which item it died making
+        for lane in setup.liveness:
+            lane.forget()  # the replacement has begun none yet
         made = replacements.on_death(
-            link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, began
+            link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, making
         )
         lost = tuple(made.items if made.poison else -1 for _ in received)
         skip = tuple(n + 1 if made.poison else n for n in received)
@@ -409,8 +412,6 @@ class ServiceRuntime:
         # Its statistics rows, liveness slots, item windows and generator record are the dead one's.
         supervisor.relaunch(link, control, tuple(data), worker_main, setup, ends)
         sent = self._sent.get(link.index, [])
-        if record is not None:
-            self._records_at[link.index] = record.sequence()  # the replacement writes one more as it begins
         if sent:
             first = sent[0]
             # The latest record at or before what the loop has (the poison item excluded).
