@@ -36,6 +36,9 @@ class Kind(enum.IntEnum):
     ITEMS = 10
     END = 11
     ERROR = 12
+    # A worker's generator states at a position of its stream, for a replacement
+    # (``generators.SentRecord``); read aside by the main process, never handed to a reader.
+    RECORD = 13
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # Travel as a plain int: cheaper, and unpickling needs no import of this module
