@@ -175,10 +175,14 @@ class ActorProcess:
         self._closing.set()
 
     def close(self) -> None:
+        """Idempotent: a replaced actor's process is closed when it is replaced, and again
+        by the placement's close (its descriptor number may belong to another file by then)."""
         self._closing.set()
         self._watcher.join(2 * _LOOK)
-        with contextlib.suppress(OSError):
-            os.close(self.sentinel)
+        sentinel, self.sentinel = self.sentinel, -1
+        if sentinel >= 0:
+            with contextlib.suppress(OSError):
+                os.close(sentinel)
 
 
 def _first_line(exc: BaseException) -> str:
