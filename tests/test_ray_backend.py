@@ -1192,3 +1192,21 @@ def test_a_replacement_is_killed_at_shutdown_while_the_dead_actors_kill_waits_on
             helper.join(30.0)
         del loader, runtime
     assert took < 10.0  # the 2 s wait for the kills, the join of the watchers, the local steps
+
+
+def test_the_reading_service_replaces_a_dead_actor(cluster, tmp_path):
+    """DataLoader2 over Ray actors: a DataPipe stream cannot start at a position, so the
+    replacement replays its epoch, seeded as the dead one was; the items are the run's."""
+    import warnings
+
+    from restart_datasets import KillAt
+
+    def pipeline(marker):
+        return IterableWrapper(range(40)).shuffle().sharding_filter().map(KillAt(23, marker))
+
+    expected = _run(pipeline(None), seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = _run(pipeline(str(tmp_path / "killed")), RayBackend(num_cpus_per_worker=0), seed=7, worker_restarts=1)
+    assert (tmp_path / "killed").exists()
+    assert got == expected
