@@ -88,14 +88,6 @@ class Options(_Fields):
             if self.items_ahead == 0:
                 raise ValueError("items_ahead must be >= 1 (items a worker may produce ahead), or None")
         _non_negative_int("worker_restarts", self.worker_restarts)
-        if self.worker_restarts and self.backend is not None:
-            raise ValueError(
-                f"worker_restarts={self.worker_restarts} with backend={type(self.backend).__name__}(...): replacing a "
-                "dead worker is supported with the local backend only so far (a Ray actor cannot record its generators "
-                "where the training process reads them after its death). Pass worker_restarts=0 with this backend and "
-                "take checkpoints (state_dict() every so often) to resume after a lost actor, or drop backend= to run "
-                "local workers, which worker_restarts replaces"
-            )
         _non_negative_int("num_workers", self.num_workers)
         _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
         _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)

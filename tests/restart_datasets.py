@@ -6,6 +6,7 @@ poison sample, which kills every process that reads it."""
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import torch
@@ -25,9 +26,10 @@ class Draws(Dataset):
     """Each sample draws from random, torch and numpy; index ``kill_at`` kills its process
     the first time (``marker``), or every time with ``poison``."""
 
-    def __init__(self, n=48, kill_at=-1, marker=None, poison=False, size=0, armed=None):
+    def __init__(self, n=48, kill_at=-1, marker=None, poison=False, size=0, armed=None, seconds=0.0):
         self.n, self.kill_at, self.marker, self.poison, self.size = n, kill_at, marker, poison, size
         self.armed = armed  # a path: the kill happens only once this file exists (a later epoch)
+        self.seconds = seconds  # the work of one sample (a decode, say)
 
     def __len__(self):
         return self.n
@@ -37,6 +39,8 @@ class Draws(Dataset):
             if self.poison:
                 os.kill(os.getpid(), signal.SIGKILL)
             die_once(self.marker)
+        if self.seconds:
+            time.sleep(self.seconds)
         drawn = torch.tensor([i, random.random(), float(torch.rand(())), float(np.random.rand())], dtype=torch.float64)
         if self.size:  # a large sample: batches of them are lent by the worker
             return torch.full((self.size,), float(i), dtype=torch.float64), drawn

@@ -1,7 +1,8 @@
 """The Ray backend on a local Ray cluster of two nodes (one per module: starting one takes
 seconds): the same items, order and checkpoints as local workers, and every way an actor
 can end (an exception, ray.kill, a lost node, a stopped actor at shutdown, a killed driver)
-is a clear error or a clean end, with no actor left behind."""
+is a clear error or a clean end, with no actor left behind. With worker_restarts a dead
+actor is replaced and the loop gets the batches of the run nobody killed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1033,3 +1035,181 @@ def test_a_dataset_defined_in_the_training_script_runs_on_the_actors(cluster, tm
     assert error.startswith("error: DataLoader worker process"), result.stdout[-3000:] + result.stderr[-3000:]
     assert "could not load" in error and "unshipped_data" in error and "working_dir" in error, error
     assert "out-of-memory" not in error and "exited unexpectedly" not in error, error
+
+
+# -- worker_restarts: a dead actor replaced (docs/worker-restarts.md) ------------------------
+
+
+def _restart_batches(loader_class, dataset, epochs=1, **kwargs):
+    """Each epoch's batches as lists, the global seed set as a training script sets it."""
+    import torch
+
+    torch.manual_seed(0)
+    loader = loader_class(dataset, batch_size=4, num_workers=2, **kwargs)
+    return [[_plain_batch(batch) for batch in loader] for _ in range(epochs)], loader
+
+
+def _plain_batch(batch):
+    if isinstance(batch, (list, tuple)):
+        return [_plain_batch(part) for part in batch]
+    return batch.tolist()
+
+
+def _replacement_warnings(caught):
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return [text for text in said if "A new worker replaces" in text]
+
+
+def test_a_killed_actor_is_replaced_from_its_latest_record_and_the_batches_are_torchs(cluster, tmp_path):
+    """Worker 1's actor (on the other node: its records and items reach this process
+    through a landing process) kills itself at sample 301, deep into the epoch (2 ms
+    samples: its records, every 0.1 s, are sent on its data channel). A new actor replaces
+    it, loads the latest record the loop had passed and reads only the samples after it:
+    worker 1's first batch is read once. The loop gets torch's batches, as with no kill."""
+    import warnings
+
+    import torch
+    from restart_datasets import Draws, LogsReads
+
+    work = dict(n=400, seconds=0.002)
+    expected, _ = _restart_batches(torch.utils.data.DataLoader, Draws(**work), multiprocessing_context=LOCAL)
+    backend = RayBackend(num_cpus_per_worker=0, scheduling_strategy="SPREAD")
+    uninterrupted, _ = _restart_batches(mprs_plus.DataLoader, Draws(**work), backend=backend, worker_restarts=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dataset = LogsReads(str(tmp_path), kill_at=301, marker=str(tmp_path / "killed"), **work)
+        got, loader = _restart_batches(mprs_plus.DataLoader, dataset, backend=backend, worker_restarts=1)
+        stats = loader.stats()
+        del loader
+    assert (tmp_path / "killed").exists()  # the death happened
+    assert got == expected and uninterrupted == expected
+    said = _replacement_warnings(caught)
+    assert len(said) == 1 and "replacement 1 of worker_restarts=1" in said[0], said
+    assert re.search(r"worker 1 \(pid \d+\) was killed by SIGKILL", said[0]), said[0]
+    assert [(made.worker, made.epoch) for made in stats.replacements] == [(1, 1)]
+    reads = [int(line) for log in tmp_path.glob("reads-*") for line in log.read_text().split()]
+    assert reads.count(4) == 1  # not replayed from the epoch's start
+    assert reads.count(301) == 2  # the sample that killed the actor is read again, by its replacement
+
+
+def test_a_persistent_actor_killed_in_epoch_two_is_replaced_with_that_epochs_generators(cluster, tmp_path):
+    """Persistent actors carry their generators from epoch 1 into epoch 2: the states the
+    dead one had as epoch 2 began exist only in it, and reach this process as its record."""
+    import warnings
+
+    import torch
+    from restart_datasets import Draws
+
+    marker, armed = str(tmp_path / "killed"), tmp_path / "armed"
+    expected, _ = _restart_batches(
+        torch.utils.data.DataLoader, Draws(), epochs=3, persistent_workers=True, multiprocessing_context=LOCAL
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        loader = mprs_plus.DataLoader(
+            Draws(kill_at=18, marker=marker, armed=str(armed)),
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=True,
+            worker_restarts=1,
+            backend=RayBackend(num_cpus_per_worker=0),
+        )
+        got = [[_plain_batch(b) for b in loader]]
+        armed.touch()  # from now on index 18 kills, once
+        got.append([_plain_batch(b) for b in loader])
+        got.append([_plain_batch(b) for b in loader])
+        stats = loader.stats()
+        del loader
+    assert os.path.exists(marker)
+    assert got == expected
+    assert len(_replacement_warnings(caught)) == 1
+    assert [made.epoch for made in stats.replacements] == [2]
+
+
+def test_a_spent_budget_on_ray_is_the_error_saying_how_many_were_replaced(cluster, tmp_path):
+    import warnings
+
+    from restart_datasets import ChainedKills
+
+    dataset = ChainedKills([(9, str(tmp_path / "first")), (30, str(tmp_path / "second"))])
+    loader = mprs_plus.DataLoader(
+        dataset, batch_size=4, num_workers=2, worker_restarts=1, backend=RayBackend(num_cpus_per_worker=0)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        spent = r"1 dead worker\(s\) were replaced before, all that worker_restarts=1"
+        with pytest.raises(RuntimeError, match=spent) as caught:
+            list(loader)
+    del loader
+    assert (tmp_path / "second").exists()
+    assert "ray" not in type(caught.value).__module__
+
+
+def test_a_replacement_is_killed_at_shutdown_while_the_dead_actors_kill_waits_on_ray(cluster, tmp_path, monkeypatch):
+    """The kill of an actor Ray already knows dead may wait on its control store; close()
+    kills every actor on its own, so the replacement still ends, and the stop stays bounded."""
+    import warnings
+
+    from mprs_plus.backends.ray import placement as ray_placement
+    from restart_datasets import Draws
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loader = mprs_plus.DataLoader(
+            Draws(kill_at=5, marker=str(tmp_path / "killed")),
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=True,
+            worker_restarts=1,
+            backend=RayBackend(num_cpus_per_worker=0),
+        )
+        assert len(list(loader)) == 12
+    runtime = loader._run.runtime
+    processes = list(runtime._supervisor.placement.processes)
+    dead = {process.actor._actor_id.hex() for process in processes if process.exitcode is not None}
+    live = {process.actor._actor_id.hex() for process in processes} - dead
+    assert len(dead) == 1 and len(live) == 2  # worker 1's first actor, and the two running now
+
+    answering = threading.Event()
+    real_kill = ray.kill
+
+    def kill(actor, **kwargs):
+        if actor._actor_id.hex() in dead:
+            answering.wait(60.0)  # as a control store slow to answer about an actor it has dead
+        real_kill(actor, **kwargs)
+
+    monkeypatch.setattr(ray_placement, "_CLOSE_WAIT", 2.0)
+    monkeypatch.setattr(ray_placement.ray, "kill", kill)
+    try:
+        start = time.monotonic()
+        runtime.stop()
+        took = time.monotonic() - start
+        deadline = time.monotonic() + DEATH_BOUND
+        while live & set(_alive_actors()) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling Ray's state: nothing to be woken by
+        assert not live & set(_alive_actors()), "an actor outlived the stop"
+    finally:
+        answering.set()
+        for helper in [t for t in threading.enumerate() if t.name == ray_placement.RAY_CALL_THREAD]:
+            helper.join(30.0)
+        del loader, runtime
+    assert took < 10.0  # the 2 s wait for the kills, the join of the watchers, the local steps
+
+
+def test_the_reading_service_replaces_a_dead_actor(cluster, tmp_path):
+    """DataLoader2 over Ray actors: a DataPipe stream cannot start at a position, so the
+    replacement replays its epoch, seeded as the dead one was; the items are the run's."""
+    import warnings
+
+    from restart_datasets import KillAt
+
+    def pipeline(marker):
+        return IterableWrapper(range(40)).shuffle().sharding_filter().map(KillAt(23, marker))
+
+    expected = _run(pipeline(None), seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = _run(pipeline(str(tmp_path / "killed")), RayBackend(num_cpus_per_worker=0), seed=7, worker_restarts=1)
+    assert (tmp_path / "killed").exists()
+    assert got == expected

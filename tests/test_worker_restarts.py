@@ -357,11 +357,10 @@ def test_the_reading_service_replaces_a_dead_worker(tmp_path):
     assert len(stats.replacements) == 1
 
 
-def test_worker_restarts_is_refused_where_it_is_not_supported_yet():
+def test_worker_restarts_takes_a_count_of_replacements_with_either_backend():
     from mprs_plus.options import Options
 
-    with pytest.raises(ValueError, match=r"worker_restarts=1 with backend=.*Pass worker_restarts=0.*take checkpoints"):
-        Options(num_workers=2, worker_restarts=1, backend=mprs_plus.RayBackend())
+    assert Options(num_workers=2, worker_restarts=1, backend=mprs_plus.RayBackend()).worker_restarts == 1
     with pytest.raises(ValueError, match="worker_restarts must be"):
         Options(num_workers=2, worker_restarts=-1)
 

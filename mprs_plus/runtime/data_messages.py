@@ -5,6 +5,8 @@ Every data message is a tuple ``(kind, epoch, payload)``; tuples pickle fastest.
 
     dispatcher d --data--> worker w   ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
     worker w, output k --data--> main ITEMS(epoch, [item, ...]) ... END(epoch) | ERROR(epoch, RemoteError)
+                                      RECORD(epoch, (position, generator states)) in between, from a
+                                      Ray actor whose dead workers are replaced (``generators.py``)
 
 There is one data channel per (dispatcher, worker) and per (worker, worker output), each
 with exactly one writing thread; see ``lanes.py`` for why that keeps the service free of
@@ -36,6 +38,9 @@ class Kind(enum.IntEnum):
     ITEMS = 10
     END = 11
     ERROR = 12
+    # A worker's generator states at a position of its stream, for a replacement
+    # (``generators.SentRecord``); read aside by the main process, never handed to a reader.
+    RECORD = 13
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # Travel as a plain int: cheaper, and unpickling needs no import of this module

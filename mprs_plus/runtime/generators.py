@@ -32,6 +32,13 @@ A record is bounded (``SLOT_BYTES``): a dataset whose state does not fit, or who
 ``state_dict()`` raises, is not recorded again in that epoch, and a replacement goes on
 from the latest record that fit, or from the epoch's start.
 
+Where the records go. A worker of this host writes them into shared memory
+(``GeneratorRecord``), which outlives it. A Ray actor, maybe on another node, has no memory
+the training process can read after its death: it sends each record on its data channel
+as a message of its own (``SentRecord``, a RECORD beside the items, at the same moments:
+nothing more per item), and the main process keeps the latest ones of each worker
+(``ReceivedRecords``) as it reads the channel, with the dead one's last messages drained.
+
 Slot 0 holds the epoch's start; slots 1..``RING`` the latest mid-epoch records in turn. A
 record newer than what the loop received (items made, not yet sent: at most one message)
 cannot be used, so several are kept. Each slot is stamped with a sequence number stored
@@ -47,6 +54,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
+from collections import deque
 from typing import Any
 
 import torch
@@ -135,6 +143,61 @@ class GeneratorRecord:
         """How many records were written: more once a (replacement) worker began its epoch."""
         view = memoryview(self._memory).cast("B")
         return max(_HEAD.unpack_from(view, slot * SLOT_BYTES)[0] for slot in range(1 + RING))
+
+
+class SentRecord:
+    """A worker's records sent to the main process on its data channel (a Ray actor's):
+    each one a RECORD message of the lane that records, the items it made before it sent
+    first, so that it arrives after them. The main side keeps them (``ReceivedRecords``)."""
+
+    def write(self, epoch: int, position: int, states: bytes) -> bool:
+        """As ``GeneratorRecord.write``: False, and nothing sent, for a record over a slot's size."""
+        from .child.lanes import send_aside_current_lane
+
+        del epoch  # the lane stamps its own: the epoch being made
+        if len(states) + _HEAD.size > SLOT_BYTES:
+            return False
+        try:
+            send_aside_current_lane((position, states))
+        except Exception:  # the channel is gone (the service stops): the lane's next send says so
+            pass
+        return True
+
+
+class ReceivedRecords:
+    """The main process's copy of one worker's records (``SentRecord``): the epoch's start
+    and the latest ``RING`` mid-epoch ones of the epoch it is in, read as
+    ``GeneratorRecord`` is read. Written and read by the reading thread only."""
+
+    def __init__(self) -> None:
+        self._epoch = -1
+        self._records: deque[tuple[int, int, bytes]] = deque(maxlen=RING)  # (position, sequence, states)
+        self._start: tuple[int, int, bytes] | None = None
+        self._sequence = 0
+
+    def add(self, epoch: int, record: Any) -> None:
+        position, states = record
+        if epoch != self._epoch:
+            self._epoch, self._start = epoch, None
+            self._records.clear()
+        self._sequence += 1
+        entry = (position, self._sequence, states)
+        if position == 0:
+            self._start = entry
+        else:
+            self._records.append(entry)
+
+    def read(self, epoch: int, at_most: int) -> tuple[int, bytes] | None:
+        if epoch != self._epoch:
+            return None
+        found = [entry for entry in (self._start, *self._records) if entry is not None and entry[0] <= at_most]
+        if not found:
+            return None
+        position, _, states = max(found, key=lambda entry: entry[:2])
+        return position, states
+
+    def sequence(self) -> int:
+        return self._sequence
 
 
 class _Recording:

@@ -27,6 +27,7 @@ closes every data connection of this process (it never listens: its ends connect
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ _LOOK = 0.5  # seconds between two looks of a watcher at its actor
 _DEATH_REASON_WAIT = 10.0
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
 _KILL_CALL_WAIT = 2.0  # seconds one kill request may take before the stop moves on
+_DIED = -9  # an actor's exit code once Ray reported it dead (read as SIGKILL: Ray says no more)
 _STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
 RAY_CALL_THREAD = "mprs_plus ray call"  # the name of the helper threads of ``_bounded``
 
@@ -144,7 +146,7 @@ class ActorProcess:
         try:
             ray.get(self._run, timeout=0)
         except ray.exceptions.RayActorError as exc:
-            self.exitcode = -9
+            self.exitcode = _DIED
             self.reason = f"its Ray actor died: {_first_line(exc)}"
         except ray.exceptions.RayTaskError as exc:
             self.exitcode = 1
@@ -168,11 +170,19 @@ class ActorProcess:
         else:
             self.exitcode = 0
 
+    def stop_watching(self) -> None:
+        """The watcher ends at its next look (``close`` waits for it)."""
+        self._closing.set()
+
     def close(self) -> None:
+        """Idempotent: a replaced actor's process is closed when it is replaced, and again
+        by the placement's close (its descriptor number may belong to another file by then)."""
         self._closing.set()
         self._watcher.join(2 * _LOOK)
-        with contextlib.suppress(OSError):
-            os.close(self.sentinel)
+        sentinel, self.sentinel = self.sentinel, -1
+        if sentinel >= 0:
+            with contextlib.suppress(OSError):
+                os.close(sentinel)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -183,6 +193,9 @@ def _first_line(exc: BaseException) -> str:
 class RayPlacement:
     start_at_once = True  # no fork to save: every actor starts while the first epoch is sent
     on_this_host = False  # actors on any node of the cluster
+    # Seconds a child whose stream broke may take to be known dead: Ray reports it, and
+    # the watcher sees that on its next look (the local backend's is ``DEATH_GRACE``).
+    death_grace = _DEATH_REASON_WAIT
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
@@ -392,17 +405,24 @@ class RayPlacement:
         return any(receiver.failed_here() for _, receiver in self._streams.values())
 
     def close(self) -> None:
-        """Kill every actor still there and wait (bounded) until Ray reports it gone; stop
-        the local Ray this placement started, never a cluster it attached to.
+        """Kill every actor still there (replacements of dead ones included) and wait
+        (bounded) until Ray reports it gone; stop the local Ray this placement started,
+        never a cluster it attached to.
 
-        The kills and probes run in a helper thread joined with a deadline: a kill waits
-        on the control store in native code, which no timeout or signal of
-        this process can end, and a stop must never wait on a cluster that stopped
-        answering. Past the deadline the actors are left to Ray's owner-death rule (they
-        end when this process does)."""
+        Every actor is killed at once, each in a helper thread of its own that then waits
+        until Ray has it gone, all joined with one deadline: a kill waits on the control
+        store in native code, which no timeout or signal of this process can end, and the
+        kill of an actor Ray already knows dead may wait there longest. No kill waits for
+        another, so a live actor is killed whatever the dead ones' kills do, and a stop
+        never waits on a cluster that stopped answering. Past the deadline the actors are
+        left to Ray's owner-death rule (they end when this process does)."""
         processes, self.processes = self.processes, []
         deadline = time.monotonic() + _CLOSE_WAIT
-        _bounded(lambda: _kill_and_wait(processes), _CLOSE_WAIT)
+        for process in processes:
+            process.stop_watching()  # every watcher ends within one look, all together
+        helpers = [_in_helper(functools.partial(_kill_and_wait, process, deadline)) for process in processes]
+        for helper in helpers:
+            helper.join(max(0.0, deadline - time.monotonic()))
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
             process.close()
@@ -429,22 +449,23 @@ def _kill(actor: Any) -> None:
         ray.kill(actor, no_restart=True)
 
 
-def _kill_and_wait(processes: Sequence[ActorProcess]) -> None:
-    """In ``close``'s helper thread, which bounds the whole of it."""
-    for process in processes:
-        _kill(process.actor)
-    # A call to a killed actor fails once Ray has it dead: then it is gone for good.
-    probes = []
-    for process in processes:
-        with contextlib.suppress(Exception):
-            probes.append(process.actor.where.remote())
-    with contextlib.suppress(Exception):
-        ray.wait(probes, num_returns=len(probes), timeout=_CLOSE_WAIT)
+def _kill_and_wait(process: ActorProcess, deadline: float) -> None:
+    """In a helper thread of ``close``, one per actor: kill it, then wait until a call to
+    it fails (Ray has it dead: it is gone for good), at most until ``deadline``."""
+    _kill(process.actor)
+    probe = process.actor.where.remote()
+    ray.wait([probe], timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _bounded(call: Callable[[], Any], timeout: float) -> None:
     """Run ``call`` in a daemon thread and wait for it at most ``timeout`` seconds; its
     exceptions are dropped (a stop reports nothing of Ray's)."""
+    _in_helper(call).join(timeout)
+
+
+def _in_helper(call: Callable[[], Any]) -> threading.Thread:
+    """``call`` started in a daemon thread, its exceptions dropped; the caller joins it
+    with a timeout."""
 
     def run() -> None:
         with contextlib.suppress(Exception):
@@ -452,7 +473,7 @@ def _bounded(call: Callable[[], Any], timeout: float) -> None:
 
     helper = threading.Thread(target=run, name=RAY_CALL_THREAD, daemon=True)
     helper.start()
-    helper.join(timeout)
+    return helper
 
 
 def _endpoints(setup: Any) -> tuple[list[RayReceiver], list[StreamSender | StreamReceiver]]:

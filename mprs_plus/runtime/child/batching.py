@@ -169,6 +169,14 @@ class Batcher:
             if self._failed_epoch != self._epoch:
                 self._sender.send((kind, self._epoch, payload))
 
+    def send_aside(self, payload: Any) -> None:
+        """Send the items held, then a RECORD of this epoch carrying ``payload``: a message
+        for the main process's own use, rare (``generators.SentRecord``), never an item."""
+        with self._lock:
+            self._send_items()
+            if self._failed_epoch != self._epoch:
+                self._sender.send((Kind.RECORD, self._epoch, payload))
+
     def close(self) -> None:
         with self._lock:
             self._sender.close()

@@ -51,6 +51,7 @@ def enter_lane(lane: Lane) -> None:
     _current.flush = lane.flush
     _current.stats = lane.stats
     _current.borrow = lane.borrow
+    _current.aside = getattr(lane, "send_aside", None)
     if lane.stats is not None:
         lane.stats.start()
     if lane.liveness is not None:
@@ -75,6 +76,16 @@ def flush_current_lane() -> None:
     flush = getattr(_current, "flush", None)
     if flush is not None:
         flush()
+
+
+def send_aside_current_lane(payload: Any) -> bool:
+    """Send ``payload`` as a RECORD on the output channel of the calling thread's lane (a
+    worker output); False when the thread runs no such lane."""
+    aside = getattr(_current, "aside", None)
+    if aside is None:
+        return False
+    aside(payload)
+    return True
 
 
 def _exhausted() -> Any:
@@ -140,6 +151,9 @@ class OutputLane:
 
     def flush(self) -> None:
         self._batcher.flush()
+
+    def send_aside(self, payload: Any) -> None:
+        self._batcher.send_aside(payload)
 
     def close(self) -> None:
         self._batcher.close()

@@ -59,6 +59,8 @@ class MainChannels:
         stats: StatsWriter | None,
         asleep_for: Callable[[float], bool] | None = None,
         replace: Callable[[ChildLink, int, tuple[int, ...]], tuple[list[Any], ...]] | None = None,
+        records: Mapping[int, Any] | None = None,
+        death_grace: float = DEATH_GRACE,
     ) -> None:
         pairs = topology.data_receivers()
         self.receivers = [receiver for _, receiver in pairs]
@@ -85,6 +87,10 @@ class MainChannels:
         self._replace = replace
         self._received: list[list[int]] | None = [[0, 0] for _ in self.receivers] if replace else None
         self._fresh: dict[int, list[Any]] = {}  # channels replaced: their first message, due
+        # Workers that send their generator records on their data channel (Ray actors):
+        # each worker's ``generators.ReceivedRecords``, kept as RECORD messages are read.
+        self._records = records
+        self._death_grace = death_grace  # seconds a child whose channel broke may take to be known dead
         self.epoch = 0  # the main process's current epoch (``MainReader.begin_epoch``)
         self.mux: ChannelMux | None = None  # told of a replaced channel
 
@@ -107,11 +113,16 @@ class MainChannels:
         except ChannelError as exc:
             raise ServiceClosedError("the reading service was shut down during iteration") from exc
         received = self._received
-        if received is not None and message[0] == Kind.ITEMS and message[1] == self.epoch:
-            count = received[index]
-            if count[0] != self.epoch:
-                count[0], count[1] = self.epoch, 0
-            count[1] += len(message[2])
+        if received is not None:
+            kind = message[0]
+            if kind == Kind.ITEMS and message[1] == self.epoch:
+                count = received[index]
+                if count[0] != self.epoch:
+                    count[0], count[1] = self.epoch, 0
+                count[1] += len(message[2])
+            elif kind == Kind.RECORD:
+                self._keep_record(index, message)
+                return (Kind.ITEMS, message[1], [])  # nothing for the reader: it reads on
         return message
 
     def begin_epoch(self, epoch: int, consumed: Sequence[int] = ()) -> None:
@@ -123,15 +134,20 @@ class MainChannels:
             for worker, items in enumerate(consumed):
                 self._received[worker * self._outputs] = [epoch, items]
 
-    def _replace_dead(self, grace: float = DEATH_GRACE) -> list[ChildLink]:
+    def _keep_record(self, index: int, message: Message) -> None:
+        if self._records is not None:
+            self._records[self._worker_of[index]].add(message[1], message[2])
+
+    def _replace_dead(self, grace: float | None = None) -> list[ChildLink]:
         """Replace every dead worker, if replacements are allowed, and return them (none: the
         caller raises the death error). Raises the user's error when one cannot be replaced."""
         if self._replace is None:
             return []
         links = self._topology.started()
         # A process's sentinel fires as it exits, a moment before it can be reaped, and its
-        # channel can break a moment before that: give it that moment (``lifecycle.death_error``).
-        ready = wait([link.process.sentinel for link in links], grace)
+        # channel can break a moment before that: give it that moment (``lifecycle.death_error``;
+        # a Ray actor's death is known once Ray reports it, its placement's ``death_grace``).
+        ready = wait([link.process.sentinel for link in links], self._death_grace if grace is None else grace)
         for link in links:
             if link.process.sentinel in ready:
                 link.process.join(DEATH_GRACE)
@@ -230,6 +246,8 @@ class MainChannels:
                 break
             if kind == Kind.ITEMS and epoch == self.epoch:
                 items.extend(payload)
+            elif kind == Kind.RECORD:
+                self._keep_record(index, (kind, epoch, payload))
         if count[0] != self.epoch:
             count[0], count[1] = self.epoch, 0
         count[1] += len(items)
@@ -330,8 +348,12 @@ class MainReader:
         asleep_for: Callable[[float], bool] | None = None,
         windows: Mapping[int, ItemWindow] | None = None,
         replace: Callable[[ChildLink, int, tuple[int, ...]], tuple[list[Any], ...]] | None = None,
+        records: Mapping[int, Any] | None = None,
+        death_grace: float = DEATH_GRACE,
     ) -> None:
-        channels = MainChannels(topology, gate, death_error, timeout, stats, asleep_for, replace)
+        channels = MainChannels(
+            topology, gate, death_error, timeout, stats, asleep_for, replace, records, death_grace
+        )
         self.epoch = 0
         self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait, gate.nudge)
         channels.mux = self._mux

@@ -26,7 +26,9 @@ same set.
 Memory: a killed process cannot be asked for its memory, so while replacements are
 allowed a thread samples each worker's resident memory, and the machine's and cgroup's
 use, twice a second (``MemoryWatch``): the warning names the last sample, and says
-"likely the out-of-memory killer" for a SIGKILL with memory near a limit then.
+"likely the out-of-memory killer" for a SIGKILL with memory near a limit then. A Ray
+actor (``backends/ray``) is not sampled: its memory is another node's; its records reach
+the main process on its data channel (``generators.SentRecord``).
 """
 
 from __future__ import annotations

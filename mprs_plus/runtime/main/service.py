@@ -75,7 +75,7 @@ from .lifecycle import DEATH_GRACE
 from .replacement import LostItem, Replacements
 from .topology import ChildLink, Topology, plan_topology
 from ..child.worker import WorkerSetup, worker_main
-from ..generators import GeneratorRecord
+from ..generators import GeneratorRecord, ReceivedRecords, SentRecord
 
 if TYPE_CHECKING:
     from ...stats import Stats
@@ -171,6 +171,9 @@ class ServiceRuntime:
         self._replacements: Replacements | None = None
         self._setups: dict[int, WorkerSetup] = {}
         self._sent: dict[int, list[Any]] = {}
+        # Workers that send their generator records in-band (not of this host: Ray actors),
+        # their records as the main process read them (``generators.ReceivedRecords``).
+        self._received_records: dict[int, ReceivedRecords] | None = None
         self.figures = Figures()
         self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
         weakref.finalize(self, self._supervisor.stop)
@@ -211,6 +214,8 @@ class ServiceRuntime:
             self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
             self.figures.replacements = self._replacements.made
             replace = pinning_as_now(_weak_method(self, ServiceRuntime._replace_worker))  # its channels pinned as ours
+            if not supervisor.placement.on_this_host:
+                self._received_records = {link.index: ReceivedRecords() for link in topology.workers}
         try:
             windows = _wire_children(
                 self.plan, self.options, topology, supervisor, stats, liveness, self._ctx, self._setups
@@ -231,6 +236,8 @@ class ServiceRuntime:
                 lambda seconds: liveness.asleep_for(lanes, seconds),
                 windows,
                 replace,
+                self._received_records,
+                getattr(supervisor.placement, "death_grace", DEATH_GRACE),
             )
             self.figures.watch(stats, self._reader)
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
@@ -238,7 +245,8 @@ class ServiceRuntime:
         except BaseException:
             supervisor.stop()
             raise
-        if self._replacements is not None:
+        if self._replacements is not None and supervisor.placement.on_this_host:
+            # A process of another node cannot be sampled here: its memory stays unknown.
             workers = topology.workers
             self._replacements.memory.start(
                 self.lifecycle, lambda: [link.process.pid for link in workers if link.process is not None]
@@ -382,9 +390,12 @@ class ServiceRuntime:
         process = link.process
         process.join(DEATH_GRACE)
         setup = self._setups[link.index]
-        record = setup.record
-        making = tuple(lane.making(epoch) for lane in setup.liveness) or None  # which item it died making
-        for lane in setup.liveness:
+        record = setup.record if self._received_records is None else self._received_records[link.index]
+        # Which item it died making: slots of this host's shared memory, which a Ray actor
+        # never writes (then the items received stand for it, ``Replacements.on_death``).
+        lanes = setup.liveness if supervisor.placement.on_this_host else ()
+        making = tuple(lane.making(epoch) for lane in lanes) or None
+        for lane in lanes:
             lane.forget()  # the replacement has begun none yet
         made = replacements.on_death(
             link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, making
@@ -524,13 +535,21 @@ def _wire_children(
             stats=stats.writers(link) if stats is not None else (),
             liveness=tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
             windows=tuple(lane_windows),
-            record=GeneratorRecord(ctx) if options.worker_restarts and ctx is not None else None,
+            record=_generator_record(options, supervisor.placement, ctx),
         )
         if setups is not None:
             setups[link.index] = setup
         supervisor.prepare(link, worker_main, setup)
     topology.freeze()
     return windows
+
+
+def _generator_record(options: Options, placement: Any, ctx: Any) -> GeneratorRecord | SentRecord | None:
+    """Where a worker records its generators for a replacement (``generators.py``): shared
+    memory on this host; its data channel from a Ray actor, whose memory dies with it."""
+    if not options.worker_restarts or ctx is None:
+        return None
+    return GeneratorRecord(ctx) if placement.on_this_host else SentRecord()
 
 
 def _weak_method(owner: Any, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,7 +25,7 @@
                processes' handles (each ``Process`` keeps two pipe descriptors): a
                shut-down service that is still referenced holds no descriptor
             6. close the placement (``backends``): nothing locally; on Ray, every actor
-               killed and waited for (bounded)
+               (replaced ones included) killed and waited for, each on its own (bounded)
             7. the state moves to STOPPED
 
 Every step runs whatever the previous ones raised (``_Steps``), so escalation and release
