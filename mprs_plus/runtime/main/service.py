@@ -46,7 +46,7 @@ import multiprocessing
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch.utils.data import IterDataPipe
 from torch.utils.data.graph import traverse_dps
@@ -387,26 +387,10 @@ class ServiceRuntime:
         )
         lost = tuple(made.items if made.poison else -1 for _ in received)
         skip = tuple(n + 1 if made.poison else n for n in received)
-        control, control_rx = supervisor.placement.open_channel(
-            capacity_items=CONTROL_ITEMS, capacity_bytes=CONTROL_BYTES, control=True
-        )
-        ends: list[Any] = [control_rx]
-        data = []
-        try:
-            for _ in range(link.lanes):
-                tx, rx = supervisor.placement.open_channel(
-                    capacity_items=self.options.items_in_flight_per_worker, capacity_bytes=_DATA_BYTES
-                )
-                ends.append(tx)
-                data.append(rx)
-        except BaseException:
-            for end in [control, *data, *ends]:
-                with contextlib.suppress(Exception):
-                    end.close()
-            raise
-        self._setups[link.index] = setup = setup._replace(control=control_rx, data=tuple(ends[1:]))
+        opened = _open_worker_ends(supervisor.placement, self.options, link.lanes, 0)
+        self._setups[link.index] = setup = setup._replace(control=opened.control_rx, data=opened.senders)
         # Its statistics rows, liveness slots, item windows and generator record are the dead one's.
-        supervisor.relaunch(link, control, tuple(data), worker_main, setup, ends)
+        supervisor.relaunch(link, opened.control, opened.receivers, worker_main, setup, opened.childs())
         sent = self._sent.get(link.index, [])
         if record is not None:
             self._records_at[link.index] = record.sequence()  # the replacement writes one more as it begins
@@ -463,60 +447,49 @@ def _wire_children(
     them, ``transport/_memory.py``), so this costs a few system calls per channel."""
     program = build_worker_program(plan)
     dispatch_sources = build_dispatch_sources(plan)
-
-    def channel(items: int, size: int, control: bool = False) -> tuple[Sender, Receiver]:
-        return supervisor.placement.open_channel(capacity_items=items, capacity_bytes=size, control=control)
-
-    worker_inputs: dict[int, list[Receiver]] = {link.index: [] for link in topology.workers}
-    if topology.dispatch is not None and dispatch_sources is not None:
-        link, (sources, groups) = topology.dispatch, dispatch_sources
-        buffer = options.dispatch_channel_items
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
-        supervisor.hold(control_rx)
-        rows = []
-        for _ in sources:
-            row = []
-            for worker in topology.workers:
-                tx, rx = channel(buffer, _DATA_BYTES)  # between two children: both ends held
-                supervisor.hold(tx, rx)
-                row.append(tx)
-                worker_inputs[worker.index].append(rx)
-            rows.append(tuple(row))
+    placement = supervisor.placement
+    dispatch = topology.dispatch if dispatch_sources is not None else None
+    if dispatch is not None:
+        dispatch.control, dispatch_control = placement.open_channel(
+            capacity_items=CONTROL_ITEMS, capacity_bytes=CONTROL_BYTES, control=True
+        )
+        supervisor.hold(dispatch_control)
+    opened: dict[int, _WorkerEnds] = {}
+    for link in topology.workers:
+        ends = _open_worker_ends(placement, options, link.lanes, dispatch.lanes if dispatch is not None else 0)
+        supervisor.hold(*ends.childs(), *ends.dealt)  # between two children, both ends belong to them
+        link.control, link.data = ends.control, ends.receivers
+        opened[link.index] = ends
+    if dispatch is not None and dispatch_sources is not None:
+        sources, groups = dispatch_sources
         from ..child.dispatch import DispatchSetup, dispatch_main  # only a plan with a dispatch segment needs it
 
         setup = DispatchSetup(
             sources,
             len(topology.workers),
-            control_rx,
-            tuple(rows),
+            dispatch_control,
+            tuple(tuple(opened[w.index].dealt[d] for w in topology.workers) for d in range(dispatch.lanes)),
             options.dispatch_init_fn,
             groups,
-            min(64, buffer),
-            stats.writers(link) if stats is not None else (),
-            tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
+            min(64, options.dispatch_channel_items),
+            stats.writers(dispatch) if stats is not None else (),
+            tuple(liveness.lane(row) for row in dispatch.stats_rows) if liveness is not None else (),
         )
-        supervisor.prepare(link, dispatch_main, setup)
-    windowed = options.items_ahead is not None and supervisor.placement.on_this_host and ctx is not None
+        supervisor.prepare(dispatch, dispatch_main, setup)  # prepared first: it starts first
+    windowed = options.items_ahead is not None and placement.on_this_host and ctx is not None
     windows: dict[int, ItemWindow] = {}
     for link in topology.workers:
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
-        supervisor.hold(control_rx)
-        senders = []
+        ends = opened[link.index]
         lane_windows = []
-        for _ in range(link.lanes):
-            tx, rx = channel(options.items_in_flight_per_worker, _DATA_BYTES)
-            link.data += (rx,)
-            supervisor.hold(tx)
-            senders.append(tx)
-            if windowed:
-                lane_windows.append(windows.setdefault(id(rx), ItemWindow(ctx, options.items_ahead)))
+        if windowed:
+            lane_windows = [windows.setdefault(id(rx), ItemWindow(ctx, options.items_ahead)) for rx in ends.receivers]
         setup = WorkerSetup(
             worker_id=link.index,
             num_workers=len(topology.workers),
             program=program,
-            control=control_rx,
-            data=tuple(senders),
-            inputs=tuple(worker_inputs[link.index]),
+            control=ends.control_rx,
+            data=ends.senders,
+            inputs=ends.inputs,
             init_fn=options.worker_init_fn,
             reset_fn=options.worker_reset_fn,
             stats=stats.writers(link) if stats is not None else (),
@@ -529,6 +502,51 @@ def _wire_children(
         supervisor.prepare(link, worker_main, setup)
     topology.freeze()
     return windows
+
+
+class _WorkerEnds(NamedTuple):
+    """The channels of one worker, opened together (``_open_worker_ends``)."""
+
+    control: Sender  # main -> the worker: the main process's end
+    control_rx: Receiver  # the worker's
+    senders: tuple[Sender, ...]  # the worker's, one per output lane
+    receivers: tuple[Receiver, ...]  # the main process's
+    dealt: tuple[Sender, ...]  # dispatcher d -> the worker: the dispatch process's, one per dispatcher
+    inputs: tuple[Receiver, ...]  # the worker's
+
+    def childs(self) -> list[Any]:
+        """The ends that belong to the worker process."""
+        return [self.control_rx, *self.senders, *self.inputs]
+
+
+def _open_worker_ends(placement: Any, options: Options, lanes: int, dispatchers: int) -> _WorkerEnds:
+    """Open a worker's control channel, a data channel per output lane, and an input channel
+    per dispatcher: as the service starts, and for a replacement. Closes what it opened
+    when one fails to open."""
+    opened: list[Any] = []
+
+    def channel(items: int, size: int, control: bool = False) -> tuple[Any, Any]:
+        ends = placement.open_channel(capacity_items=items, capacity_bytes=size, control=control)
+        opened.extend(ends)
+        return ends
+
+    try:
+        control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
+        data = [channel(options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(lanes)]
+        inputs = [channel(options.dispatch_channel_items, _DATA_BYTES) for _ in range(dispatchers)]
+    except BaseException:
+        for end in opened:
+            with contextlib.suppress(Exception):
+                end.close()
+        raise
+    return _WorkerEnds(
+        control,
+        control_rx,
+        tuple(tx for tx, _ in data),
+        tuple(rx for _, rx in data),
+        tuple(tx for tx, _ in inputs),
+        tuple(rx for _, rx in inputs),
+    )
 
 
 def _weak_method(owner: Any, method: Callable[..., Any]) -> Callable[..., Any]:
