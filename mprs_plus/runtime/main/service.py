@@ -59,7 +59,7 @@ from ...transport import Receiver, Sender
 from .lifecycle import stop_at_exit
 from .gate import CLOSED_MESSAGE
 from .reader import MainReader
-from ..control_messages import Limit, Pause, Reset, Resume, pack
+from ..control_messages import Limit, Pause, Redeal, Reset, Resume, pack, pack_ends
 from .cursor import ReadCursor
 from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
@@ -198,12 +198,6 @@ class ServiceRuntime:
         lanes = [row for link in topology.children() for row in link.stats_rows]
         replace = None
         if self.options.worker_restarts:
-            if topology.dispatch is not None:
-                supervisor.stop()
-                raise ValueError(
-                    "worker_restarts is not supported yet for a pipeline with a dispatch process "
-                    "(sharding_round_robin_dispatch): its workers' inputs cannot be dealt again. Pass worker_restarts=0"
-                )
             outputs = [self.plan.graph.datapipes[index] for index in self.plan.worker_outputs]
             skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
             self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
@@ -387,10 +381,22 @@ class ServiceRuntime:
         )
         lost = tuple(made.items if made.poison else -1 for _ in received)
         skip = tuple(n + 1 if made.poison else n for n in received)
-        opened = _open_worker_ends(supervisor.placement, self.options, link.lanes, 0)
-        self._setups[link.index] = setup = setup._replace(control=opened.control_rx, data=opened.senders)
+        dispatch = self._topology.dispatch
+        opened = _open_worker_ends(supervisor.placement, self.options, link.lanes, dispatch.lanes if dispatch else 0)
+        self._setups[link.index] = setup = setup._replace(
+            control=opened.control_rx, data=opened.senders, inputs=opened.inputs
+        )
         # Its statistics rows, liveness slots, item windows and generator record are the dead one's.
-        supervisor.relaunch(link, opened.control, opened.receivers, worker_main, setup, opened.childs())
+        try:
+            supervisor.relaunch(link, opened.control, opened.receivers, worker_main, setup, opened.childs())
+            if dispatch is not None:
+                # Each dispatcher deals the new worker this epoch's items again, then goes on
+                # dealing to it (``child/redeal.py``); the replacement replays from the start.
+                supervisor.send(dispatch, Redeal(link.index, pack_ends(opened.dealt)))
+        finally:
+            for sender in opened.dealt:  # the dispatch process has its own now (or never will)
+                with contextlib.suppress(Exception):
+                    sender.release()
         sent = self._sent.get(link.index, [])
         if record is not None:
             self._records_at[link.index] = record.sequence()  # the replacement writes one more as it begins
@@ -474,6 +480,7 @@ def _wire_children(
             min(64, options.dispatch_channel_items),
             stats.writers(dispatch) if stats is not None else (),
             tuple(liveness.lane(row) for row in dispatch.stats_rows) if liveness is not None else (),
+            redeals=bool(options.worker_restarts),
         )
         supervisor.prepare(dispatch, dispatch_main, setup)  # prepared first: it starts first
     windowed = options.items_ahead is not None and placement.on_this_host and ctx is not None
