@@ -195,3 +195,16 @@ class KillsInEpoch(KillAt):
                 if len(log.read()) != 2:
                     return x * 10 + random.randrange(10)
         return super().__call__(x)
+
+
+class KillOnceArmed(KillAt):
+    """``KillAt`` that kills only once the file ``armed`` exists (a restored run)."""
+
+    def __init__(self, value, marker, armed):
+        super().__init__(value, marker)
+        self.armed = armed
+
+    def __call__(self, x):
+        if x == self.value and not os.path.exists(self.armed):
+            return x * 10 + random.randrange(10)
+        return super().__call__(x)

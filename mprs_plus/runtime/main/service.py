@@ -379,8 +379,13 @@ class ServiceRuntime:
         made = replacements.on_death(
             link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, began
         )
-        lost = tuple(made.items if made.poison else -1 for _ in received)
-        skip = tuple(n + 1 if made.poison else n for n in received)
+        sent = self._sent.get(link.index, [])
+        # Where each lane stands in its epoch's stream: in a restored epoch, the items the
+        # user had before the checkpoint (the epoch's first Reset skips them) come first.
+        before = sent[0].skip if sent and isinstance(sent[0], Reset) else ()
+        at = tuple(n + (before[k] if k < len(before) else 0) for k, n in enumerate(received))
+        lost = tuple(n if made.poison else -1 for n in at)
+        skip = tuple(n + 1 if made.poison else n for n in at)
         dispatch = self._topology.dispatch
         opened = _open_worker_ends(supervisor.placement, self.options, link.lanes, dispatch.lanes if dispatch else 0)
         self._setups[link.index] = setup = setup._replace(
@@ -397,19 +402,18 @@ class ServiceRuntime:
             for sender in opened.dealt:  # the dispatch process has its own now (or never will)
                 with contextlib.suppress(Exception):
                     sender.release()
-        sent = self._sent.get(link.index, [])
         if record is not None:
             self._records_at[link.index] = record.sequence()  # the replacement writes one more as it begins
         if sent:
             first = sent[0]
             # The latest record at or before what the loop has (the poison item excluded).
-            recorded = record.read(first.epoch, min(received)) if record is not None else None
+            recorded = record.read(first.epoch, min(at)) if record is not None else None
             restore = pack(recorded) if recorded is not None else b""
             messages = [first._replace(skip=skip, restore=restore, lost=lost, careful=CAREFUL_ITEMS), *sent[1:]]
             for message in messages:
                 supervisor.send(link, message)
         lost_items: tuple[list[Any], ...] = tuple(
-            [LostItem(link.index, made.items, made.pid, made.cause)] if made.poison else [] for _ in received
+            [LostItem(link.index, n, made.pid, made.cause)] if made.poison else [] for n in at
         )
         return lost_items
 
