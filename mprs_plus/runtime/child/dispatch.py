@@ -20,6 +20,8 @@ worker's broken channel then never ends a lane.
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -93,8 +95,11 @@ def _redealer(lanes: list[Any]) -> Callable[[Received], bool]:
             return False
         try:
             senders = unpack(message.payload)  # each end's descriptors are fetched from the main process here
-        except Exception:
-            return False  # lane 0 reads it again and ends the epoch's streams with the reason
+        except BaseException:
+            # The replacement can never be fed: end this process, which the main process
+            # reports at once as the dispatch process's death, rather than leave it waiting.
+            traceback.print_exc()
+            os._exit(1)
         for lane, sender in zip(lanes, senders):
             lane.redeal(message.worker, sender)
         return True
