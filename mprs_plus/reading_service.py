@@ -77,6 +77,8 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         worker_restarts: dead worker processes replaced in the service's life, all workers
             together (default 0: a dead worker is an error). A replacement goes on where
             the dead one stopped: the same items in the same order (docs/worker-restarts.md).
+            With a dispatch process, each dispatcher keeps the items it dealt in the
+            current epoch, to deal them again to a replacement; its own death is an error.
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.

@@ -204,3 +204,87 @@ class LargeState(CountsWithState):
 
     def state_dict(self):
         return {**super().state_dict(), "padding": bytes(100 << 10)}
+class NotesDealt:
+    """A DataPipe map function of the dispatch segment: writes the latest item it made to
+    ``path`` (replaced whole, so a reader never sees half a number), and a letter to
+    ``path + ".epochs"`` at each epoch's first item."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, x):
+        if self.path is not None:
+            if x == 0:
+                with open(self.path + ".epochs", "a") as log:
+                    log.write("e")
+            with open(self.path + ".new", "w") as note:
+                note.write(str(x))
+            os.replace(self.path + ".new", self.path)
+        return x
+
+
+class KillOnceDealt(KillAt):
+    """``KillAt`` whose item ``value`` first waits (60 s at most) until the dispatch process
+    has made item ``dealt`` (``NotesDealt``), and notes in ``marker + ".saw"`` that it did:
+    the kill then comes while the dispatcher is sending to this worker's full channel."""
+
+    def __init__(self, value, marker, notes, dealt):
+        super().__init__(value, marker)
+        self.notes, self.dealt = notes, dealt
+
+    def __call__(self, x):
+        if x == self.value and self.marker is not None and not os.path.exists(self.marker):
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline:
+                try:
+                    with open(self.notes) as note:
+                        made = int(note.read())
+                except (OSError, ValueError):
+                    made = -1
+                if made >= self.dealt:
+                    with open(self.marker + ".saw", "w"):
+                        pass
+                    break
+                time.sleep(0.001)  # a re-check of a condition, bounded by the deadline
+        return super().__call__(x)
+
+
+class ChainedKillsMap:
+    """A DataPipe map function: each (item, marker) of ``kills`` kills its process the first time."""
+
+    def __init__(self, kills):
+        self.kills = dict(kills)
+
+    def __call__(self, x):
+        if x in self.kills:
+            die_once(self.kills[x])
+        return x
+
+
+class KillsInEpoch(KillAt):
+    """``KillAt`` that kills only in the second epoch, as counted in ``epochs`` (written by
+    ``NotesDealt`` in the dispatch process before it deals the epoch's first item)."""
+
+    def __init__(self, value, marker, epochs):
+        super().__init__(value, marker)
+        self.epochs = epochs
+
+    def __call__(self, x):
+        if x == self.value:
+            with open(self.epochs) as log:
+                if len(log.read()) != 2:
+                    return x * 10 + random.randrange(10)
+        return super().__call__(x)
+
+
+class KillOnceArmed(KillAt):
+    """``KillAt`` that kills only once the file ``armed`` exists (a restored run)."""
+
+    def __init__(self, value, marker, armed):
+        super().__init__(value, marker)
+        self.armed = armed
+
+    def __call__(self, x):
+        if x == self.value and not os.path.exists(self.armed):
+            return x * 10 + random.randrange(10)
+        return super().__call__(x)

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 import mprs_plus
 from restart_datasets import (
     ChainedKills,
+    ChainedKillsMap,
     CountsReads,
     CountsWithState,
     DiesInInit,
@@ -500,21 +501,6 @@ def test_a_poison_item_of_a_datapipe_pipeline_is_the_error_it_cannot_be_left_out
         loader.shutdown()
 
 
-def test_worker_restarts_with_a_dispatch_process_is_refused_at_start():
-    from torchdata.dataloader2 import DataLoader2
-    from torchdata.datapipes.iter import IterableWrapper
-    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-
-    pipe = IterableWrapper(range(8)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(abs)
-    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1)
-    with pytest.raises(ValueError, match="not supported yet for a pipeline with a dispatch process"):
-        loader = DataLoader2(pipe, reading_service=service)
-        try:
-            list(loader)
-        finally:
-            loader.shutdown()
-
-
 def test_a_replacements_channels_are_laid_out_as_the_dead_workers(tmp_path, monkeypatch):
     """A loader that pins opens its channels inside ``pinning_receivers()`` (its feeding's
     ``channels()``), so that their lend areas are cut into page-lock chunks; a replacement's
@@ -543,3 +529,205 @@ def test_a_replacements_channels_are_laid_out_as_the_dead_workers(tmp_path, monk
     assert (tmp_path / "killed").exists() and got == expected
     assert first > 0 and len(layouts) > first  # the replacement opened channels of its own
     assert set(layouts) == {1}
+
+
+def dispatched(n, worker_map, notes=None, epochs=1, **options):
+    """Each epoch's items of a DataPipe pipeline whose items a dispatch process deals
+    (``sharding_round_robin_dispatch``), ``worker_map`` applied in the workers; and the
+    service's replacements."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    from restart_datasets import NotesDealt
+
+    pipe = IterableWrapper(range(n)).map(NotesDealt(notes))
+    pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(worker_map)
+    options.setdefault("num_workers", 2)
+    service = mprs_plus.MultiProcessingReadingService(**options)
+    loader = DataLoader2(pipe, reading_service=service)
+    loader.seed(7)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [list(loader) for _ in range(epochs)]
+        return got, service.stats().replacements, replaced(caught)
+    finally:
+        loader.shutdown()
+
+
+@pytest.mark.parametrize(
+    "start_method, in_order", [("fork", True), ("fork", False), ("spawn", True), ("forkserver", True)]
+)
+def test_a_worker_fed_by_a_dispatch_process_is_replaced_and_dealt_its_epoch_again(tmp_path, start_method, in_order):
+    """Worker 1 dies at item 97 with items dealt to it and not made into outputs; the
+    dispatch process deals its replacement the epoch again, which replays it (drawing
+    what the dead one drew) and goes on: the uninterrupted run's items, in order with
+    in_order=True, the same set with in_order=False. Under spawn and forkserver too: the
+    new channels' ends reach the running dispatch process whatever started it."""
+    options = {"in_order": in_order, "multiprocessing_context": start_method}
+    (expected,), _, _ = dispatched(160, KillAt(-1, None), **options)
+    (got,), made, said = dispatched(160, KillAt(97, str(tmp_path / "killed")), worker_restarts=1, **options)
+    assert (tmp_path / "killed").exists()  # the death happened
+    assert [(m.worker, m.cause) for m in made] == [(1, "SIGKILL")] and len(said) == 1
+    if in_order:
+        assert got == expected
+    else:
+        assert sorted(got) == sorted(expected) and len(got) == 160
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_worker_killed_while_the_dispatcher_waits_on_its_full_channel(tmp_path, in_order):
+    """Each dispatch channel holds one item, one per message. Worker 1 stops at item 151
+    until the dispatch process has made item 155: 153 then fills worker 1's channel, so
+    the dispatcher is sending 155 to it, a send that cannot end while worker 1 lives. Then
+    worker 1 dies: the broken channel frees the dispatcher, which goes on dealing to
+    worker 0 and deals the replacement its epoch again."""
+    from restart_datasets import KillOnceDealt
+
+    marker, notes = str(tmp_path / "killed"), str(tmp_path / "dealt")
+    (expected,), _, _ = dispatched(200, KillAt(-1, None), in_order=in_order, dispatch_buffer_size=1)
+    (got,), made, _ = dispatched(
+        200, KillOnceDealt(151, marker, notes, 155), notes, worker_restarts=1, in_order=in_order, dispatch_buffer_size=1
+    )
+    assert os.path.exists(marker + ".saw")  # the dispatcher had made item 155 before the kill
+    assert [(m.worker, m.cause) for m in made] == [(1, "SIGKILL")]
+    if in_order:
+        assert got == expected
+    else:
+        assert sorted(got) == sorted(expected) and len(got) == 200
+
+
+def test_a_dispatch_fed_worker_killed_in_a_later_epoch_of_persistent_workers(tmp_path):
+    """The dispatch process's log holds one epoch: a death in the second epoch is dealt
+    that epoch again, and the first epoch's items are not."""
+    from restart_datasets import KillsInEpoch
+
+    expected, _, _ = dispatched(60, KillAt(-1, None), epochs=3)
+    notes = str(tmp_path / "dealt")
+    killer = KillsInEpoch(41, str(tmp_path / "killed"), notes + ".epochs")
+    got, made, _ = dispatched(60, killer, notes, epochs=3, worker_restarts=1)
+    assert got == expected
+    assert [(m.worker, m.epoch) for m in made] == [(1, 2)]
+
+
+def test_a_dispatch_fed_worker_dead_twice_uses_the_budget_then_is_the_error(tmp_path):
+    """A replacement that dies too is replaced in turn (dealt the epoch once more); once the
+    budget is spent, the next death is the error it is without the option."""
+    kills = ChainedKillsMap({31: str(tmp_path / "first"), 71: str(tmp_path / "second")})
+    (expected,), _, _ = dispatched(100, ChainedKillsMap({}))
+    (got,), made, _ = dispatched(100, kills, worker_restarts=2)
+    assert got == expected and [m.worker for m in made] == [1, 1]
+    kills = ChainedKillsMap({31: str(tmp_path / "third"), 71: str(tmp_path / "fourth")})
+    with pytest.raises(RuntimeError, match=r"1 dead worker\(s\) were replaced before"):
+        dispatched(100, kills, worker_restarts=1)
+
+
+def test_a_dispatch_process_that_dies_is_still_the_error(tmp_path):
+    """Only workers are replaced: the dispatch process's death ends the epoch as without
+    the option."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    pipe = IterableWrapper(range(100)).map(KillAt(40, str(tmp_path / "killed")))
+    pipe = pipe.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(abs)
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=3)
+    loader = DataLoader2(pipe, reading_service=service)
+    try:
+        with pytest.raises(RuntimeError, match="dispatch"):
+            list(loader)
+        assert not service.stats().replacements
+    finally:
+        loader.shutdown()
+
+
+def test_a_dispatch_fed_replacement_leaves_no_descriptor_or_mapping_behind(tmp_path):
+    """The dead worker's channels, in this process and in the dispatch process, are let go
+    of: while it runs and once shut down, a service that replaced a worker holds what one
+    nobody killed holds. The first replacement of the process starts multiprocessing's
+    resource sharer (one socket for the process's life, docs/worker-restarts.md): a first
+    run takes it out of the comparison."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    import psutil
+    from test_release import snapshot
+
+    def held(marker):
+        pipe = IterableWrapper(range(100)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1, collect_stats=True)
+        loader = DataLoader2(pipe.map(KillAt(61, marker)), reading_service=service)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            list(loader)
+        running = snapshot()
+        (dispatch,) = [p.pid for p in service.stats().processes if p.role == "dispatch"]
+        dispatch_fds = psutil.Process(dispatch).num_fds()
+        loader.shutdown()
+        return running, dispatch_fds, snapshot()
+
+    held(str(tmp_path / "first"))
+    assert held(str(tmp_path / "killed")) == held(None)
+    assert (tmp_path / "killed").exists()
+
+
+def test_a_worker_killed_in_a_restored_epoch_goes_on_after_the_checkpoint(tmp_path):
+    """A restored epoch's workers first skip what the user had before the checkpoint: a
+    replacement there skips those too, and the loop gets the rest of the uninterrupted run."""
+    marker, armed = str(tmp_path / "killed"), str(tmp_path / "armed")
+    expected = batches(mprs_plus.DataLoader, Draws(n=96), worker_restarts=1)[0]
+    torch.manual_seed(0)
+    first = mprs_plus.DataLoader(Draws(n=96, kill_at=61, marker=marker, armed=armed), batch_size=4, num_workers=2)
+    it = iter(first)
+    head = [_plain(next(it)) for _ in range(6)]
+    state = first.state_dict()
+    del it, first
+    open(armed, "w").close()  # sample 61, in batch 15, kills its worker from now on
+    second = mprs_plus.DataLoader(
+        Draws(n=96, kill_at=61, marker=marker, armed=armed), batch_size=4, num_workers=2, worker_restarts=1
+    )
+    second.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rest = [_plain(batch) for batch in second]
+    assert head + rest == expected
+    assert os.path.exists(marker)
+
+
+def test_a_dispatch_fed_worker_killed_in_a_restored_epoch_goes_on_after_the_checkpoint(tmp_path):
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    from restart_datasets import KillOnceArmed
+
+    marker, armed = str(tmp_path / "killed"), str(tmp_path / "armed")
+
+    def loader():
+        pipe = IterableWrapper(range(120)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1)
+        made = DataLoader2(pipe.map(KillOnceArmed(81, marker, armed)), reading_service=service)
+        made.seed(3)
+        return made
+
+    full = loader()
+    expected = list(full)
+    full.shutdown()
+    first = loader()
+    it = iter(first)
+    head = [next(it) for _ in range(30)]
+    state = first.state_dict()
+    first.shutdown()
+    open(armed, "w").close()  # the restored pipeline (the checkpoint holds it) kills at item 81
+    second = loader()
+    second.load_state_dict(state)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            rest = list(second)
+    finally:
+        second.shutdown()
+    assert head + rest == expected
+    assert os.path.exists(marker)

@@ -24,13 +24,14 @@ Rooms by process: a module's folder says where its code runs.
       dispatch.py    the dispatch process: deals items round-robin to the workers
       loop.py        lanes that produce, a listener that reads control messages
       lanes.py       what each lane produces and where it writes
+      redeal.py      worker_restarts: a dispatch lane that deals a replaced worker its epoch again
       batching.py    items bound for one channel, in batches
       control.py     how a child applies control messages to its segment copy
       seeding.py     numpy's global generator seeded per epoch, loaded only if used
       lifecycle.py   what a child does first (SIGINT, parent watch, threads)
       allocator.py   glibc's malloc thresholds pinned, so large samples reuse the heap
     (here)     both sides
-      control_messages.py  main -> child: Reset, Pause, Resume, Limit
+      control_messages.py  main -> child: Reset, Pause, Resume, Limit, Redeal
       data_messages.py     child -> next process: items, end, remote errors
       mux.py               several channels read as one
       liveness.py          which child lanes sleep in a channel wait (a stuck read's evidence)

@@ -6,6 +6,9 @@
     Pause(epoch, payload)    stop at the next item boundary; payload: pause_fn | None
     Resume(epoch, payload)   go on; payload: resume_fn | None
     Limit(epoch, payload)    payload: (num_batches | None, limit_fn)
+    Redeal(worker, payload)  dispatch process only: worker ``worker`` was replaced; payload:
+                             per dispatcher, the sending end of a new channel to it
+                             (``pack_ends``); deal it again what it was dealt this epoch
 
 There is no STOP message: the main process closes the control channel, and the child's
 listener turns the end of the stream into ``Stop()`` (closing never waits, a send could).
@@ -59,6 +62,14 @@ class Limit(NamedTuple):
     payload: bytes
 
 
+class Redeal(NamedTuple):
+    """Read by the dispatch process's listener as it arrives (never queued behind a lane
+    that waits for room in a channel): see ``child/redeal.py``."""
+
+    worker: int
+    payload: bytes
+
+
 class Stop(NamedTuple):
     """Made by the child's listener when the control channel ends; never sent."""
 
@@ -69,12 +80,21 @@ class Unreadable(NamedTuple):
     error: RemoteError
 
 
-Control = Reset | Pause | Resume | Limit
+Control = Reset | Pause | Resume | Limit | Redeal
 Received = Control | Stop | Unreadable
 
 
 def pack(value: Any) -> bytes:
     return pickle.dumps(value, protocol=5)
+
+
+def pack_ends(value: Any) -> bytes:
+    """``value`` holding channel ends, for a child that is running already: multiprocessing's
+    pickler hands each descriptor over as the child unpickles it (its resource sharer, a
+    Unix socket that checks the process family's key), whichever the transport."""
+    from multiprocessing.reduction import ForkingPickler
+
+    return bytes(ForkingPickler.dumps(value, protocol=5))
 
 
 def unpack(payload: bytes) -> Any:

@@ -122,6 +122,10 @@ class Batcher:
         self._to = to
 
     @property
+    def sender(self) -> Sender:
+        return self._sender
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 

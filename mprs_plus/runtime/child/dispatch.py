@@ -12,10 +12,16 @@ reads no other process, so holding it never waits on a peer.
 Per epoch, each dispatcher sends every worker its items and then END; an exception takes
 the failing item's place (ERROR to the worker whose turn it was, END to the others).
 Seeds are shared ones only: the dispatch process is one process, as in torchdata.
+
+With ``worker_restarts`` each lane keeps what it dealt each worker this epoch, and a
+replaced worker is dealt it again over new channels (``Redeal``, ``redeal.py``); a dead
+worker's broken channel then never ends a lane.
 """
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,6 +32,7 @@ from .control import SegmentControl, make_locks, outputs_of, segment_root
 from .loop import ChildLoop
 from .lanes import DealLane
 from .lifecycle import child_setup
+from ..control_messages import Received, Redeal, unpack
 from ..data_messages import RemoteError, describe_process
 from ...segment import Segment
 
@@ -42,6 +49,7 @@ class DispatchSetup(NamedTuple):
     max_items: int = 64  # at most this many items per message (no more than a channel's capacity)
     stats: tuple[Any, ...] = ()  # a StatsWriter per dispatcher lane, when statistics are collected
     liveness: tuple[Any, ...] = ()  # a LaneLiveness per dispatcher lane (liveness.py)
+    redeals: bool = False  # dead workers are replaced: keep each epoch's deal (redeal.py)
 
 
 def dispatch_main(setup: DispatchSetup) -> None:
@@ -65,8 +73,35 @@ def dispatch_main(setup: DispatchSetup) -> None:
     locks = make_locks(setup.groups)
     stats = setup.stats or (None,) * count
     liveness = setup.liveness or (None,) * count
+    lane_class: type[DealLane] = DealLane
+    if setup.redeals:
+        from .redeal import LoggedDealLane
+
+        lane_class = LoggedDealLane
     lanes = [
-        DealLane(setup.outputs[d], locks[d], where, setup.max_items, stats[d], liveness[d]) for d in range(count)
+        lane_class(setup.outputs[d], locks[d], where, setup.max_items, stats[d], liveness[d]) for d in range(count)
     ]
     control = SegmentControl(root, count, reset, where, failure)
-    ChildLoop(setup.control, lanes, control, where).run()
+    announce = _redealer(lanes) if setup.redeals else None
+    ChildLoop(setup.control, lanes, control, where, announce=announce).run()
+
+
+def _redealer(lanes: list[Any]) -> Callable[[Received], bool]:
+    """Handle a ``Redeal`` as it arrives, in the listener thread: each dispatcher starts
+    dealing the replaced worker its epoch again over its new channel."""
+
+    def announce(message: Received) -> bool:
+        if not isinstance(message, Redeal):
+            return False
+        try:
+            senders = unpack(message.payload)  # each end's descriptors are fetched from the main process here
+        except BaseException:
+            # The replacement can never be fed: end this process, which the main process
+            # reports at once as the dispatch process's death, rather than leave it waiting.
+            traceback.print_exc()
+            os._exit(1)
+        for lane, sender in zip(lanes, senders):
+            lane.redeal(message.worker, sender)
+        return True
+
+    return announce

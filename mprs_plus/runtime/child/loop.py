@@ -65,7 +65,7 @@ class Inbox:
         self._gone = 0
         self._generation = 0
 
-    def listen(self, control: Receiver, where: str, announce: Callable[[Received], None] | None) -> None:
+    def listen(self, control: Receiver, where: str, announce: Callable[[Received], bool | None] | None) -> None:
         """The listener thread: read every control message as it arrives, until the end."""
         while True:
             try:
@@ -74,8 +74,10 @@ class Inbox:
                 message = Stop()
             except Exception as exc:  # a message that does not unpickle here
                 message = Unreadable(RemoteError.capture(exc, where))
-            if announce is not None and not isinstance(message, Stop):
-                announce(message)  # before lane 0 can apply it: its readers need the news first
+            # Before lane 0 can apply it: its readers need the news first. A message handled
+            # there (a ``Redeal``) is not queued: it must not wait for lanes to park.
+            if announce is not None and not isinstance(message, Stop) and announce(message):
+                continue
             with self._cv:
                 if isinstance(message, Stop):
                     self.stopping = True
@@ -150,7 +152,7 @@ class ChildLoop:
         lanes: Sequence[Lane],
         control: Applier,
         where: str,
-        announce: Callable[[Received], None] | None = None,
+        announce: Callable[[Received], bool | None] | None = None,
     ) -> None:
         self.lanes = tuple(lanes)
         self.where = where
@@ -162,7 +164,8 @@ class ChildLoop:
         self._channel = control_channel
         self._control = control
         # Called by the listener with each message as it arrives, before it is applied:
-        # lets a worker end an abandoned epoch's reads without waiting for it.
+        # lets a worker end an abandoned epoch's reads without waiting for it. A true
+        # answer means the message was handled there and is not queued for lane 0.
         self._announce = announce
 
     # -- what control.apply() uses ---------------------------------------------------------

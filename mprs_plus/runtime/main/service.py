@@ -46,7 +46,7 @@ import multiprocessing
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch.utils.data import IterDataPipe
 from torch.utils.data.graph import traverse_dps
@@ -60,7 +60,7 @@ from ...transport._lend import pinning_as_now
 from .lifecycle import stop_at_exit
 from .gate import CLOSED_MESSAGE
 from .reader import MainReader
-from ..control_messages import Limit, Pause, Reset, Resume, pack
+from ..control_messages import Limit, Pause, Redeal, Reset, Resume, pack, pack_ends
 from .cursor import ReadCursor
 from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
@@ -203,12 +203,6 @@ class ServiceRuntime:
         lanes = [row for link in topology.children() for row in link.stats_rows]
         replace = None
         if self.options.worker_restarts:
-            if topology.dispatch is not None:
-                supervisor.stop()
-                raise ValueError(
-                    "worker_restarts is not supported yet for a pipeline with a dispatch process "
-                    "(sharding_round_robin_dispatch): its workers' inputs cannot be dealt again. Pass worker_restarts=0"
-                )
             outputs = [self.plan.graph.datapipes[index] for index in self.plan.worker_outputs]
             skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
             self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
@@ -400,29 +394,25 @@ class ServiceRuntime:
         made = replacements.on_death(
             link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, making
         )
+        sent = self._sent.get(link.index, [])
         lost = tuple(made.items if made.poison else -1 for _ in received)
         skip = tuple(n + 1 if made.poison else n for n in received)
-        control, control_rx = supervisor.placement.open_channel(
-            capacity_items=CONTROL_ITEMS, capacity_bytes=CONTROL_BYTES, control=True
+        dispatch = self._topology.dispatch
+        opened = _open_worker_ends(supervisor.placement, self.options, link.lanes, dispatch.lanes if dispatch else 0)
+        self._setups[link.index] = setup = setup._replace(
+            control=opened.control_rx, data=opened.senders, inputs=opened.inputs
         )
-        ends: list[Any] = [control_rx]
-        data = []
-        try:
-            for _ in range(link.lanes):
-                tx, rx = supervisor.placement.open_channel(
-                    capacity_items=self.options.items_in_flight_per_worker, capacity_bytes=_DATA_BYTES
-                )
-                ends.append(tx)
-                data.append(rx)
-        except BaseException:
-            for end in [control, *data, *ends]:
-                with contextlib.suppress(Exception):
-                    end.close()
-            raise
-        self._setups[link.index] = setup = setup._replace(control=control_rx, data=tuple(ends[1:]))
         # Its statistics rows, liveness slots, item windows and generator record are the dead one's.
-        supervisor.relaunch(link, control, tuple(data), worker_main, setup, ends)
-        sent = self._sent.get(link.index, [])
+        try:
+            supervisor.relaunch(link, opened.control, opened.receivers, worker_main, setup, opened.childs())
+            if dispatch is not None:
+                # Each dispatcher deals the new worker this epoch's items again, then goes on
+                # dealing to it (``child/redeal.py``); the replacement replays from the start.
+                supervisor.send(dispatch, Redeal(link.index, pack_ends(opened.dealt)))
+        finally:
+            for sender in opened.dealt:  # the dispatch process has its own now (or never will)
+                with contextlib.suppress(Exception):
+                    sender.release()
         if sent:
             first = sent[0]
             # The latest record at or before what the loop has (the poison item excluded).
@@ -476,60 +466,50 @@ def _wire_children(
     them, ``transport/_memory.py``), so this costs a few system calls per channel."""
     program = build_worker_program(plan)
     dispatch_sources = build_dispatch_sources(plan)
-
-    def channel(items: int, size: int, control: bool = False) -> tuple[Sender, Receiver]:
-        return supervisor.placement.open_channel(capacity_items=items, capacity_bytes=size, control=control)
-
-    worker_inputs: dict[int, list[Receiver]] = {link.index: [] for link in topology.workers}
-    if topology.dispatch is not None and dispatch_sources is not None:
-        link, (sources, groups) = topology.dispatch, dispatch_sources
-        buffer = options.dispatch_channel_items
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
-        supervisor.hold(control_rx)
-        rows = []
-        for _ in sources:
-            row = []
-            for worker in topology.workers:
-                tx, rx = channel(buffer, _DATA_BYTES)  # between two children: both ends held
-                supervisor.hold(tx, rx)
-                row.append(tx)
-                worker_inputs[worker.index].append(rx)
-            rows.append(tuple(row))
+    placement = supervisor.placement
+    dispatch = topology.dispatch if dispatch_sources is not None else None
+    if dispatch is not None:
+        dispatch.control, dispatch_control = placement.open_channel(
+            capacity_items=CONTROL_ITEMS, capacity_bytes=CONTROL_BYTES, control=True
+        )
+        supervisor.hold(dispatch_control)
+    opened: dict[int, _WorkerEnds] = {}
+    for link in topology.workers:
+        ends = _open_worker_ends(placement, options, link.lanes, dispatch.lanes if dispatch is not None else 0)
+        supervisor.hold(*ends.childs(), *ends.dealt)  # between two children, both ends belong to them
+        link.control, link.data = ends.control, ends.receivers
+        opened[link.index] = ends
+    if dispatch is not None and dispatch_sources is not None:
+        sources, groups = dispatch_sources
         from ..child.dispatch import DispatchSetup, dispatch_main  # only a plan with a dispatch segment needs it
 
         setup = DispatchSetup(
             sources,
             len(topology.workers),
-            control_rx,
-            tuple(rows),
+            dispatch_control,
+            tuple(tuple(opened[w.index].dealt[d] for w in topology.workers) for d in range(dispatch.lanes)),
             options.dispatch_init_fn,
             groups,
-            min(64, buffer),
-            stats.writers(link) if stats is not None else (),
-            tuple(liveness.lane(row) for row in link.stats_rows) if liveness is not None else (),
+            min(64, options.dispatch_channel_items),
+            stats.writers(dispatch) if stats is not None else (),
+            tuple(liveness.lane(row) for row in dispatch.stats_rows) if liveness is not None else (),
+            redeals=bool(options.worker_restarts),
         )
-        supervisor.prepare(link, dispatch_main, setup)
-    windowed = options.items_ahead is not None and supervisor.placement.on_this_host and ctx is not None
+        supervisor.prepare(dispatch, dispatch_main, setup)  # prepared first: it starts first
+    windowed = options.items_ahead is not None and placement.on_this_host and ctx is not None
     windows: dict[int, ItemWindow] = {}
     for link in topology.workers:
-        link.control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
-        supervisor.hold(control_rx)
-        senders = []
+        ends = opened[link.index]
         lane_windows = []
-        for _ in range(link.lanes):
-            tx, rx = channel(options.items_in_flight_per_worker, _DATA_BYTES)
-            link.data += (rx,)
-            supervisor.hold(tx)
-            senders.append(tx)
-            if windowed:
-                lane_windows.append(windows.setdefault(id(rx), ItemWindow(ctx, options.items_ahead)))
+        if windowed:
+            lane_windows = [windows.setdefault(id(rx), ItemWindow(ctx, options.items_ahead)) for rx in ends.receivers]
         setup = WorkerSetup(
             worker_id=link.index,
             num_workers=len(topology.workers),
             program=program,
-            control=control_rx,
-            data=tuple(senders),
-            inputs=tuple(worker_inputs[link.index]),
+            control=ends.control_rx,
+            data=ends.senders,
+            inputs=ends.inputs,
             init_fn=options.worker_init_fn,
             reset_fn=options.worker_reset_fn,
             stats=stats.writers(link) if stats is not None else (),
@@ -550,6 +530,51 @@ def _generator_record(options: Options, placement: Any, ctx: Any) -> GeneratorRe
     if not options.worker_restarts or ctx is None:
         return None
     return GeneratorRecord(ctx) if placement.on_this_host else SentRecord()
+
+
+class _WorkerEnds(NamedTuple):
+    """The channels of one worker, opened together (``_open_worker_ends``)."""
+
+    control: Sender  # main -> the worker: the main process's end
+    control_rx: Receiver  # the worker's
+    senders: tuple[Sender, ...]  # the worker's, one per output lane
+    receivers: tuple[Receiver, ...]  # the main process's
+    dealt: tuple[Sender, ...]  # dispatcher d -> the worker: the dispatch process's, one per dispatcher
+    inputs: tuple[Receiver, ...]  # the worker's
+
+    def childs(self) -> list[Any]:
+        """The ends that belong to the worker process."""
+        return [self.control_rx, *self.senders, *self.inputs]
+
+
+def _open_worker_ends(placement: Any, options: Options, lanes: int, dispatchers: int) -> _WorkerEnds:
+    """Open a worker's control channel, a data channel per output lane, and an input channel
+    per dispatcher: as the service starts, and for a replacement. Closes what it opened
+    when one fails to open."""
+    opened: list[Any] = []
+
+    def channel(items: int, size: int, control: bool = False) -> tuple[Any, Any]:
+        ends = placement.open_channel(capacity_items=items, capacity_bytes=size, control=control)
+        opened.extend(ends)
+        return ends
+
+    try:
+        control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
+        data = [channel(options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(lanes)]
+        inputs = [channel(options.dispatch_channel_items, _DATA_BYTES) for _ in range(dispatchers)]
+    except BaseException:
+        for end in opened:
+            with contextlib.suppress(Exception):
+                end.close()
+        raise
+    return _WorkerEnds(
+        control,
+        control_rx,
+        tuple(tx for tx, _ in data),
+        tuple(rx for _, rx in data),
+        tuple(tx for tx, _ in inputs),
+        tuple(rx for _, rx in inputs),
+    )
 
 
 def _weak_method(owner: Any, method: Callable[..., Any]) -> Callable[..., Any]:
