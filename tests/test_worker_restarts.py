@@ -673,29 +673,6 @@ def test_a_dispatch_fed_replacement_leaves_no_descriptor_or_mapping_behind(tmp_p
     assert (tmp_path / "killed").exists()
 
 
-def test_a_worker_killed_in_a_restored_epoch_goes_on_after_the_checkpoint(tmp_path):
-    """A restored epoch's workers first skip what the user had before the checkpoint: a
-    replacement there skips those too, and the loop gets the rest of the uninterrupted run."""
-    marker, armed = str(tmp_path / "killed"), str(tmp_path / "armed")
-    expected = batches(mprs_plus.DataLoader, Draws(n=96), worker_restarts=1)[0]
-    torch.manual_seed(0)
-    first = mprs_plus.DataLoader(Draws(n=96, kill_at=61, marker=marker, armed=armed), batch_size=4, num_workers=2)
-    it = iter(first)
-    head = [_plain(next(it)) for _ in range(6)]
-    state = first.state_dict()
-    del it, first
-    open(armed, "w").close()  # sample 61, in batch 15, kills its worker from now on
-    second = mprs_plus.DataLoader(
-        Draws(n=96, kill_at=61, marker=marker, armed=armed), batch_size=4, num_workers=2, worker_restarts=1
-    )
-    second.load_state_dict(state)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        rest = [_plain(batch) for batch in second]
-    assert head + rest == expected
-    assert os.path.exists(marker)
-
-
 def test_a_dispatch_fed_worker_killed_in_a_restored_epoch_goes_on_after_the_checkpoint(tmp_path):
     from torchdata.dataloader2 import DataLoader2
     from torchdata.datapipes.iter import IterableWrapper
