@@ -204,3 +204,45 @@ class LargeState(CountsWithState):
 
     def state_dict(self):
         return {**super().state_dict(), "padding": bytes(100 << 10)}
+
+
+class PoisonOnceReached(Draws):
+    """``Draws`` whose index ``kill_at`` kills every process that reads it (``poison``), but
+    only once ``reached`` exists: the loop makes it when it has the batches before the
+    poison one, so the first death comes with all of them received. A bounded wait."""
+
+    def __init__(self, reached, **kwargs):
+        super().__init__(poison=True, **kwargs)
+        self.reached = reached
+
+    def __getitem__(self, i):
+        if i == self.kill_at:
+            deadline = time.monotonic() + 60.0
+            while not os.path.exists(self.reached) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the file is the loop's word; nothing to be woken by across processes
+        return super().__getitem__(i)
+
+
+def _stopped_clock():
+    return 0.0
+
+
+class InWorkers:
+    """A worker_init_fn that sets the runtime's knobs in the process it runs in (a Ray actor
+    cannot be monkeypatched from the test): how often records are taken (``record_seconds``),
+    a stopped batching clock (a small batch then leaves only when the worker flushes), and
+    a death of worker ``dies`` in it the first time (``marker``). Draws nothing."""
+
+    def __init__(self, record_seconds=None, stopped_clock=False, dies=-1, marker=None):
+        self.record_seconds, self.stopped_clock, self.dies, self.marker = record_seconds, stopped_clock, dies, marker
+
+    def __call__(self, worker_id):
+        from mprs_plus.runtime import generators
+        from mprs_plus.runtime.child import batching
+
+        if self.record_seconds is not None:
+            generators.RECORD_SECONDS = self.record_seconds
+        if self.stopped_clock:
+            batching._clock = _stopped_clock
+        if worker_id == self.dies and self.marker is not None:
+            die_once(self.marker)
