@@ -165,10 +165,11 @@ class CountsWithState(IterableDataset):
     """Each worker yields its share of range(n) (every num_workers-th) with a draw from
     torch's generator; its state is how far into its share it is. Every element it makes is
     noted in a file of the making process's own (``folder``), and element ``kill_at``
-    kills its process the first time (``marker``)."""
+    kills its process the first time (``marker``), as does each (element, marker) of ``kills``."""
 
-    def __init__(self, n, folder=None, kill_at=-1, marker=None):
+    def __init__(self, n, folder=None, kill_at=-1, marker=None, kills=()):
         self.n, self.folder, self.kill_at, self.marker = n, folder, kill_at, marker
+        self.kills = dict(kills)
         self.taken = 0
         self.loaded = None
 
@@ -186,6 +187,8 @@ class CountsWithState(IterableDataset):
                     log.flush()
                 if value == self.kill_at:
                     die_once(self.marker)
+                elif value in self.kills:
+                    die_once(self.kills[value])
                 yield torch.tensor([float(value), float(torch.rand(()))], dtype=torch.float64)
         finally:
             if log is not None:

@@ -1308,12 +1308,14 @@ def test_in_order_false_on_ray_gives_torchs_batches_as_a_set(cluster, tmp_path):
     assert sorted(map(str, got[0])) == sorted(map(str, _torch_draws()))
 
 
-def test_an_actor_dead_in_worker_init_fn_and_one_killed_deep_in_an_iterable_with_state(cluster, tmp_path):
-    """Worker 1's first actor dies in worker_init_fn; its replacement, deep into the epoch,
-    at element 301 of an iterable dataset with state_dict() (records taken after every batch
-    here). The next one loads the latest record the loop had passed, the dataset's state
-    with it, and makes only the elements after it: worker 1's first element is made once.
-    The loop gets torch's batches, in order."""
+def test_actors_dead_in_worker_init_fn_at_their_first_element_and_deep_in_an_iterable_with_state(cluster, tmp_path):
+    """Worker 1's first actor dies in worker_init_fn, before its stream began: that names no
+    element, so its replacement, which dies at its first element (element 1), is replaced
+    too (an iterable dataset cannot leave an element out: taking the two deaths for one
+    element's would end the run). The next one dies deep into the epoch, at element 301 of
+    this iterable dataset with state_dict() (records taken after every batch here); the
+    last loads the latest record the loop had passed, the dataset's state with it, and
+    makes only the elements after it. The loop gets torch's batches, in order."""
     import warnings
     from collections import Counter
 
@@ -1324,23 +1326,25 @@ def test_an_actor_dead_in_worker_init_fn_and_one_killed_deep_in_an_iterable_with
     expected, _ = _restart_batches(
         torch.utils.data.DataLoader, CountsWithState(n), worker_init_fn=InWorkers(), multiprocessing_context=LOCAL
     )
+    markers = [str(tmp_path / name) for name in ("in init", "first", "deep")]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, loader = _restart_batches(
             mprs_plus.DataLoader,
-            CountsWithState(n, str(tmp_path), kill_at, str(tmp_path / "killed")),
-            worker_init_fn=InWorkers(record_seconds=0.0, dies=1, marker=str(tmp_path / "in init")),
-            worker_restarts=2,
+            CountsWithState(n, str(tmp_path), kill_at, markers[2], kills=[(1, markers[1])]),
+            worker_init_fn=InWorkers(record_seconds=0.0, dies=1, marker=markers[0]),
+            worker_restarts=3,
             backend=RayBackend(num_cpus_per_worker=0),
         )
         made_by = loader.stats().replacements
         del loader
-    assert (tmp_path / "in init").exists() and (tmp_path / "killed").exists()
+    assert all(os.path.exists(marker) for marker in markers)
     assert got == expected
-    assert [(m.worker, m.poison) for m in made_by] == [(1, False), (1, False)]
-    assert len(_replacement_warnings(caught)) == 2
+    assert [(m.worker, m.poison) for m in made_by] == [(1, False)] * 3
+    assert len(_replacement_warnings(caught)) == 3
     made = Counter(int(line) for log in tmp_path.glob("made-*") for line in log.read_text().split())
     assert sorted(made) == list(range(n))
-    assert made[1] == 1  # not made again from the epoch's start
+    assert made[1] == 2  # by the actor that died making it, and by the next one
+    assert made[3] == 1  # not made again from the epoch's start after the deep death
     assert made[kill_at] == 2  # the element that killed the actor, made again by its replacement
     assert 0 < sum(count - 1 for count in made.values()) < 150
