@@ -2,7 +2,9 @@
 seconds): the same items, order and checkpoints as local workers, and every way an actor
 can end (an exception, ray.kill, a lost node, a stopped actor at shutdown, a killed driver)
 is a clear error or a clean end, with no actor left behind. With worker_restarts a dead
-actor is replaced and the loop gets the batches of the run nobody killed."""
+actor is replaced and the loop gets the batches of the run nobody killed (the same set
+with in_order=False), whether it died in worker_init_fn or deep into an epoch of a
+dataset with state; a poison sample is its batch's error, and the epoch goes on."""
 
 from __future__ import annotations
 
