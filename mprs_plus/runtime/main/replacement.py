@@ -161,13 +161,12 @@ class Replacements:
         ``making``: per lane, the position of the item the worker was making in ``epoch``
         (None where it had begun none: a death in its reset or ``worker_init_fn``); None
         where no such slots are kept (a Ray actor that began its stream), and then the
-        items received stand for it (a careful
-        replacement that dies with no more received than its predecessor died making the
-        next one, at the cost of a third death when the first had made items it never
-        sent). Poison: a worker that dies making the item its predecessor died making. It
-        is left out only where every item before it was received (the ``LostItem`` takes
-        its place); else (which a careful replacement prevents) the death is replaced like
-        any other."""
+        items received stand for it (a careful replacement that dies with no more received
+        than its predecessor died making the next one, at the cost of a third death when
+        the first had made items it never sent). Poison: a worker that dies making the
+        item its predecessor died making. It is left out only where every item before it
+        was received (the ``LostItem`` takes its place); else (which a careful replacement
+        prevents) the death is replaced like any other."""
         used = self.used_before + len(self.made)
         if used >= self.budget:
             raise _spent(death_error(), used, self.budget)
