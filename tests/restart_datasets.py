@@ -165,10 +165,11 @@ class CountsWithState(IterableDataset):
     """Each worker yields its share of range(n) (every num_workers-th) with a draw from
     torch's generator; its state is how far into its share it is. Every element it makes is
     noted in a file of the making process's own (``folder``), and element ``kill_at``
-    kills its process the first time (``marker``)."""
+    kills its process the first time (``marker``), as does each (element, marker) of ``kills``."""
 
-    def __init__(self, n, folder=None, kill_at=-1, marker=None):
+    def __init__(self, n, folder=None, kill_at=-1, marker=None, kills=()):
         self.n, self.folder, self.kill_at, self.marker = n, folder, kill_at, marker
+        self.kills = dict(kills)
         self.taken = 0
         self.loaded = None
 
@@ -186,6 +187,8 @@ class CountsWithState(IterableDataset):
                     log.flush()
                 if value == self.kill_at:
                     die_once(self.marker)
+                elif value in self.kills:
+                    die_once(self.kills[value])
                 yield torch.tensor([float(value), float(torch.rand(()))], dtype=torch.float64)
         finally:
             if log is not None:
@@ -288,3 +291,45 @@ class KillOnceArmed(KillAt):
         if x == self.value and not os.path.exists(self.armed):
             return x * 10 + random.randrange(10)
         return super().__call__(x)
+
+
+class PoisonOnceReached(Draws):
+    """``Draws`` whose index ``kill_at`` kills every process that reads it (``poison``), but
+    only once ``reached`` exists: the loop makes it when it has the batches before the
+    poison one, so the first death comes with all of them received. A bounded wait."""
+
+    def __init__(self, reached, **kwargs):
+        super().__init__(poison=True, **kwargs)
+        self.reached = reached
+
+    def __getitem__(self, i):
+        if i == self.kill_at:
+            deadline = time.monotonic() + 60.0
+            while not os.path.exists(self.reached) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the file is the loop's word; nothing to be woken by across processes
+        return super().__getitem__(i)
+
+
+def _stopped_clock():
+    return 0.0
+
+
+class InWorkers:
+    """A worker_init_fn that sets the runtime's knobs in the process it runs in (a Ray actor
+    cannot be monkeypatched from the test): how often records are taken (``record_seconds``),
+    a stopped batching clock (a small batch then leaves only when the worker flushes), and
+    a death of worker ``dies`` in it the first time (``marker``). Draws nothing."""
+
+    def __init__(self, record_seconds=None, stopped_clock=False, dies=-1, marker=None):
+        self.record_seconds, self.stopped_clock, self.dies, self.marker = record_seconds, stopped_clock, dies, marker
+
+    def __call__(self, worker_id):
+        from mprs_plus.runtime import generators
+        from mprs_plus.runtime.child import batching
+
+        if self.record_seconds is not None:
+            generators.RECORD_SECONDS = self.record_seconds
+        if self.stopped_clock:
+            batching._clock = _stopped_clock
+        if worker_id == self.dies and self.marker is not None:
+            die_once(self.marker)

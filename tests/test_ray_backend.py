@@ -2,7 +2,9 @@
 seconds): the same items, order and checkpoints as local workers, and every way an actor
 can end (an exception, ray.kill, a lost node, a stopped actor at shutdown, a killed driver)
 is a clear error or a clean end, with no actor left behind. With worker_restarts a dead
-actor is replaced and the loop gets the batches of the run nobody killed."""
+actor is replaced and the loop gets the batches of the run nobody killed (the same set
+with in_order=False), whether it died in worker_init_fn or deep into an epoch of a
+dataset with state; a poison sample is its batch's error, and the epoch goes on."""
 
 from __future__ import annotations
 
@@ -1213,3 +1215,138 @@ def test_the_reading_service_replaces_a_dead_actor(cluster, tmp_path):
         got = _run(pipeline(str(tmp_path / "killed")), RayBackend(num_cpus_per_worker=0), seed=7, worker_restarts=1)
     assert (tmp_path / "killed").exists()
     assert got == expected
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_draws() -> list:
+    """torch's batches of ``restart_datasets.Draws()`` (48 samples, batches of 4, 2 workers)."""
+    import torch
+    from restart_datasets import Draws
+
+    return _restart_batches(torch.utils.data.DataLoader, Draws(), multiprocessing_context=LOCAL)[0][0]
+
+
+@pytest.mark.parametrize("first_death", ["with every batch before sent", "holding batches it never sent"])
+def test_a_poison_sample_on_ray_is_that_batchs_error_and_the_epoch_goes_on(cluster, tmp_path, first_death):
+    """Index 29 (batch 7, worker 1's fourth) kills every actor that reads it. An actor keeps
+    no slot this process can read saying which batch it makes: its death is placed at the
+    batches received from it. When it had sent every batch before the poison one (here the
+    poison sample waits for the loop to have batch 5), its careful replacement dies at the
+    same batch: two deaths. When it held batches it never sent (here its batching clock is
+    stopped), the first replacement hands them on one by one and dies at batch 7, and the
+    second dies there too: three. Either way the loop gets, in batch 7's place, torch's
+    words naming its indices; the next next() goes on, and later batches have the run's indices."""
+    import warnings
+
+    import torch
+    from restart_datasets import Draws, InWorkers, PoisonOnceReached
+
+    reached = tmp_path / "reached"
+    if first_death == "holding batches it never sent":
+        dataset, init, deaths = Draws(kill_at=29, poison=True), InWorkers(record_seconds=1e9, stopped_clock=True), 3
+    else:
+        dataset, init, deaths = PoisonOnceReached(str(reached), kill_at=29), None, 2
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        worker_restarts=3,
+        worker_init_fn=init,
+        backend=RayBackend(num_cpus_per_worker=0),
+    )
+    got, errors = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iterator = iter(loader)
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            except RuntimeError as exc:
+                errors.append(exc)
+                got.append(None)
+                continue
+            got.append(_plain_batch(batch))
+            if len(got) == 6:
+                reached.touch()  # the loop has batch 5, worker 1's last before the poison one
+        made = loader.stats().replacements
+        del iterator, loader
+    expected = _torch_draws()
+    assert len(errors) == 1, errors
+    assert "ray" not in type(errors[0]).__module__
+    assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: Killed", str(errors[0])), errors[0]
+    assert "indices [28, 29, 30, 31]" in str(errors[0])
+    assert got.index(None) == 7 and len(got) == len(expected)
+    assert got[:7] == expected[:7]
+    # The draws the poison batch made are lost with it: later batches have the run's indices.
+    assert [[row[0] for row in b] for b in got[8:]] == [[row[0] for row in b] for b in expected[8:]]
+    assert [m.poison for m in made] == [False] * (deaths - 1) + [True]
+    assert [m.worker for m in made] == [1] * deaths
+    if deaths == 3:
+        assert made[0].items < 3  # the first actor died with batches it had made and not sent
+    assert len(_replacement_warnings(caught)) == deaths
+
+
+def test_in_order_false_on_ray_gives_torchs_batches_as_a_set(cluster, tmp_path):
+    import warnings
+
+    from restart_datasets import Draws
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got, loader = _restart_batches(
+            mprs_plus.DataLoader,
+            Draws(kill_at=21, marker=str(tmp_path / "killed")),
+            in_order=False,
+            worker_restarts=1,
+            backend=RayBackend(num_cpus_per_worker=0),
+        )
+        made = loader.stats().replacements
+        del loader
+    assert (tmp_path / "killed").exists()
+    assert len(made) == 1
+    assert sorted(map(str, got[0])) == sorted(map(str, _torch_draws()))
+
+
+def test_actors_dead_in_worker_init_fn_at_their_first_element_and_deep_in_an_iterable_with_state(cluster, tmp_path):
+    """Worker 1's first actor dies in worker_init_fn, before its stream began: that names no
+    element, so its replacement, which dies at its first element (element 1), is replaced
+    too (an iterable dataset cannot leave an element out: taking the two deaths for one
+    element's would end the run). The next one dies deep into the epoch, at element 301 of
+    this iterable dataset with state_dict() (records taken after every batch here); the
+    last loads the latest record the loop had passed, the dataset's state with it, and
+    makes only the elements after it. The loop gets torch's batches, in order."""
+    import warnings
+    from collections import Counter
+
+    import torch
+    from restart_datasets import CountsWithState, InWorkers
+
+    n, kill_at = 400, 301  # worker 1's element 150 of 200
+    expected, _ = _restart_batches(
+        torch.utils.data.DataLoader, CountsWithState(n), worker_init_fn=InWorkers(), multiprocessing_context=LOCAL
+    )
+    markers = [str(tmp_path / name) for name in ("in init", "first", "deep")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, loader = _restart_batches(
+            mprs_plus.DataLoader,
+            CountsWithState(n, str(tmp_path), kill_at, markers[2], kills=[(1, markers[1])]),
+            worker_init_fn=InWorkers(record_seconds=0.0, dies=1, marker=markers[0]),
+            worker_restarts=3,
+            backend=RayBackend(num_cpus_per_worker=0),
+        )
+        made_by = loader.stats().replacements
+        del loader
+    assert all(os.path.exists(marker) for marker in markers)
+    assert got == expected
+    assert [(m.worker, m.poison) for m in made_by] == [(1, False)] * 3
+    assert len(_replacement_warnings(caught)) == 3
+    made = Counter(int(line) for log in tmp_path.glob("made-*") for line in log.read_text().split())
+    assert sorted(made) == list(range(n))
+    assert made[1] == 2  # by the actor that died making it, and by the next one
+    assert made[3] == 1  # not made again from the epoch's start after the deep death
+    assert made[kill_at] == 2  # the element that killed the actor, made again by its replacement
+    assert 0 < sum(count - 1 for count in made.values()) < 150

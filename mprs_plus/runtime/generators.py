@@ -38,6 +38,9 @@ the training process can read after its death: it sends each record on its data 
 as a message of its own (``SentRecord``, a RECORD beside the items, at the same moments:
 nothing more per item), and the main process keeps the latest ones of each worker
 (``ReceivedRecords``) as it reads the channel, with the dead one's last messages drained.
+Every actor sends one as its stream begins (a replacement from a later record sends that
+one again): an actor that sent none died before, in its reset or ``worker_init_fn``, and
+its death names no item (``main/replacement.py``, the poison rule).
 
 Slot 0 holds the epoch's start; slots 1..``RING`` the latest mid-epoch records in turn. A
 record newer than what the loop received (items made, not yet sent: at most one message)
@@ -139,6 +142,10 @@ class GeneratorRecord:
                 best = (position, sequence, bytes(view[start : start + length]))
         return None if best is None else (best[0], best[2])
 
+    def resumed(self, epoch: int, position: int, states: bytes) -> None:
+        """A replacement began its stream from the record at ``position``: its slot holds it
+        already, and which item a worker makes is read from its liveness slots."""
+
     def sequence(self) -> int:
         """How many records were written: more once a (replacement) worker began its epoch."""
         view = memoryview(self._memory).cast("B")
@@ -163,20 +170,40 @@ class SentRecord:
             pass
         return True
 
+    def resumed(self, epoch: int, position: int, states: bytes) -> None:
+        """A replacement began its stream from the record at ``position``: it sends that
+        record again, which tells the main process that it got past its reset
+        (``ReceivedRecords.began``), as the epoch's start record does for any other."""
+        self.write(epoch, position, states)
+
 
 class ReceivedRecords:
     """The main process's copy of one worker's records (``SentRecord``): the epoch's start
     and the latest ``RING`` mid-epoch ones of the epoch it is in, read as
-    ``GeneratorRecord`` is read. Written and read by the reading thread only."""
+    ``GeneratorRecord`` is read. Written and read by the reading thread only.
+
+    A record also says that the actor that sent it got past its epoch's reset (its
+    ``worker_init_fn`` included): every actor sends one as its stream begins. An actor that
+    died before has begun no item (``began``)."""
 
     def __init__(self) -> None:
         self._epoch = -1
         self._records: deque[tuple[int, int, bytes]] = deque(maxlen=RING)  # (position, sequence, states)
         self._start: tuple[int, int, bytes] | None = None
         self._sequence = 0
+        self._began = -1  # the epoch in which the current actor sent a record, -1: none yet
+
+    def began(self, epoch: int) -> bool:
+        """Whether the current actor began its stream of ``epoch`` (it sent a record)."""
+        return self._began == epoch
+
+    def new_actor(self) -> None:
+        """A replacement takes the worker's place: it has begun nothing yet."""
+        self._began = -1
 
     def add(self, epoch: int, record: Any) -> None:
         position, states = record
+        self._began = epoch
         if epoch != self._epoch:
             self._epoch, self._start = epoch, None
             self._records.clear()
@@ -209,7 +236,7 @@ class _Recording:
     next_at = 0.0
     stopped = False  # the dataset's state did not fit, or raised: no more records this epoch
     jump = 0  # a replacement: the position its loaded states were recorded at
-    pending: tuple[int, tuple[Any, Any, Any], Any] | None = None  # a replacement's record, until loaded
+    pending: tuple[int, tuple[Any, Any, Any], bytes] | None = None  # a replacement's record, until loaded
     dataset: tuple[int, Any] | None = None  # its dataset's state, until the stream takes it
 
 
@@ -226,7 +253,7 @@ def prepare(restore: bytes) -> None:
         return
     position, record = pickle.loads(restore)
     states, dataset = pickle.loads(record)
-    _recording.pending = (position, states, dataset)
+    _recording.pending = (position, states, record)
     if dataset:  # (state,), or _NO_STATE
         _recording.dataset = (position, dataset[0])
 
@@ -245,15 +272,19 @@ def begin_epoch(record: GeneratorRecord | None, epoch: int) -> None:
     notes go to ``record``."""
     pending, _recording.pending = _recording.pending, None
     _recording.dataset = None  # a stream that did not take it has no state to load
-    jump = 0
+    jump, raw = 0, b""
     if pending is not None:
-        jump, states, _ = pending
+        jump, states, raw = pending
         load(states)
     _recording.record, _recording.epoch, _recording.jump = record, epoch, jump
     _recording.stopped = False
     _recording.next_at = time.monotonic() + RECORD_SECONDS
-    if record is not None and jump == 0:  # a replacement from a later record: slot 0 keeps the start
+    if record is None:
+        return
+    if jump == 0:
         record.write(epoch, 0, _pickled())
+    else:  # a replacement from a later record: slot 0 keeps the start
+        record.resumed(epoch, jump, raw)
 
 
 def note(position: int, state: Callable[[], Any] | None = None) -> None:

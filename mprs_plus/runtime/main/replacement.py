@@ -13,7 +13,9 @@ position of the item it begins), so the first death already names it, even when 
 worker had made items after the last one the main process received and never sent them.
 A replacement hands its first items on one at a time (``Reset.careful``): when it dies
 making the same item, every item before it has reached the main process, and the
-``LostItem`` takes exactly that item's place. A poison sample costs two deaths.
+``LostItem`` takes exactly that item's place. A poison sample costs two deaths. A Ray
+actor stores no such slot: the items received stand for it, and its poison sample costs
+a third death when the first actor died holding items it never sent.
     --> a warning at the user's line, a ``Replacement`` in the statistics
 
 A replacement is a restore of one worker (``restore.py`` does it for all of them): started
@@ -158,13 +160,13 @@ class Replacements:
 
         ``making``: per lane, the position of the item the worker was making in ``epoch``
         (None where it had begun none: a death in its reset or ``worker_init_fn``); None
-        where no such slots are kept, and then the items received stand for it (a careful
-        replacement that dies with no more received than its predecessor died making the
-        next one, at the cost of a third death when the first had made items it never
-        sent). Poison: a worker that dies making the item its predecessor died making. It
-        is left out only where every item before it was received (the ``LostItem`` takes
-        its place); else (which a careful replacement prevents) the death is replaced like
-        any other."""
+        where no such slots are kept (a Ray actor that began its stream), and then the
+        items received stand for it (a careful replacement that dies with no more received
+        than its predecessor died making the next one, at the cost of a third death when
+        the first had made items it never sent). Poison: a worker that dies making the
+        item its predecessor died making. It is left out only where every item before it
+        was received (the ``LostItem`` takes its place); else (which a careful replacement
+        prevents) the death is replaced like any other."""
         used = self.used_before + len(self.made)
         if used >= self.budget:
             raise _spent(death_error(), used, self.budget)

@@ -385,12 +385,17 @@ class ServiceRuntime:
         process.join(DEATH_GRACE)
         setup = self._setups[link.index]
         record = setup.record if self._received_records is None else self._received_records[link.index]
-        # Which item it died making: slots of this host's shared memory, which a Ray actor
-        # never writes (then the items received stand for it, ``Replacements.on_death``).
-        lanes = setup.liveness if supervisor.placement.on_this_host else ()
-        making = tuple(lane.making(epoch) for lane in lanes) or None
-        for lane in lanes:
-            lane.forget()  # the replacement has begun none yet
+        # Which item it died making: slots of this host's shared memory. A Ray actor writes
+        # none: the items received stand for it (``Replacements.on_death``), unless it died
+        # before its stream began (it sent no record of the epoch: ``ReceivedRecords.began``).
+        if isinstance(record, ReceivedRecords):
+            making = None if record.began(epoch) else (None,) * link.lanes
+            record.new_actor()
+        else:
+            lanes = setup.liveness
+            making = tuple(lane.making(epoch) for lane in lanes) or None
+            for lane in lanes:
+                lane.forget()  # the replacement has begun none yet
         made = replacements.on_death(
             link.index, process.pid, process.exitcode, epoch, received, supervisor.death_error, making
         )
