@@ -1148,6 +1148,21 @@ def test_a_spent_budget_on_ray_is_the_error_saying_how_many_were_replaced(cluste
     assert "ray" not in type(caught.value).__module__
 
 
+def test_worker_restarts_with_a_dispatch_actor_is_refused_at_start_saying_what_to_do(cluster):
+    """A running dispatch actor cannot be handed a replacement's channels: refused with the
+    ValueError that says so, before any item, and no actor is left."""
+    pipe = IterableWrapper(range(8)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(abs)
+    service = MultiProcessingReadingService(
+        num_workers=2, worker_restarts=1, backend=RayBackend(num_cpus_per_worker=0)
+    )
+    loader = DataLoader2(pipe, reading_service=service)
+    try:
+        with pytest.raises(ValueError, match="worker_restarts=0 with this backend"):
+            list(loader)
+    finally:
+        loader.shutdown()
+
+
 def test_a_replacement_is_killed_at_shutdown_while_the_dead_actors_kill_waits_on_ray(cluster, tmp_path, monkeypatch):
     """The kill of an actor Ray already knows dead may wait on its control store; close()
     kills every actor on its own, so the replacement still ends, and the stop stays bounded."""

@@ -203,6 +203,13 @@ class ServiceRuntime:
         lanes = [row for link in topology.children() for row in link.stats_rows]
         replace = None
         if self.options.worker_restarts:
+            if topology.dispatch is not None and not supervisor.placement.on_this_host:
+                supervisor.stop()
+                raise ValueError(
+                    "worker_restarts with a dispatch process (sharding_round_robin_dispatch) is supported with local "
+                    "workers only: a dispatch actor cannot be handed a replacement's channels. Pass worker_restarts=0 "
+                    "with this backend (and take checkpoints to resume after a lost actor), or run local workers"
+                )
             outputs = [self.plan.graph.datapipes[index] for index in self.plan.worker_outputs]
             skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
             self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
