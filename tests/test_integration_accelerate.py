@@ -237,13 +237,16 @@ def test_set_epoch_reaches_the_sampler():
 
 
 def test_the_loaders_own_arguments_survive_the_rebuild(enabled):
-    source = _loader(mprs_plus.DataLoader, pin_memory=True, device="cuda", collect_stats=False, snapshot_every_n_steps=4)
+    source = _loader(
+        mprs_plus.DataLoader, pin_memory=True, device="cuda", collect_stats=False, snapshot_every_n_steps=4, worker_restarts=2
+    )
     prepared = Accelerator(cpu=True).prepare(source)
     built = prepared.base_dataloader
-    assert (built.device, built.collect_stats, built.snapshot_every_n_steps) == ("cuda", False, 4)
+    assert (built.device, built.collect_stats, built.snapshot_every_n_steps, built.worker_restarts) == ("cuda", False, 4, 2)
     assert built._prefetch_asked is None  # not asked: the workers run ahead as far as their channels let them
     skipped = skip_first_batches(prepared, 2).base_dataloader
-    assert (skipped.device, skipped.collect_stats, skipped.snapshot_every_n_steps) == ("cuda", False, 4)
+    own = (skipped.device, skipped.collect_stats, skipped.snapshot_every_n_steps, skipped.worker_restarts)
+    assert own == ("cuda", False, 4, 2)
 
 
 def test_the_loader_the_user_holds_reports_the_stats_of_the_one_that_runs(enabled):

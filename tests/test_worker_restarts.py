@@ -456,6 +456,9 @@ def test_the_budget_is_the_loaders_across_epochs_without_persistent_workers(tmp_
         dataset.kills = {30: str(tmp_path / "second")}  # new workers copy the dataset as it is now
         with pytest.raises(RuntimeError, match=r"1 dead worker\(s\) were replaced before"):
             list(loader)
+    # stats() and explain() count what the budget counts: the loader's life, not the last epoch's.
+    assert [made.cause for made in loader.stats().replacements] == ["SIGKILL"]
+    assert "replaced so far: 1 (SIGKILL x1)" in loader.explain()
 
 
 def test_a_replacement_leaves_no_descriptor_or_mapping_behind(tmp_path):

@@ -203,6 +203,7 @@ def _build(dataset: Any, batch_sampler: Any, kwargs: dict[str, Any], skip_sample
             backend=origin.backend,
             collect_stats=origin.collect_stats,
             snapshot_every_n_steps=origin.snapshot_every_n_steps,
+            worker_restarts=origin.worker_restarts,
         )
         if kwargs.get("num_workers"):
             # torch's attribute reads 2 whatever was asked; keep what the user asked.
