@@ -16,6 +16,7 @@ import ast
 import gc
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,39 @@ def test_the_loader_the_user_holds_reports_the_stats_of_the_one_that_runs(enable
     assert len(workers) == 2 and sum(p.items_out for p in workers) == LENGTH // 3
     assert stats == prepared.stats()
 
+
+
+@pytest.mark.parametrize("given", ["ours", "torch's"])
+def test_a_killed_worker_is_replaced_with_torchs_batches(tmp_path, given):
+    """worker_restarts reaches the loader Accelerate builds: from a loader of this class,
+    or from enable() for one of torch's (as Trainer makes). The kill is forced: sample 13
+    SIGKILLs the worker that reads it, the first time."""
+    from restart_datasets import Draws
+
+    def prepared(dataset, loader_class=torch.utils.data.DataLoader, **kwargs):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.manual_seed(0)
+        return Accelerator(cpu=True).prepare(loader_class(dataset, batch_size=4, shuffle=True, num_workers=2, **kwargs))
+
+    expected = _batches(prepared(Draws(n=32)))
+    killing = Draws(n=32, kill_at=13, marker=str(tmp_path / "killed"))
+    integration.enable(**({} if given == "ours" else {"worker_restarts": 1}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if given == "ours":
+            loader = prepared(killing, mprs_plus.DataLoader, worker_restarts=1)
+        else:
+            loader = prepared(killing)
+        got = _batches(loader)
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    assert [made.cause for made in loader.stats().replacements] == ["SIGKILL"]
+    assert sum("A new worker replaces it" in str(w.message) for w in caught) == 1
+
+
+def test_enable_refuses_an_argument_torchs_loader_has(enabled):
+    with pytest.raises(TypeError, match="num_workers"):
+        integration.enable(num_workers=4)
 
 # -- resuming exactly ----------------------------------------------------------------------------
 
