@@ -204,3 +204,8 @@ class LargeState(CountsWithState):
 
     def state_dict(self):
         return {**super().state_dict(), "padding": bytes(100 << 10)}
+
+
+def collate_with_a_draw(samples):
+    """Collates, and draws from torch's generator as a collator that masks at random does."""
+    return torch.utils.data.default_collate(samples), torch.rand(len(samples))

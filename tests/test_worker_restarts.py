@@ -29,6 +29,7 @@ from restart_datasets import (
     LargeState,
     LogsReads,
     Reads,
+    collate_with_a_draw,
 )
 
 THIS_FILE = os.path.abspath(__file__)
@@ -71,6 +72,23 @@ def test_a_worker_killed_at_a_chosen_sample_is_replaced_and_the_batches_are_torc
     assert "worker 1 (pid " in message and "was killed by SIGKILL" in message  # batch 7 is worker 1's
     assert "last resident memory" in message and "replacement 1 of worker_restarts=1" in message
     assert os.path.abspath(said[0].filename) == THIS_FILE  # the user's line
+
+
+def test_a_collate_function_that_draws_gets_torchs_draws_after_a_replacement(tmp_path):
+    """The replacement makes again the batches received since the record it starts from:
+    a collate function of the user's runs for them too, so its draws (random masking) are
+    made again and the batches after them are torch's."""
+    expected = batches(TorchDataLoader, Draws(), collate_fn=collate_with_a_draw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            Draws(kill_at=37, marker=str(tmp_path / "killed")),
+            collate_fn=collate_with_a_draw,
+            worker_restarts=1,
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
 
 
 def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(tmp_path, monkeypatch):

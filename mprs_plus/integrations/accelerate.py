@@ -36,7 +36,7 @@ things change, both to keep the batches exact:
   batches, so torch's workers then see other batches than in the run being resumed, and
   draw other random numbers for them. Here the loader gets the batch sampler unwrapped
   and a state n batches into its first epoch: each worker re-reads its share of the
-  skipped batches' samples (without collating them), and the batches after them are the
+  skipped batches' samples (and drops them, as a restore does), and the batches after them are the
   uninterrupted run's, random augmentations included. Later epochs are whole (torch's
   skipping sampler skips n batches in every epoch).
 
