@@ -42,8 +42,11 @@ class Family:
     def joined(cls, token: str) -> Family:
         return cls._registry.get(token) or cls.new()
 
-    def started(self, figures: Figures) -> None:
-        self._replaced_before = self._replacements()
+    def started(self, figures: Figures, *, same_budget: bool = False) -> None:
+        """``figures``: those of the copy starting now. ``same_budget``: its budget of
+        replacements is the one of the runtimes before it (a ``DataLoader``'s epochs), so
+        its ``stats()`` list theirs too."""
+        self._replaced_before = self._replacements() if same_budget else []
         self._figures = figures
 
     def replacements_made(self) -> int:
