@@ -2,11 +2,13 @@
 
 A warning about how the service is used (a plan's footgun, ``pin_memory=True`` without an
 accelerator) is issued deep in a call that came from the user's code through torchdata's
-``DataLoader2`` (and torch's DataPipe hooks). A fixed ``stacklevel`` names whichever frame
-happens to sit that many levels up, often ``torchdata/dataloader2/dataloader2.py``; the
-depth differs by front end and by call path. ``warn`` instead walks out of every frame of
-mprs_plus, torchdata and torch and attributes the warning to the first frame beyond them:
-the user's line (or the interpreter's top level, when nothing else is left).
+``DataLoader2`` (and torch's DataPipe hooks), or through a trainer that iterates the loader
+(Lightning, Accelerate's wrapper, Transformers' ``Trainer``). A fixed ``stacklevel`` names
+whichever frame happens to sit that many levels up, often
+``torchdata/dataloader2/dataloader2.py``; the depth differs by front end and by call path.
+``warn`` instead walks out of every frame of mprs_plus, torchdata, torch and those
+trainers, and attributes the warning to the first frame beyond them: the user's line
+(``trainer.fit(...)``, or the interpreter's top level, when nothing else is left).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import sys
 import warnings
 
 # Packages whose frames are never the user's.
-_LIBRARIES = ("mprs_plus", "torchdata", "torch")
+_LIBRARIES = (
+    *("mprs_plus", "torchdata", "torch"),
+    *("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers"),  # trainers iterating a loader
+)
 
 
 def _library_folders() -> tuple[str, ...]:
@@ -31,7 +36,7 @@ def _library_folders() -> tuple[str, ...]:
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a ``warnings.warn`` called by the caller of this
-    function name the first frame outside mprs_plus, torchdata and torch."""
+    function name the first frame outside mprs_plus, torchdata, torch and the trainers."""
     folders = _library_folders()
     frame = sys._getframe(1)  # the function that will call warnings.warn: stacklevel 1
     level = 1

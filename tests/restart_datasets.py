@@ -333,3 +333,8 @@ class InWorkers:
             batching._clock = _stopped_clock
         if worker_id == self.dies and self.marker is not None:
             die_once(self.marker)
+
+
+def collate_with_a_draw(samples):
+    """Collates, and draws from torch's generator as a collator that masks at random does."""
+    return torch.utils.data.default_collate(samples), torch.rand(len(samples))

@@ -16,6 +16,7 @@ import ast
 import gc
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -237,13 +238,16 @@ def test_set_epoch_reaches_the_sampler():
 
 
 def test_the_loaders_own_arguments_survive_the_rebuild(enabled):
-    source = _loader(mprs_plus.DataLoader, pin_memory=True, device="cuda", collect_stats=False, snapshot_every_n_steps=4)
+    source = _loader(
+        mprs_plus.DataLoader, pin_memory=True, device="cuda", collect_stats=False, snapshot_every_n_steps=4, worker_restarts=2
+    )
     prepared = Accelerator(cpu=True).prepare(source)
     built = prepared.base_dataloader
-    assert (built.device, built.collect_stats, built.snapshot_every_n_steps) == ("cuda", False, 4)
+    assert (built.device, built.collect_stats, built.snapshot_every_n_steps, built.worker_restarts) == ("cuda", False, 4, 2)
     assert built._prefetch_asked is None  # not asked: the workers run ahead as far as their channels let them
     skipped = skip_first_batches(prepared, 2).base_dataloader
-    assert (skipped.device, skipped.collect_stats, skipped.snapshot_every_n_steps) == ("cuda", False, 4)
+    own = (skipped.device, skipped.collect_stats, skipped.snapshot_every_n_steps, skipped.worker_restarts)
+    assert own == ("cuda", False, 4, 2)
 
 
 def test_the_loader_the_user_holds_reports_the_stats_of_the_one_that_runs(enabled):
@@ -255,6 +259,41 @@ def test_the_loader_the_user_holds_reports_the_stats_of_the_one_that_runs(enable
     assert len(workers) == 2 and sum(p.items_out for p in workers) == LENGTH // 3
     assert stats == prepared.stats()
 
+
+
+@pytest.mark.parametrize("given", ["ours", "torch's"])
+def test_a_killed_worker_is_replaced_with_torchs_batches(tmp_path, given):
+    """worker_restarts reaches the loader Accelerate builds: from a loader of this class,
+    or from enable() for one of torch's (as Trainer makes). The kill is forced: sample 13
+    SIGKILLs the worker that reads it, the first time."""
+    from restart_datasets import Draws
+
+    def prepared(dataset, loader_class=torch.utils.data.DataLoader, **kwargs):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.manual_seed(0)
+        return Accelerator(cpu=True).prepare(loader_class(dataset, batch_size=4, shuffle=True, num_workers=2, **kwargs))
+
+    expected = _batches(prepared(Draws(n=32)))
+    killing = Draws(n=32, kill_at=13, marker=str(tmp_path / "killed"))
+    integration.enable(**({} if given == "ours" else {"worker_restarts": 1}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if given == "ours":
+            loader = prepared(killing, mprs_plus.DataLoader, worker_restarts=1)
+        else:
+            loader = prepared(killing)
+        got = _batches(loader)
+    assert (tmp_path / "killed").exists()
+    assert got == expected
+    assert [made.cause for made in loader.stats().replacements] == ["SIGKILL"]
+    said = [w for w in caught if "A new worker replaces it" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].filename == __file__  # the user's line, not Accelerate's wrapper
+
+
+def test_enable_refuses_an_argument_torchs_loader_has(enabled):
+    with pytest.raises(TypeError, match="num_workers"):
+        integration.enable(num_workers=4)
 
 # -- resuming exactly ----------------------------------------------------------------------------
 

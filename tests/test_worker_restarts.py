@@ -30,6 +30,7 @@ from restart_datasets import (
     LargeState,
     LogsReads,
     Reads,
+    collate_with_a_draw,
 )
 
 THIS_FILE = os.path.abspath(__file__)
@@ -72,6 +73,23 @@ def test_a_worker_killed_at_a_chosen_sample_is_replaced_and_the_batches_are_torc
     assert "worker 1 (pid " in message and "was killed by SIGKILL" in message  # batch 7 is worker 1's
     assert "last resident memory" in message and "replacement 1 of worker_restarts=1" in message
     assert os.path.abspath(said[0].filename) == THIS_FILE  # the user's line
+
+
+def test_a_collate_function_that_draws_gets_torchs_draws_after_a_replacement(tmp_path):
+    """The replacement makes again the batches received since the record it starts from:
+    a collate function of the user's runs for them too, so its draws (random masking) are
+    made again and the batches after them are torch's."""
+    expected = batches(TorchDataLoader, Draws(), collate_fn=collate_with_a_draw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = batches(
+            mprs_plus.DataLoader,
+            Draws(kill_at=37, marker=str(tmp_path / "killed")),
+            collate_fn=collate_with_a_draw,
+            worker_restarts=1,
+        )
+    assert (tmp_path / "killed").exists()
+    assert got == expected
 
 
 def test_a_replacement_replays_from_the_latest_record_not_from_the_epoch_start(tmp_path, monkeypatch):
@@ -457,6 +475,9 @@ def test_the_budget_is_the_loaders_across_epochs_without_persistent_workers(tmp_
         dataset.kills = {30: str(tmp_path / "second")}  # new workers copy the dataset as it is now
         with pytest.raises(RuntimeError, match=r"1 dead worker\(s\) were replaced before"):
             list(loader)
+    # stats() and explain() count what the budget counts: the loader's life, not the last epoch's.
+    assert [made.cause for made in loader.stats().replacements] == ["SIGKILL"]
+    assert "replaced so far: 1 (SIGKILL x1)" in loader.explain()
 
 
 def test_a_replacement_leaves_no_descriptor_or_mapping_behind(tmp_path):

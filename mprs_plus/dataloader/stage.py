@@ -408,9 +408,9 @@ class LoaderStage(IterDataPipe):
 
     def resume_from(self, skip: int, lost: int = -1) -> Iterator[Any]:
         """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
-        Map-style: the samples of the skipped batches are read again and dropped, not
-        collated, so that whatever ``__getitem__`` draws from the worker's generators is
-        drawn again and the batches after them are the uninterrupted run's; a dataset with
+        Map-style: the samples of the skipped batches are read again and dropped (through
+        the user's collate function, if any: ``replay``), so that whatever ``__getitem__``
+        and the collate function draw from the worker's generators is drawn again and the batches after them are the uninterrupted run's; a dataset with
         a recorded state (set in ``begin``) replays only the batches after it. An iterable
         dataset goes on from its recorded state and replays only the batches after it.
         ``lost`` (map-style): the position of a batch whose samples killed the worker that
@@ -445,8 +445,15 @@ def _dropped(samples: Any) -> None:
 
 
 def replay(job: _Job, batches: Iterable[Any]) -> None:
-    """Read the samples of ``batches`` of a map-style dataset and drop them (a restore)."""
-    fetch = _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, _dropped, job.drop_last).fetch
+    """Read the samples of ``batches`` of a map-style dataset and drop them (a restore).
+
+    torch's own collate functions draw nothing and are left out; a collate function of the
+    user's runs, its batch dropped: it may draw from the generators (a collator that masks
+    tokens at random does), and the batches after these must see the draws it made."""
+    from torch.utils.data._utils.collate import default_collate, default_convert
+
+    collate = _dropped if job.collate_fn in (default_collate, default_convert) else job.collate_fn
+    fetch = _DatasetKind.create_fetcher(job.kind, job.dataset, job.auto_collation, collate, job.drop_last).fetch
     for indices in batches:
         fetch(indices)
 

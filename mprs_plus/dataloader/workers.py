@@ -32,7 +32,7 @@ class LoaderRun:
         self.runtime = open_runtime(stage, self.plan, options)
         with self.feeding.channels() if self.feeding is not None else contextlib.nullcontext():
             main = self.runtime.start()
-        family.started(self.runtime.figures)
+        family.started(self.runtime.figures, same_budget=True)
         if self.feeding is not None:
             self.runtime.figures.feeding = self.feeding.counters
             main = self.feeding.wrap(main)

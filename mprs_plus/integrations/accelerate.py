@@ -22,6 +22,10 @@ methods and a name until ``disable()``:
     accelerate.data_loader.DataLoader   torch's class, which skip_first_batches builds
                                         for a loader not prepared: this one instead
 
+The loader built keeps the arguments of this class that torch's has not (``device=``,
+``worker_restarts=``, ...) from the loader being prepared; one built from torch's loader
+(``Trainer``'s) takes those given to ``enable()``.
+
 Everything else of the wrapper works as it does around torch's loader: sharding by
 process, device placement, ``set_epoch``, gradient accumulation's end of epoch. Two
 things change, both to keep the batches exact:
@@ -32,7 +36,7 @@ things change, both to keep the batches exact:
   batches, so torch's workers then see other batches than in the run being resumed, and
   draw other random numbers for them. Here the loader gets the batch sampler unwrapped
   and a state n batches into its first epoch: each worker re-reads its share of the
-  skipped batches' samples (without collating them), and the batches after them are the
+  skipped batches' samples (and drops them, as a restore does), and the batches after them are the
   uninterrupted run's, random augmentations included. Later epochs are whole (torch's
   skipping sampler skips n batches in every epoch).
 
@@ -64,20 +68,36 @@ _ADAPTER_INIT = ["self", "dataset", "use_stateful_dataloader", "batch_sampler", 
 _PREPARING: contextvars.ContextVar[Any] = contextvars.ContextVar("mprs_plus_accelerate_preparing", default=None)
 _lock = threading.Lock()
 _originals: dict[str, Any] | None = None  # what enable() replaced, for disable()
+# This class's own arguments, which torch's loader has not: a loader built from torch's
+# (Transformers' Trainer makes one) takes those given to enable(); one built from this
+# class takes that loader's.
+_OWN = ("device", "backend", "collect_stats", "snapshot_every_n_steps", "worker_restarts")
+_options: dict[str, Any] = {}  # given to enable()
 _built: list[weakref.ref[DataLoader]] = []  # the loaders built here, newest last
 
 
-def enable() -> None:
+def enable(**options: Any) -> None:
     """From now on, every loader Accelerate prepares (``accelerator.prepare()``,
     ``skip_first_batches()``, Transformers' ``Trainer``) runs on ``mprs_plus.DataLoader``.
 
     Call it once, before your loaders are prepared (with ``Trainer``: before
-    ``trainer.train()``); a second call does nothing. Raises
-    ``ImportError`` without Accelerate, and ``RuntimeError`` for a release outside
-    ``SUPPORTED``, whose internals this module was not tested with."""
+    ``trainer.train()``); a second call only sets the options it names. ``options``:
+    arguments of ``mprs_plus.DataLoader`` that torch's has not (``worker_restarts``,
+    ``device``, ``backend``, ``collect_stats``, ``snapshot_every_n_steps``), for the
+    loaders built from torch's, such as the one ``Trainer`` makes; a loader of this class
+    keeps its own. Raises ``TypeError`` for another name, ``ImportError`` without
+    Accelerate, and ``RuntimeError`` for a release outside ``SUPPORTED``, whose internals
+    this module was not tested with."""
     global _originals
+    unknown = sorted(set(options) - set(_OWN))
+    if unknown:
+        raise TypeError(
+            f"enable() takes the arguments of mprs_plus.DataLoader that torch's DataLoader has not "
+            f"({', '.join(_OWN)}), not {', '.join(unknown)}: the others come from the loader being prepared"
+        )
     with _lock:
         if _originals is not None:
+            _options.update(options)
             return
         accelerator, data_loader = _checked_modules()
         adapter = data_loader.DataLoaderAdapter
@@ -118,6 +138,8 @@ def enable() -> None:
         adapter.__init__ = __init__
         adapter.load_state_dict = load_state_dict
         data_loader.DataLoader = build_loader
+        _options.clear()
+        _options.update(options)
         _originals = originals
 
 
@@ -134,6 +156,7 @@ def disable() -> None:
         data_loader.DataLoaderAdapter.__init__ = _originals["__init__"]
         data_loader.DataLoaderAdapter.load_state_dict = _originals["load_state_dict"]
         data_loader.DataLoader = _originals["DataLoader"]
+        _options.clear()
         _originals = None
 
 
@@ -198,15 +221,12 @@ def _build(dataset: Any, batch_sampler: Any, kwargs: dict[str, Any], skip_sample
         kwargs["sampler"], skipped = kwargs["sampler"].batch_sampler, kwargs["sampler"].skip_batches
     origin = _origin(dataset, batch_sampler if batch_sampler is not None else kwargs.get("sampler"))
     if origin is not None:
-        kwargs.update(
-            device=origin.device,
-            backend=origin.backend,
-            collect_stats=origin.collect_stats,
-            snapshot_every_n_steps=origin.snapshot_every_n_steps,
-        )
+        kwargs.update({name: getattr(origin, name) for name in _OWN})
         if kwargs.get("num_workers"):
             # torch's attribute reads 2 whatever was asked; keep what the user asked.
             kwargs["prefetch_factor"] = origin._prefetch_asked
+    else:
+        kwargs.update(_options)
     loader = DataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
     if origin is not None:
         loader._family = origin._family  # the loader the user holds reports this one's stats()

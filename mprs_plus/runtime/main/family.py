@@ -30,7 +30,7 @@ class Family:
     def __init__(self, token: str) -> None:
         self.token = token
         self._figures: Figures | None = None  # of the copy started last: live, or as they stood at its stop
-        self._replaced_before = 0  # dead workers replaced by the runtimes started before it
+        self._replaced_before: list[Any] = []  # dead workers replaced by the runtimes started before it
 
     @classmethod
     def new(cls) -> Family:
@@ -42,18 +42,28 @@ class Family:
     def joined(cls, token: str) -> Family:
         return cls._registry.get(token) or cls.new()
 
-    def started(self, figures: Figures) -> None:
-        self._replaced_before = self.replacements_made()
+    def started(self, figures: Figures, *, same_budget: bool = False) -> None:
+        """``figures``: those of the copy starting now. ``same_budget``: its budget of
+        replacements is the one of the runtimes before it (a ``DataLoader``'s epochs), so
+        its ``stats()`` list theirs too."""
+        self._replaced_before = self._replacements() if same_budget else []
         self._figures = figures
 
     def replacements_made(self) -> int:
         """Dead workers replaced by every runtime of this family so far: a loader's
         ``worker_restarts`` budget is its life's, whether its workers persist or not."""
-        current = len(self._figures.replacements) if self._figures is not None else 0
-        return self._replaced_before + current
+        return len(self._replacements())
 
     def stats(self) -> Stats:
-        return self._figures.snapshot() if self._figures is not None else _empty()
+        """The figures of the copy started last, but ``replacements``: those of the
+        loader's life, as its budget counts them (an epoch without persistent workers runs
+        a runtime of its own, which would forget the workers replaced before it)."""
+        stats = self._figures.snapshot() if self._figures is not None else _empty()
+        return _with_replacements(stats, self._replacements())
+
+    def _replacements(self) -> list[Any]:
+        current = self._figures.replacements if self._figures is not None else []
+        return [*self._replaced_before, *current]
 
 
 class Figures:
