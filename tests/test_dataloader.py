@@ -225,7 +225,7 @@ class Stalls(Dataset):
         self.never = threading.Event()
 
 
-def test_timeout_is_a_runtime_error():
+def test_timeout_is_a_runtime_error(short_stop_grace):
     loader = DataLoader(Stalls(), batch_size=1, num_workers=1, timeout=1)
     with pytest.raises(RuntimeError, match="DataLoader timed out after 1 seconds") as caught:
         list(loader)
