@@ -349,7 +349,10 @@ def test_a_context_object_as_multiprocessing_context():
     import multiprocessing
 
     def make(cls):
-        return cls(Randomized(6), batch_size=2, num_workers=2, multiprocessing_context=multiprocessing.get_context("spawn"))
+        # Not fork, the default: the loader uses the object it was given. Forkserver starts
+        # its workers as spawn does, without an interpreter importing torch for each.
+        context = multiprocessing.get_context("forkserver")
+        return cls(Randomized(6), batch_size=2, num_workers=2, multiprocessing_context=context)
 
     assert run(DataLoader, make, epochs=1) == run(TorchDataLoader, make, epochs=1)
 
