@@ -225,7 +225,7 @@ class Stalls(Dataset):
         self.never = threading.Event()
 
 
-def test_timeout_is_a_runtime_error():
+def test_timeout_is_a_runtime_error(short_stop_grace):
     loader = DataLoader(Stalls(), batch_size=1, num_workers=1, timeout=1)
     with pytest.raises(RuntimeError, match="DataLoader timed out after 1 seconds") as caught:
         list(loader)
@@ -349,7 +349,10 @@ def test_a_context_object_as_multiprocessing_context():
     import multiprocessing
 
     def make(cls):
-        return cls(Randomized(6), batch_size=2, num_workers=2, multiprocessing_context=multiprocessing.get_context("spawn"))
+        # Not fork, the default: the loader uses the object it was given. Forkserver starts
+        # its workers as spawn does, without an interpreter importing torch for each.
+        context = multiprocessing.get_context("forkserver")
+        return cls(Randomized(6), batch_size=2, num_workers=2, multiprocessing_context=context)
 
     assert run(DataLoader, make, epochs=1) == run(TorchDataLoader, make, epochs=1)
 

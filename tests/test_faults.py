@@ -190,7 +190,7 @@ def sigint_as_in_a_terminal():
     signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path, sigint_as_in_a_terminal):
+def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path, sigint_as_in_a_terminal, short_stop_grace):
     script = textwrap.dedent(
         f"""
         import faulthandler, sys
@@ -200,6 +200,8 @@ def test_ctrl_c_stops_cleanly_without_child_tracebacks(tmp_path, sigint_as_in_a_
         from torchdata.dataloader2 import DataLoader2
         from torchdata.datapipes.iter import IterableWrapper
         from mprs_plus import MultiProcessingReadingService
+        from mprs_plus.runtime.main import lifecycle
+        lifecycle.STOP_GRACE = {short_stop_grace!r}  # a blocked worker: the stop is tested, not its grace
         pipe = IterableWrapper(range(10)).sharding_filter().map(pipelines.block_on)
         loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(2))
         try:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import mprs_plus
+import pipelines
 from mprs_plus import SharedList
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,6 +182,10 @@ def test_a_sigkilled_creator_leaves_nothing_and_its_spawned_child_still_reads(ki
     assert _leftovers() - before == set()
 
 
+# Under each loader a worker gets the list inherited (fork) or pickled as a handle
+# (forkserver, as spawn does); every start method maps it in the cases above, whose subject
+# is the start method. Spawn here would add a fresh interpreter importing torch per worker.
+@pytest.mark.parametrize("start_method", pipelines.INHERITED_AND_PICKLED)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_torchs_dataloader_over_it(start_method, workers):
     source = records(64)
@@ -200,6 +205,7 @@ def test_torchs_dataloader_over_it(start_method, workers):
         assert torch.equal(got["label"], want["label"])
 
 
+@pytest.mark.parametrize("start_method", pipelines.INHERITED_AND_PICKLED)
 def test_mprs_plus_dataloader_over_it(start_method):
     source = records(64)
     shared = SharedList(source)
@@ -217,6 +223,7 @@ def _label(record):
     return record["label"]
 
 
+@pytest.mark.parametrize("start_method", pipelines.INHERITED_AND_PICKLED)
 def test_the_reading_service_over_an_iterable_wrapper_of_it(start_method):
     from torchdata.dataloader2 import DataLoader2
     from torchdata.datapipes.iter import IterableWrapper

@@ -15,7 +15,7 @@ import pipelines
 from mprs_plus import MultiProcessingReadingService
 from mprs_plus.runtime.main import service as service_module
 
-ITEMS = 400  # 256 KiB each: 100 MiB per epoch
+ITEMS = 200  # 256 KiB each: 50 MiB per epoch, each worker's ring lent over six times
 SMALL_RING = 4 << 20  # per worker channel: lends up to twice this to a holding user
 
 
@@ -48,7 +48,7 @@ def test_a_loop_that_drops_its_items_receives_views_not_copies(small_rings, star
 
 @pytest.mark.timeout(120)
 def test_a_loop_that_keeps_every_item_completes(small_rings):
-    """``list(loader)`` over an epoch 12 times what the service lends: no deadlock, every
+    """``list(loader)`` over an epoch three times what the service lends: no deadlock, every
     item intact, the first ones still views, the rest copies."""
     loader = DataLoader2(tensor_pipe(), reading_service=MultiProcessingReadingService(2))
     try:
