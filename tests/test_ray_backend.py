@@ -314,7 +314,9 @@ def test_shutdown_is_bounded_when_ray_does_not_answer_a_kill(cluster, monkeypatc
         for helper in [t for t in threading.enumerate() if t.name == placement.RAY_CALL_THREAD]:
             helper.join(30.0)
         _wait_until_no_actor()
-    assert took < 8.0  # the 1 s wait for the kills, the join of the watchers, the local steps
+    # Not waiting on the kills that never answer (60 s): their 1 s wait, the watchers, the
+    # local steps, with room for a loaded machine.
+    assert took < 30.0
 
 
 DRIVER = textwrap.dedent(
@@ -1211,7 +1213,7 @@ def test_a_replacement_is_killed_at_shutdown_while_the_dead_actors_kill_waits_on
         for helper in [t for t in threading.enumerate() if t.name == ray_placement.RAY_CALL_THREAD]:
             helper.join(30.0)
         del loader, runtime
-    assert took < 10.0  # the 2 s wait for the kills, the join of the watchers, the local steps
+    assert took < 30.0  # not the 60 s kill: its 2 s wait, the watchers, the local steps, with room for load
 
 
 def test_the_reading_service_replaces_a_dead_actor(cluster, tmp_path):
