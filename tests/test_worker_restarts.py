@@ -10,6 +10,7 @@ default start method."""
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections import Counter
 
@@ -729,3 +730,51 @@ def test_a_dispatch_fed_worker_killed_in_a_restored_epoch_goes_on_after_the_chec
         second.shutdown()
     assert head + rest == expected
     assert os.path.exists(marker)
+
+
+def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_behind(tmp_path, monkeypatch):
+    """The service stops (a shutdown from another thread, its finalizer) once the
+    replacement started and before the dispatch process was handed its new channels: the
+    loop gets the closed service's error, and the ends that were to reach the dispatch
+    process are let go of, not left with multiprocessing's resource sharer for a
+    hand-over that never comes. A first replacement starts the sharer (one socket for the
+    process's life): it is taken out of the comparison."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    from mprs_plus.runtime.main.supervisor import Supervisor
+    from test_release import snapshot
+
+    def run(marker):
+        pipe = IterableWrapper(range(100)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1)
+        loader = DataLoader2(pipe.map(KillAt(61, marker)), reading_service=service)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                list(loader)
+        finally:
+            loader.shutdown()
+
+    run(str(tmp_path / "first"))  # the sharer started, and a replacement made as usual
+    before = snapshot()
+    relaunch = Supervisor.relaunch
+
+    stoppers = []
+
+    def relaunch_then_stop(self, *args, **kwargs):
+        relaunch(self, *args, **kwargs)
+        # Another thread stops the service; the loop's thread goes on once the stop began.
+        began = threading.Event()
+        self.at_stop(began.set)
+        stoppers.append(threading.Thread(target=self.stop))
+        stoppers[0].start()
+        assert began.wait(60)
+
+    monkeypatch.setattr(Supervisor, "relaunch", relaunch_then_stop)
+    with pytest.raises(mprs_plus.ServiceClosedError):
+        run(str(tmp_path / "killed"))
+    stoppers[0].join(60)
+    assert (tmp_path / "killed").exists() and not stoppers[0].is_alive()
+    assert snapshot() == before

@@ -24,6 +24,7 @@ module loads, which every loader's first item waits for. Nothing compares two me
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any, NamedTuple
 
@@ -95,6 +96,20 @@ def pack_ends(value: Any) -> bytes:
     from multiprocessing.reduction import ForkingPickler
 
     return bytes(ForkingPickler.dumps(value, protocol=5))
+
+
+def take_back_ends(payload: bytes) -> None:
+    """A ``pack_ends`` payload that never reached its child (the send failed, the service
+    stopped): fetch each descriptor back from the resource sharer, which keeps a copy of
+    it until someone does, and let go of the ends. Without this, those copies (a channel's
+    memory and its wake-up pipes) would stay open in this process for its whole life."""
+    try:
+        ends = pickle.loads(payload)
+    except Exception:
+        return  # the sharer is gone (interpreter exit): its copies went with it
+    for end in ends:
+        with contextlib.suppress(Exception):
+            end.release()
 
 
 def unpack(payload: bytes) -> Any:

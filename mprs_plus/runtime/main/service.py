@@ -60,7 +60,7 @@ from ...transport._lend import pinning_as_now
 from .lifecycle import stop_at_exit
 from .gate import CLOSED_MESSAGE
 from .reader import MainReader
-from ..control_messages import Limit, Pause, Redeal, Reset, Resume, pack, pack_ends
+from ..control_messages import Limit, Pause, Redeal, Reset, Resume, pack, pack_ends, take_back_ends
 from .cursor import ReadCursor
 from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
@@ -420,7 +420,12 @@ class ServiceRuntime:
             if dispatch is not None:
                 # Each dispatcher deals the new worker this epoch's items again, then goes on
                 # dealing to it (``child/redeal.py``); the replacement replays from the start.
-                supervisor.send(dispatch, Redeal(link.index, pack_ends(opened.dealt)))
+                payload = pack_ends(opened.dealt)
+                try:
+                    supervisor.send(dispatch, Redeal(link.index, payload))
+                except BaseException:
+                    take_back_ends(payload)  # never sent: nobody else will fetch them
+                    raise
         finally:
             for sender in opened.dealt:  # the dispatch process has its own now (or never will)
                 with contextlib.suppress(Exception):
