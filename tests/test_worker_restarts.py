@@ -10,6 +10,7 @@ default start method."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import warnings
 from collections import Counter
@@ -778,3 +779,32 @@ def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_beh
     stoppers[0].join(60)
     assert (tmp_path / "killed").exists() and not stoppers[0].is_alive()
     assert snapshot() == before
+
+
+def test_a_replacement_that_dies_before_its_first_message_is_replaced_in_turn(tmp_path, monkeypatch):
+    """The replacement is killed the moment it exists, before the main process sent it
+    its epoch: its death is one more replacement like any other, and the messages that
+    could not reach it do not end the run (on the pipe transport a write to a reader that
+    is gone fails at once)."""
+    from mprs_plus.runtime.main.supervisor import Supervisor
+
+    relaunch = Supervisor.relaunch
+    killed = []
+
+    def relaunch_then_kill(self, link, *args, **kwargs):
+        relaunch(self, link, *args, **kwargs)
+        if not killed:
+            killed.append(link.process.pid)
+            os.kill(link.process.pid, signal.SIGKILL)
+            link.process.join(60)
+
+    monkeypatch.setattr(Supervisor, "relaunch", relaunch_then_kill)
+    expected = batches(TorchDataLoader, Draws())[0]
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Draws(kill_at=37, marker=str(tmp_path / "killed")), batch_size=4, num_workers=2,
+                                  worker_restarts=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = [_plain(batch) for batch in loader]
+    assert len(killed) == 1 and got == expected
+    assert [made.cause for made in loader.stats().replacements] == ["SIGKILL", "SIGKILL"]

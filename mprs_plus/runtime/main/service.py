@@ -437,11 +437,29 @@ class ServiceRuntime:
             restore = pack(recorded) if recorded is not None else b""
             messages = [first._replace(skip=skip, restore=restore, lost=lost, careful=CAREFUL_ITEMS), *sent[1:]]
             for message in messages:
-                supervisor.send(link, message)
+                if not self._send_to_replacement(link, message):
+                    break
         lost_items: tuple[list[Any], ...] = tuple(
             [LostItem(link.index, made.items, made.pid, made.cause)] if made.poison else [] for _ in received
         )
         return lost_items
+
+    def _send_to_replacement(self, link: ChildLink, message: Any) -> bool:
+        """Send ``message`` to a replacement just started; False when it died already (the
+        send found its reader gone): the next read finds it dead and replaces it in turn,
+        sending the epoch's messages again, as for any death. Any other failure raises."""
+        supervisor = self._supervisor
+        try:
+            supervisor.send(link, message)
+            return True
+        except Exception:
+            if supervisor.lifecycle.closed:
+                raise
+            # Its ends close a moment before it can be reaped.
+            link.process.join(getattr(supervisor.placement, "death_grace", DEATH_GRACE))
+            if link.alive:
+                raise
+            return False
 
     def _started(self) -> MainReader:
         self._supervisor.gate.check()
