@@ -808,3 +808,48 @@ def test_a_replacement_that_dies_before_its_first_message_is_replaced_in_turn(tm
         got = [_plain(batch) for batch in loader]
     assert len(killed) == 1 and got == expected
     assert [made.cause for made in loader.stats().replacements] == ["SIGKILL", "SIGKILL"]
+
+
+def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_behind(tmp_path, monkeypatch):
+    """The dispatch process dies after a worker fed by it was replaced and before it read
+    the message with the replacement's channels: its death is the error, and once shut
+    down this process holds no copy of those channels' descriptors (multiprocessing's
+    resource sharer keeps one until it is fetched: the stop takes back those never
+    fetched). A first replacement starts the sharer: it is taken out of the comparison."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    from mprs_plus.runtime.child import dispatch
+    from mprs_plus.runtime.control_messages import Redeal
+    from test_release import snapshot
+
+    def run(marker):
+        pipe = IterableWrapper(range(100)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        service = mprs_plus.MultiProcessingReadingService(
+            num_workers=2, worker_restarts=1, multiprocessing_context="fork"  # the dispatch process gets the patch below
+        )
+        loader = DataLoader2(pipe.map(KillAt(61, marker)), reading_service=service)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                list(loader)
+        finally:
+            loader.shutdown()
+
+    run(str(tmp_path / "first"))
+    before = snapshot()
+
+    def dies_at_a_redeal(*lanes_and_counter):
+        def announce(message):
+            if isinstance(message, Redeal):
+                os.kill(os.getpid(), signal.SIGKILL)  # as it arrives, before anything of it is taken
+            return False
+
+        return announce
+
+    monkeypatch.setattr(dispatch, "_redealer", dies_at_a_redeal)
+    with pytest.raises(RuntimeError, match="dispatch"):
+        run(str(tmp_path / "killed"))
+    assert (tmp_path / "killed").exists()
+    assert snapshot() == before
