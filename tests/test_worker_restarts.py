@@ -733,6 +733,25 @@ def test_a_dispatch_fed_worker_killed_in_a_restored_epoch_goes_on_after_the_chec
     assert os.path.exists(marker)
 
 
+def dealt_until_killed(marker):
+    """A dispatch-fed pipeline of 100 items read to its end (or its error), with a worker
+    killed at item 61 the first time (``marker``) and one replacement allowed; forked, so
+    that the children get what a test patched."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    pipe = IterableWrapper(range(100)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1, multiprocessing_context="fork")
+    loader = DataLoader2(pipe.map(KillAt(61, marker)), reading_service=service)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            list(loader)
+    finally:
+        loader.shutdown()
+
+
 def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_behind(tmp_path, monkeypatch):
     """The service stops (a shutdown from another thread, its finalizer) once the
     replacement started and before the dispatch process was handed its new channels: the
@@ -740,25 +759,10 @@ def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_beh
     process are let go of, not left with multiprocessing's resource sharer for a
     hand-over that never comes. A first replacement starts the sharer (one socket for the
     process's life): it is taken out of the comparison."""
-    from torchdata.dataloader2 import DataLoader2
-    from torchdata.datapipes.iter import IterableWrapper
-    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-
     from mprs_plus.runtime.main.supervisor import Supervisor
     from test_release import snapshot
 
-    def run(marker):
-        pipe = IterableWrapper(range(100)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
-        service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1)
-        loader = DataLoader2(pipe.map(KillAt(61, marker)), reading_service=service)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                list(loader)
-        finally:
-            loader.shutdown()
-
-    run(str(tmp_path / "first"))  # the sharer started, and a replacement made as usual
+    dealt_until_killed(str(tmp_path / "first"))  # the sharer started, and a replacement made as usual
     before = snapshot()
     relaunch = Supervisor.relaunch
 
@@ -775,7 +779,7 @@ def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_beh
 
     monkeypatch.setattr(Supervisor, "relaunch", relaunch_then_stop)
     with pytest.raises(mprs_plus.ServiceClosedError):
-        run(str(tmp_path / "killed"))
+        dealt_until_killed(str(tmp_path / "killed"))
     stoppers[0].join(60)
     assert (tmp_path / "killed").exists() and not stoppers[0].is_alive()
     assert snapshot() == before
@@ -799,15 +803,12 @@ def test_a_replacement_that_dies_before_its_first_message_is_replaced_in_turn(tm
             link.process.join(60)
 
     monkeypatch.setattr(Supervisor, "relaunch", relaunch_then_kill)
-    expected = batches(TorchDataLoader, Draws())[0]
-    torch.manual_seed(0)
-    loader = mprs_plus.DataLoader(Draws(kill_at=37, marker=str(tmp_path / "killed")), batch_size=4, num_workers=2,
-                                  worker_restarts=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        got = [_plain(batch) for batch in loader]
+    expected = batches(TorchDataLoader, Draws())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batches(mprs_plus.DataLoader, Draws(kill_at=37, marker=str(tmp_path / "killed")), worker_restarts=2)
     assert len(killed) == 1 and got == expected
-    assert [made.cause for made in loader.stats().replacements] == ["SIGKILL", "SIGKILL"]
+    assert len(replaced(caught)) == 2  # the worker, then its replacement
 
 
 def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_behind(tmp_path, monkeypatch):
@@ -816,28 +817,11 @@ def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_be
     down this process holds no copy of those channels' descriptors (multiprocessing's
     resource sharer keeps one until it is fetched: the stop takes back those never
     fetched). A first replacement starts the sharer: it is taken out of the comparison."""
-    from torchdata.dataloader2 import DataLoader2
-    from torchdata.datapipes.iter import IterableWrapper
-    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-
     from mprs_plus.runtime.child import dispatch
     from mprs_plus.runtime.control_messages import Redeal
     from test_release import snapshot
 
-    def run(marker):
-        pipe = IterableWrapper(range(100)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
-        service = mprs_plus.MultiProcessingReadingService(
-            num_workers=2, worker_restarts=1, multiprocessing_context="fork"  # the dispatch process gets the patch below
-        )
-        loader = DataLoader2(pipe.map(KillAt(61, marker)), reading_service=service)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                list(loader)
-        finally:
-            loader.shutdown()
-
-    run(str(tmp_path / "first"))
+    dealt_until_killed(str(tmp_path / "first"))
     before = snapshot()
 
     def dies_at_a_redeal(*lanes_and_counter):
@@ -850,6 +834,6 @@ def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_be
 
     monkeypatch.setattr(dispatch, "_redealer", dies_at_a_redeal)
     with pytest.raises(RuntimeError, match="dispatch"):
-        run(str(tmp_path / "killed"))
+        dealt_until_killed(str(tmp_path / "killed"))
     assert (tmp_path / "killed").exists()
     assert snapshot() == before
