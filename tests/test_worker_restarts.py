@@ -33,6 +33,8 @@ from restart_datasets import (
     LogsReads,
     Reads,
     collate_with_a_draw,
+    killed_in_epoch_two,
+    read_through,
 )
 
 THIS_FILE = os.path.abspath(__file__)
@@ -224,18 +226,7 @@ def test_persistent_workers_killed_in_a_later_epoch_draw_what_the_dead_one_would
     expected = batches(TorchDataLoader, Draws(), epochs=3, persistent_workers=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.manual_seed(0)
-        loader = mprs_plus.DataLoader(
-            Draws(kill_at=18, marker=marker, armed=str(armed)),
-            batch_size=4,
-            num_workers=2,
-            persistent_workers=True,
-            worker_restarts=1,
-        )
-        got = [[_plain(b) for b in loader]]
-        armed.touch()  # from now on index 18 kills, once
-        got.append([_plain(b) for b in loader])
-        got.append([_plain(b) for b in loader])
+        got, loader = killed_in_epoch_two(marker, armed, _plain)
         stats = loader.stats()
         explained = loader.explain()
         del loader
@@ -289,21 +280,10 @@ def poison_run(**kwargs):
     torch.manual_seed(0)
     loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=2,
                                   **kwargs)
-    got, errors = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        iterator = iter(loader)
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            except RuntimeError as exc:
-                errors.append(str(exc))
-                got.append(None)
-                continue
-            got.append(_plain(batch))
-    return got, errors, loader.stats().replacements, replaced(caught)
+        got, errors = read_through(loader, _plain)
+    return got, [str(error) for error in errors], loader.stats().replacements, replaced(caught)
 
 
 def check_poison_run(got, errors, made, said):
