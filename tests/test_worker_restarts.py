@@ -817,3 +817,40 @@ def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_be
         dealt_until_killed(str(tmp_path / "killed"))
     assert (tmp_path / "killed").exists()
     assert snapshot() == before
+
+
+def test_a_stop_never_waits_on_another_peer_of_the_resource_sharer(tmp_path, monkeypatch):
+    """Taking back a Redeal's ends goes through multiprocessing's resource sharer, which
+    serves one peer at a time: with another peer connected and silent (here this test's
+    own), the stop still ends, and the ends are taken back once the sharer is free."""
+    from multiprocessing import current_process, reduction, resource_sharer
+    from multiprocessing.connection import Client
+
+    from mprs_plus.runtime.child import dispatch
+    from mprs_plus.runtime.control_messages import Redeal
+    from test_release import snapshot
+
+    dealt_until_killed(str(tmp_path / "first"))  # the sharer started
+    before = snapshot()
+
+    def dies_at_a_redeal(*lanes_and_counter):
+        def announce(message):
+            if isinstance(message, Redeal):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return False
+
+        return announce
+
+    monkeypatch.setattr(dispatch, "_redealer", dies_at_a_redeal)
+    theirs = resource_sharer.DupFd(0)  # what the silent peer will ask for in the end
+    peer = Client(resource_sharer._resource_sharer._address, authkey=current_process().authkey)
+    try:
+        with pytest.raises(RuntimeError, match="dispatch"):
+            dealt_until_killed(str(tmp_path / "killed"))  # its stop returns: the sharer is busy
+    finally:
+        peer.send((theirs._id[1], os.getpid()))  # its key, as DupFd.detach sends it
+        os.close(reduction.recv_handle(peer))
+        peer.close()
+    for helper in [t for t in threading.enumerate() if t.name == "mprs_plus take back"]:
+        helper.join(60)
+    assert snapshot() == before
