@@ -108,7 +108,10 @@ def take_back_ends(payload: bytes, timeout: float = 2.0) -> None:
     runs in a helper thread waited for at most ``timeout`` seconds, so that a stop never
     waits on another peer of the sharer that stalls."""
     helper = threading.Thread(target=_take_back, args=(payload,), name="mprs_plus take back", daemon=True)
-    helper.start()
+    try:
+        helper.start()
+    except RuntimeError:
+        return  # the interpreter is exiting (no new thread then): the descriptors go with the process
     helper.join(timeout)
 
 
