@@ -338,3 +338,45 @@ class InWorkers:
 def collate_with_a_draw(samples):
     """Collates, and draws from torch's generator as a collator that masks at random does."""
     return torch.utils.data.default_collate(samples), torch.rand(len(samples))
+
+
+def read_through(loader, plain, after=None):
+    """Iterate ``loader`` to its end, going on after a batch that raised, as a loop that
+    skips a bad batch does: the batches (``plain`` of each, None where ``next()`` raised)
+    and the errors. ``after(got)`` runs once each batch is in ``got``."""
+    got, errors = [], []
+    iterator = iter(loader)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return got, errors
+        except RuntimeError as exc:
+            errors.append(exc)
+            got.append(None)
+            continue
+        got.append(plain(batch))
+        if after is not None:
+            after(got)
+
+
+def killed_in_epoch_two(marker, armed, plain, **options):
+    """Three epochs of a ``mprs_plus.DataLoader`` of persistent workers over ``Draws``
+    whose index 18 kills its reader once, from epoch 2 on (``armed``, a path, is touched
+    after epoch 1): each epoch's batches (``plain`` of each), and the loader."""
+    import mprs_plus
+
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(
+        Draws(kill_at=18, marker=marker, armed=str(armed)),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        worker_restarts=1,
+        **options,
+    )
+    got = [[plain(b) for b in loader]]
+    armed.touch()  # from now on index 18 kills, once
+    got.append([plain(b) for b in loader])
+    got.append([plain(b) for b in loader])
+    return got, loader

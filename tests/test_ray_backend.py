@@ -1102,7 +1102,7 @@ def test_a_persistent_actor_killed_in_epoch_two_is_replaced_with_that_epochs_gen
     import warnings
 
     import torch
-    from restart_datasets import Draws
+    from restart_datasets import Draws, killed_in_epoch_two
 
     marker, armed = str(tmp_path / "killed"), tmp_path / "armed"
     expected, _ = _restart_batches(
@@ -1110,19 +1110,7 @@ def test_a_persistent_actor_killed_in_epoch_two_is_replaced_with_that_epochs_gen
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.manual_seed(0)
-        loader = mprs_plus.DataLoader(
-            Draws(kill_at=18, marker=marker, armed=str(armed)),
-            batch_size=4,
-            num_workers=2,
-            persistent_workers=True,
-            worker_restarts=1,
-            backend=RayBackend(num_cpus_per_worker=0),
-        )
-        got = [[_plain_batch(b) for b in loader]]
-        armed.touch()  # from now on index 18 kills, once
-        got.append([_plain_batch(b) for b in loader])
-        got.append([_plain_batch(b) for b in loader])
+        got, loader = killed_in_epoch_two(marker, armed, _plain_batch, backend=RayBackend(num_cpus_per_worker=0))
         stats = loader.stats()
         del loader
     assert os.path.exists(marker)
@@ -1256,7 +1244,7 @@ def test_a_poison_sample_on_ray_is_that_batchs_error_and_the_epoch_goes_on(clust
     import warnings
 
     import torch
-    from restart_datasets import Draws, InWorkers, PoisonOnceReached
+    from restart_datasets import Draws, InWorkers, PoisonOnceReached, read_through
 
     reached = tmp_path / "reached"
     if first_death == "holding batches it never sent":
@@ -1272,24 +1260,16 @@ def test_a_poison_sample_on_ray_is_that_batchs_error_and_the_epoch_goes_on(clust
         worker_init_fn=init,
         backend=RayBackend(num_cpus_per_worker=0),
     )
-    got, errors = [], []
+
+    def after(got):
+        if len(got) == 6:
+            reached.touch()  # the loop has batch 5, worker 1's last before the poison one
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        iterator = iter(loader)
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            except RuntimeError as exc:
-                errors.append(exc)
-                got.append(None)
-                continue
-            got.append(_plain_batch(batch))
-            if len(got) == 6:
-                reached.touch()  # the loop has batch 5, worker 1's last before the poison one
+        got, errors = read_through(loader, _plain_batch, after)
         made = loader.stats().replacements
-        del iterator, loader
+        del loader
     expected = _torch_draws()
     assert len(errors) == 1, errors
     assert "ray" not in type(errors[0]).__module__

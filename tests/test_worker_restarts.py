@@ -10,6 +10,8 @@ default start method."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import warnings
 from collections import Counter
 
@@ -31,6 +33,8 @@ from restart_datasets import (
     LogsReads,
     Reads,
     collate_with_a_draw,
+    killed_in_epoch_two,
+    read_through,
 )
 
 THIS_FILE = os.path.abspath(__file__)
@@ -222,18 +226,7 @@ def test_persistent_workers_killed_in_a_later_epoch_draw_what_the_dead_one_would
     expected = batches(TorchDataLoader, Draws(), epochs=3, persistent_workers=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.manual_seed(0)
-        loader = mprs_plus.DataLoader(
-            Draws(kill_at=18, marker=marker, armed=str(armed)),
-            batch_size=4,
-            num_workers=2,
-            persistent_workers=True,
-            worker_restarts=1,
-        )
-        got = [[_plain(b) for b in loader]]
-        armed.touch()  # from now on index 18 kills, once
-        got.append([_plain(b) for b in loader])
-        got.append([_plain(b) for b in loader])
+        got, loader = killed_in_epoch_two(marker, armed, _plain)
         stats = loader.stats()
         explained = loader.explain()
         del loader
@@ -287,21 +280,10 @@ def poison_run(**kwargs):
     torch.manual_seed(0)
     loader = mprs_plus.DataLoader(Draws(kill_at=29, poison=True), batch_size=4, num_workers=2, worker_restarts=2,
                                   **kwargs)
-    got, errors = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        iterator = iter(loader)
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            except RuntimeError as exc:
-                errors.append(str(exc))
-                got.append(None)
-                continue
-            got.append(_plain(batch))
-    return got, errors, loader.stats().replacements, replaced(caught)
+        got, errors = read_through(loader, _plain)
+    return got, [str(error) for error in errors], loader.stats().replacements, replaced(caught)
 
 
 def check_poison_run(got, errors, made, said):
@@ -729,3 +711,146 @@ def test_a_dispatch_fed_worker_killed_in_a_restored_epoch_goes_on_after_the_chec
         second.shutdown()
     assert head + rest == expected
     assert os.path.exists(marker)
+
+
+def dealt_until_killed(marker):
+    """A dispatch-fed pipeline of 100 items read to its end (or its error), with a worker
+    killed at item 61 the first time (``marker``) and one replacement allowed; forked, so
+    that the children get what a test patched."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    pipe = IterableWrapper(range(100)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    service = mprs_plus.MultiProcessingReadingService(num_workers=2, worker_restarts=1, multiprocessing_context="fork")
+    loader = DataLoader2(pipe.map(KillAt(61, marker)), reading_service=service)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            list(loader)
+    finally:
+        loader.shutdown()
+
+
+def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_behind(tmp_path, monkeypatch):
+    """The service stops (a shutdown from another thread, its finalizer) once the
+    replacement started and before the dispatch process was handed its new channels: the
+    loop gets the closed service's error, and the ends that were to reach the dispatch
+    process are let go of, not left with multiprocessing's resource sharer for a
+    hand-over that never comes. A first replacement starts the sharer (one socket for the
+    process's life): it is taken out of the comparison."""
+    from mprs_plus.runtime.main.supervisor import Supervisor
+    from test_release import snapshot
+
+    dealt_until_killed(str(tmp_path / "first"))  # the sharer started, and a replacement made as usual
+    before = snapshot()
+    relaunch = Supervisor.relaunch
+
+    stoppers = []
+
+    def relaunch_then_stop(self, *args, **kwargs):
+        relaunch(self, *args, **kwargs)
+        # Another thread stops the service; the loop's thread goes on once the stop began.
+        began = threading.Event()
+        self.at_stop(began.set)
+        stoppers.append(threading.Thread(target=self.stop))
+        stoppers[0].start()
+        assert began.wait(60)
+
+    monkeypatch.setattr(Supervisor, "relaunch", relaunch_then_stop)
+    with pytest.raises(mprs_plus.ServiceClosedError):
+        dealt_until_killed(str(tmp_path / "killed"))
+    stoppers[0].join(60)
+    assert (tmp_path / "killed").exists() and not stoppers[0].is_alive()
+    assert snapshot() == before
+
+
+def test_a_replacement_that_dies_before_its_first_message_is_replaced_in_turn(tmp_path, monkeypatch):
+    """The replacement is killed the moment it exists, before the main process sent it
+    its epoch: its death is one more replacement like any other, and the messages that
+    could not reach it do not end the run (on the pipe transport a write to a reader that
+    is gone fails at once)."""
+    from mprs_plus.runtime.main.supervisor import Supervisor
+
+    relaunch = Supervisor.relaunch
+    killed = []
+
+    def relaunch_then_kill(self, link, *args, **kwargs):
+        relaunch(self, link, *args, **kwargs)
+        if not killed:
+            killed.append(link.process.pid)
+            os.kill(link.process.pid, signal.SIGKILL)
+            link.process.join(60)
+
+    monkeypatch.setattr(Supervisor, "relaunch", relaunch_then_kill)
+    expected = batches(TorchDataLoader, Draws())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batches(mprs_plus.DataLoader, Draws(kill_at=37, marker=str(tmp_path / "killed")), worker_restarts=2)
+    assert len(killed) == 1 and got == expected
+    assert len(replaced(caught)) == 2  # the worker, then its replacement
+
+
+def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_behind(tmp_path, monkeypatch):
+    """The dispatch process dies after a worker fed by it was replaced and before it read
+    the message with the replacement's channels: its death is the error, and once shut
+    down this process holds no copy of those channels' descriptors (multiprocessing's
+    resource sharer keeps one until it is fetched: the stop takes back those never
+    fetched). A first replacement starts the sharer: it is taken out of the comparison."""
+    from mprs_plus.runtime.child import dispatch
+    from mprs_plus.runtime.control_messages import Redeal
+    from test_release import snapshot
+
+    dealt_until_killed(str(tmp_path / "first"))
+    before = snapshot()
+
+    def dies_at_a_redeal(*lanes_and_counter):
+        def announce(message):
+            if isinstance(message, Redeal):
+                os.kill(os.getpid(), signal.SIGKILL)  # as it arrives, before anything of it is taken
+            return False
+
+        return announce
+
+    monkeypatch.setattr(dispatch, "_redealer", dies_at_a_redeal)
+    with pytest.raises(RuntimeError, match="dispatch"):
+        dealt_until_killed(str(tmp_path / "killed"))
+    assert (tmp_path / "killed").exists()
+    assert snapshot() == before
+
+
+def test_a_stop_never_waits_on_another_peer_of_the_resource_sharer(tmp_path, monkeypatch):
+    """Taking back a Redeal's ends goes through multiprocessing's resource sharer, which
+    serves one peer at a time: with another peer connected and silent (here this test's
+    own), the stop still ends, and the ends are taken back once the sharer is free."""
+    from multiprocessing import current_process, reduction, resource_sharer
+    from multiprocessing.connection import Client
+
+    from mprs_plus.runtime.child import dispatch
+    from mprs_plus.runtime.control_messages import Redeal
+    from test_release import snapshot
+
+    dealt_until_killed(str(tmp_path / "first"))  # the sharer started
+    before = snapshot()
+
+    def dies_at_a_redeal(*lanes_and_counter):
+        def announce(message):
+            if isinstance(message, Redeal):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return False
+
+        return announce
+
+    monkeypatch.setattr(dispatch, "_redealer", dies_at_a_redeal)
+    theirs = resource_sharer.DupFd(0)  # what the silent peer will ask for in the end
+    peer = Client(resource_sharer._resource_sharer._address, authkey=current_process().authkey)
+    try:
+        with pytest.raises(RuntimeError, match="dispatch"):
+            dealt_until_killed(str(tmp_path / "killed"))  # its stop returns: the sharer is busy
+    finally:
+        peer.send((theirs._id[1], os.getpid()))  # its key, as DupFd.detach sends it
+        os.close(reduction.recv_handle(peer))
+        peer.close()
+    for helper in [t for t in threading.enumerate() if t.name == "mprs_plus take back"]:
+        helper.join(60)
+    assert snapshot() == before

@@ -24,7 +24,9 @@ module loads, which every loader's first item waits for. Nothing compares two me
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import threading
 from typing import Any, NamedTuple
 
 from .data_messages import RemoteError
@@ -95,6 +97,32 @@ def pack_ends(value: Any) -> bytes:
     from multiprocessing.reduction import ForkingPickler
 
     return bytes(ForkingPickler.dumps(value, protocol=5))
+
+
+def take_back_ends(payload: bytes, timeout: float = 2.0) -> None:
+    """A ``pack_ends`` payload that never reached its child (the send failed, the service
+    stopped, the child died before it read it): fetch each descriptor back from the
+    resource sharer, which keeps a copy of it until someone does, and let go of the ends.
+    Without this, those copies (a channel's memory and its wake-up pipes) would stay open
+    in this process for its whole life. The sharer serves one peer at a time: the fetch
+    runs in a helper thread waited for at most ``timeout`` seconds, so that a stop never
+    waits on another peer of the sharer that stalls."""
+    helper = threading.Thread(target=_take_back, args=(payload,), name="mprs_plus take back", daemon=True)
+    try:
+        helper.start()
+    except RuntimeError:
+        return  # the interpreter is exiting (no new thread then): the descriptors go with the process
+    helper.join(timeout)
+
+
+def _take_back(payload: bytes) -> None:
+    try:
+        ends = pickle.loads(payload)
+    except Exception:
+        return  # the sharer is gone (interpreter exit): its copies went with it
+    for end in ends:
+        with contextlib.suppress(Exception):
+            end.release()
 
 
 def unpack(payload: bytes) -> Any:

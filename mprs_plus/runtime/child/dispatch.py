@@ -50,6 +50,7 @@ class DispatchSetup(NamedTuple):
     stats: tuple[Any, ...] = ()  # a StatsWriter per dispatcher lane, when statistics are collected
     liveness: tuple[Any, ...] = ()  # a LaneLiveness per dispatcher lane (liveness.py)
     redeals: bool = False  # dead workers are replaced: keep each epoch's deal (redeal.py)
+    taken: Any = None  # a shared counter of the Redeals taken, added to before each is unpacked
 
 
 def dispatch_main(setup: DispatchSetup) -> None:
@@ -82,17 +83,21 @@ def dispatch_main(setup: DispatchSetup) -> None:
         lane_class(setup.outputs[d], locks[d], where, setup.max_items, stats[d], liveness[d]) for d in range(count)
     ]
     control = SegmentControl(root, count, reset, where, failure)
-    announce = _redealer(lanes) if setup.redeals else None
+    announce = _redealer(lanes, setup.taken) if setup.redeals else None
     ChildLoop(setup.control, lanes, control, where, announce=announce).run()
 
 
-def _redealer(lanes: list[Any]) -> Callable[[Received], bool]:
+def _redealer(lanes: list[Any], taken: Any) -> Callable[[Received], bool]:
     """Handle a ``Redeal`` as it arrives, in the listener thread: each dispatcher starts
-    dealing the replaced worker its epoch again over its new channel."""
+    dealing the replaced worker its epoch again over its new channel. ``taken`` counts
+    them for the main process, which takes back the ends of those never taken once this
+    process is gone (``service.py``)."""
 
     def announce(message: Received) -> bool:
         if not isinstance(message, Redeal):
             return False
+        if taken is not None:
+            taken.value += 1  # before the first descriptor is fetched: the main process never fetches it too
         try:
             senders = unpack(message.payload)  # each end's descriptors are fetched from the main process here
         except BaseException:

@@ -175,6 +175,7 @@ class DealLane:
         self.stats = stats
         self.liveness = liveness
         self.window = None  # a dispatcher is bounded by its channels to the workers
+        self._where, self._max_items = where, max_items  # for the batchers of later channels (redeal.py)
         if stats is not None:
             stats.channels = tuple(senders)
         self._batchers = [

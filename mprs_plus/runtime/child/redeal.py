@@ -38,13 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 from ...transport import ChannelError, Sender
 from ..data_messages import Kind, RemoteError
-from ..liveness import LaneLiveness
-from ..stats import StatsWriter
 from .batching import Batcher
 from .lanes import DealLane
 
@@ -52,19 +49,10 @@ from .lanes import DealLane
 class LoggedDealLane(DealLane):
     """A ``DealLane`` that keeps what it dealt each worker this epoch (see the module)."""
 
-    def __init__(
-        self,
-        senders: Sequence[Sender],
-        lock: threading.Lock | None,
-        where: str,
-        max_items: int = 64,
-        stats: StatsWriter | None = None,
-        liveness: LaneLiveness | None = None,
-    ) -> None:
-        super().__init__(senders, lock, where, max_items, stats, liveness)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes ``DealLane``'s arguments."""
+        super().__init__(*args, **kwargs)
         count = self._count
-        self._where = where
-        self._max_items = max_items
         self._guard = threading.Lock()
         self._logs: list[list[Any]] = [[] for _ in range(count)]
         self._ends: list[tuple[Kind, Any] | None] = [None] * count  # the epoch's last message, once made

@@ -60,7 +60,7 @@ from ...transport._lend import pinning_as_now
 from .lifecycle import stop_at_exit
 from .gate import CLOSED_MESSAGE
 from .reader import MainReader
-from ..control_messages import Limit, Pause, Redeal, Reset, Resume, pack, pack_ends
+from ..control_messages import Limit, Pause, Redeal, Reset, Resume, pack, pack_ends, take_back_ends
 from .cursor import ReadCursor
 from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
@@ -174,6 +174,7 @@ class ServiceRuntime:
         # Workers that send their generator records in-band (not of this host: Ray actors),
         # their records as the main process read them (``generators.ReceivedRecords``).
         self._received_records: dict[int, ReceivedRecords] | None = None
+        self._handovers: _Handovers | None = None  # Redeals sent to the dispatch process
         self.figures = Figures()
         self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
         weakref.finalize(self, self._supervisor.stop)
@@ -217,9 +218,14 @@ class ServiceRuntime:
             replace = pinning_as_now(_weak_method(self, ServiceRuntime._replace_worker))  # its channels pinned as ours
             if not supervisor.placement.on_this_host:
                 self._received_records = {link.index: ReceivedRecords() for link in topology.workers}
+        if replace is not None and topology.dispatch is not None and self._ctx is not None:
+            self._handovers = handovers = _Handovers(self._ctx)
+            dispatch = topology.dispatch
+            supervisor.once_ended(lambda: handovers.take_back_untaken(dispatch))
         try:
             windows = _wire_children(
-                self.plan, self.options, topology, supervisor, stats, liveness, self._ctx, self._setups
+                self.plan, self.options, topology, supervisor, stats, liveness, self._ctx, self._setups,
+                self._handovers,
             )
             self.lifecycle.advance(State.PREPARED)
             if self._ctx.get_start_method() != "fork" or supervisor.placement.start_at_once:
@@ -420,7 +426,14 @@ class ServiceRuntime:
             if dispatch is not None:
                 # Each dispatcher deals the new worker this epoch's items again, then goes on
                 # dealing to it (``child/redeal.py``); the replacement replays from the start.
-                supervisor.send(dispatch, Redeal(link.index, pack_ends(opened.dealt)))
+                payload = pack_ends(opened.dealt)
+                try:
+                    supervisor.send(dispatch, Redeal(link.index, payload))
+                except BaseException:
+                    take_back_ends(payload)  # never sent: nobody else will fetch them
+                    raise
+                if self._handovers is not None:
+                    self._handovers.sent(payload)
         finally:
             for sender in opened.dealt:  # the dispatch process has its own now (or never will)
                 with contextlib.suppress(Exception):
@@ -432,11 +445,29 @@ class ServiceRuntime:
             restore = pack(recorded) if recorded is not None else b""
             messages = [first._replace(skip=skip, restore=restore, lost=lost, careful=CAREFUL_ITEMS), *sent[1:]]
             for message in messages:
-                supervisor.send(link, message)
+                if not self._send_to_replacement(link, message):
+                    break
         lost_items: tuple[list[Any], ...] = tuple(
             [LostItem(link.index, made.items, made.pid, made.cause)] if made.poison else [] for _ in received
         )
         return lost_items
+
+    def _send_to_replacement(self, link: ChildLink, message: Any) -> bool:
+        """Send ``message`` to a replacement just started; False when it died already (the
+        send found its reader gone): the next read finds it dead and replaces it in turn,
+        sending the epoch's messages again, as for any death. Any other failure raises."""
+        supervisor = self._supervisor
+        try:
+            supervisor.send(link, message)
+            return True
+        except Exception:
+            if supervisor.lifecycle.closed:
+                raise
+            # Its ends close a moment before it can be reaped.
+            link.process.join(getattr(supervisor.placement, "death_grace", DEATH_GRACE))
+            if link.alive:
+                raise
+            return False
 
     def _started(self) -> MainReader:
         self._supervisor.gate.check()
@@ -464,6 +495,7 @@ def _wire_children(
     liveness: Liveness | None = None,
     ctx: Any = None,
     setups: dict[int, WorkerSetup] | None = None,
+    handovers: _Handovers | None = None,
 ) -> dict[int, ItemWindow]:
     """Open every channel of ``topology``, fill in every link's endpoints (the one place
     that writes them) and freeze the topology; have the supervisor ready to start each
@@ -506,6 +538,7 @@ def _wire_children(
             stats.writers(dispatch) if stats is not None else (),
             tuple(liveness.lane(row) for row in dispatch.stats_rows) if liveness is not None else (),
             redeals=bool(options.worker_restarts),
+            taken=handovers.taken if handovers is not None else None,
         )
         supervisor.prepare(dispatch, dispatch_main, setup)  # prepared first: it starts first
     windowed = options.items_ahead is not None and placement.on_this_host and ctx is not None
@@ -542,6 +575,30 @@ def _generator_record(options: Options, placement: Any, ctx: Any) -> GeneratorRe
     if not options.worker_restarts or ctx is None:
         return None
     return GeneratorRecord(ctx) if placement.on_this_host else SentRecord()
+
+
+class _Handovers:
+    """The ``Redeal`` payloads sent to the dispatch process, and how many of them it took
+    (``taken``, a counter in shared memory it adds to before it fetches one's descriptors).
+    multiprocessing's resource sharer keeps a copy of each descriptor until it is fetched:
+    once the stop ended the dispatch process, the payloads it never took (it died before
+    it read them) are taken back here, or those copies would stay open for this process's
+    life."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.taken = ctx.RawValue("q", 0)
+        self._sent: list[bytes] = []
+
+    def sent(self, payload: bytes) -> None:
+        self._sent.append(payload)
+
+    def take_back_untaken(self, dispatch: ChildLink) -> None:
+        process = dispatch.process
+        if process is None or process.exitcode is None:
+            return  # never started, or could not be ended (it may still fetch them): left alone
+        untaken, self._sent = self._sent[self.taken.value :], []
+        for payload in untaken:
+            take_back_ends(payload)
 
 
 class _WorkerEnds(NamedTuple):

@@ -94,6 +94,7 @@ class Supervisor:
         # (a fork inherits them), then released here.
         self._held: list[Endpoint] = []
         self._last_looks: list[Callable[[], None]] = []  # run first in the stop (``at_stop``)
+        self._after_ends: list[Callable[[], None]] = []  # run once the children ended (``once_ended``)
 
     # -- start ---------------------------------------------------------------------------
 
@@ -244,6 +245,11 @@ class Supervisor:
         reference the facade (the finalizer holds this supervisor)."""
         self._last_looks.append(last_look)
 
+    def once_ended(self, step: Callable[[], None]) -> None:
+        """Run ``step()`` in the stop once the children ended (or could not be ended). As
+        with ``at_stop``, it must not reference the facade."""
+        self._after_ends.append(step)
+
     def stop(self) -> None:
         """Stop every child and close every endpoint. Idempotent, thread-safe, bounded in
         time; a no-op in a forked child."""
@@ -258,6 +264,8 @@ class Supervisor:
             steps.run(self._close_controls)
             exclusive = steps.run(self._close_gate, default=False)
             steps.run(self._end_children, exclusive)
+            for step in self._after_ends:
+                steps.run(step)
             steps.run(self._drop_unstarted)
             steps.run(self._release_main_ends, exclusive)
             steps.run(self.placement.close)
