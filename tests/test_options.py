@@ -91,8 +91,9 @@ def test_dispatch_buffer_size_sets_the_dispatch_channels(monkeypatch, buffer, ex
         assert list(loader) == [2 * i for i in range(7)]
     finally:
         loader.shutdown()
-    # control (dispatch), dispatch -> 2 workers, then per worker: control, data.
-    assert opened[1:3] == [expected, expected]
+    # The dispatch process's control, then per worker: control, data, dispatch -> worker.
+    assert len(opened) == 7
+    assert opened[3::3] == [expected, expected]
 
 
 def test_torchdatas_public_attributes_read_as_torchdatas():
