@@ -223,9 +223,6 @@ class ReceivedRecords:
         position, _, states = max(found, key=lambda entry: entry[:2])
         return position, states
 
-    def sequence(self) -> int:
-        return self._sequence
-
 
 class _Recording:
     """This process's record and epoch while a stream may note positions (set by the
