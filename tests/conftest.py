@@ -70,6 +70,44 @@ def _service_children() -> list[psutil.Process]:
     return found
 
 
+def _described(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid} ({' '.join(process.cmdline())[-120:]})"
+    except psutil.Error:
+        return f"{process.pid} (gone)"
+
+
+def unstopped_services() -> str:
+    """What still holds a service that was never stopped, for a leak's message: its stop
+    runs when the last reference goes, so a leak with such a service names its holders
+    (a few links up) rather than leaving a flake to guess at. Empty where there is none."""
+    service = sys.modules.get("mprs_plus.runtime.main.service")
+    if service is None:
+        return ""
+    import gc
+
+    objects = gc.get_objects()
+    found = [obj for obj in objects if type(obj) is service.ServiceRuntime and not obj.lifecycle.closed]
+    del objects
+    lines, here = [], sys._getframe()
+    try:
+        for index in range(min(3, len(found))):
+            names, current, ours = ["ServiceRuntime"], found[index], [found, here]
+            for _ in range(6):
+                holders = [h for h in gc.get_referrers(current) if h is not ours and all(h is not mine for mine in ours)]
+                if not holders:
+                    break
+                ours += [current, holders]
+                current = holders[0]
+                code = getattr(current, "f_code", None)
+                names.append(type(current).__name__ + (f" {code.co_name}" if code is not None else ""))
+            lines.append(" <- ".join(names))
+    finally:
+        found.clear()  # nothing of this look keeps a service alive
+        ours = holders = current = None
+    return f"; services never stopped, held by: {lines}" if lines else ""
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     children_before = {p.pid for p in _service_children()}
@@ -78,9 +116,10 @@ def no_leaks():
     new = [p for p in _service_children() if p.pid not in children_before]
     _, alive = psutil.wait_procs(new, timeout=10)
     leaked_shm = _shm_segments() - shm_before
+    left = [_described(process) for process in alive]
     for process in alive:
         process.kill()
-    assert not alive, f"child processes left behind: {[p.pid for p in alive]}"
+    assert not alive, f"child processes left behind: {left}{unstopped_services()}"
     assert not leaked_shm, f"shared-memory segments left behind: {sorted(leaked_shm)}"
 
 

@@ -243,6 +243,22 @@ def test_break_and_del_leave_nothing():
     del loader
 
 
+def test_persistent_workers_end_with_their_loader_while_their_runtime_is_held_elsewhere():
+    """A traceback kept in a reference cycle holds whatever its frames held (the runtime, a
+    reader of it) until Python's collector runs. The loader's own end must stop the workers
+    all the same, at ``del``, as torch's do: here the runtime is held on purpose."""
+    loader = DataLoader(Randomized(), batch_size=2, num_workers=2, persistent_workers=True)
+    for _ in loader:
+        break
+    runtime = loader._run.runtime
+    children = [psutil.Process(link.process.pid) for link in runtime._topology.started()]
+    assert len(children) == 2 and all(child.is_running() for child in children)
+    del loader  # ``runtime`` still holds the service: only the loader's end can stop it
+    assert runtime.lifecycle.closed
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == []
+
+
 def test_interpreter_exit_mid_epoch_leaves_nothing(tmp_path):
     script = tmp_path / "exit_mid_epoch.py"
     script.write_text(

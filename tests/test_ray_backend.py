@@ -32,6 +32,7 @@ from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
 
 import mprs_plus  # noqa: E402
 import pipelines  # noqa: E402
+from conftest import unstopped_services  # noqa: E402
 from mprs_plus import MultiProcessingReadingService, ProcessDiedError, RayBackend  # noqa: E402
 
 # Each Ray loader starts an actor process per child, and each imports torch: seconds apiece
@@ -105,7 +106,7 @@ def no_actor_left(request):
         return
     yield
     # close() waits until Ray reports each killed actor dead: nothing to wait for here.
-    assert _alive_actors() == [], "actors left behind"
+    assert _alive_actors() == [], f"actors left behind{unstopped_services()}"
 
 
 # Local workers of a process connected to Ray start from a forkserver: Ray does not

@@ -79,6 +79,15 @@ class LoaderKeep:
         self.carry: dict[int, tuple[int, Any]] = {}
         self.state_warned = False
 
+    def __del__(self) -> None:
+        # The loader and its last iterator are gone: the persistent workers end now, as
+        # torch's do, even where something else still holds their runtime (a traceback kept
+        # in a reference cycle holds it until Python's collector runs, maybe minutes later).
+        run, self.run = self.run, None
+        if run is not None:
+            with contextlib.suppress(Exception):
+                run.stop()
+
 
 class LoaderIterator:
     """One epoch of a ``DataLoader``, what ``iter(loader)`` returns."""
