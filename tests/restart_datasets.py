@@ -380,3 +380,13 @@ def killed_in_epoch_two(marker, armed, plain, **options):
     got.append([plain(b) for b in loader])
     got.append([plain(b) for b in loader])
     return got, loader
+
+
+class Dies:
+    """Made a Ray actor by a test: ``die()`` kills its process, for a call to a dead actor."""
+
+    def pid(self):
+        return os.getpid()
+
+    def die(self):
+        os.kill(os.getpid(), signal.SIGKILL)

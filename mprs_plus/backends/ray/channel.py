@@ -49,6 +49,7 @@ from typing import Any
 import ray
 
 from ...transport import ChannelBroken, ChannelClosed, EndOfStream, Traffic
+from .calls import get_without_cycle
 from ...transport.channel import RECHECK_SECONDS, poll_waitables, wait_together
 from ...transport.stream import (
     StreamReceiver,
@@ -168,7 +169,7 @@ class ActorAddress:
             ready, _ = ray.wait([self._answer], timeout=timeout)
             if not ready:
                 return None
-            return tuple(ray.get(self._answer, timeout=0)[self._index])  # type: ignore[return-value]
+            return tuple(get_without_cycle(self._answer, timeout=0)[self._index])  # type: ignore[return-value]
         except Exception as exc:
             cause = getattr(exc, "cause", None)  # what the actor's call raised, under Ray's wrapper
             if isinstance(cause, ValueError):
@@ -570,7 +571,7 @@ class RaySender:
 
 def _checked(ref: Any) -> None:
     try:
-        ray.get(ref, timeout=0)
+        get_without_cycle(ref, timeout=0)
     except Exception as exc:
         raise ChannelBroken(f"the actor at the other end is gone ({type(exc).__name__})") from None
 

@@ -39,6 +39,7 @@ import ray
 from ...errors import ProcessDiedError
 from ...transport.stream import StreamReceiver, StreamSender, new_secret
 from .actor import remote_class
+from .calls import get_without_cycle
 from .channel import ActorAddress, RayReceiver, open_ray_channel, open_stream_channel
 
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
@@ -100,7 +101,7 @@ class ActorProcess:
         """Where the actor runs; None while that is not known yet."""
         if self._where is None:
             with contextlib.suppress(Exception):
-                self._where = ray.get(self._where_ref, timeout=timeout)
+                self._where = get_without_cycle(self._where_ref, timeout=timeout)
         return self._where
 
     def is_alive(self) -> bool:
@@ -144,7 +145,7 @@ class ActorProcess:
     def _ended(self) -> None:
         self.where(timeout=1.0)
         try:
-            ray.get(self._run, timeout=0)
+            get_without_cycle(self._run, timeout=0)
         except ray.exceptions.RayActorError as exc:
             self.exitcode = _DIED
             self.reason = f"its Ray actor died: {_first_line(exc)}"
@@ -342,7 +343,7 @@ class RayPlacement:
         for ref in ready:
             link = asked[ref]
             try:
-                then, rows, refused = ray.get(ref, timeout=0)
+                then, rows, refused = get_without_cycle(ref, timeout=0)
             except Exception:
                 continue  # gone meanwhile: its death is reported by the reads
             link.process.refused = refused

@@ -1,0 +1,41 @@
+"""``ray.get`` as the training process calls it: an error it raises keeps no frame alive.
+
+An error that ``ray.get`` raises (an actor's death, a failed call, a timeout) sits in a
+reference cycle with Ray's own frames, and a frame holds its caller's: every frame of the
+stack stays alive with what it held (the loader, the service's runtime, the user's locals)
+until Python's collector runs, maybe minutes later. The runtime's stop waits for its last
+reference, so a loader dropped after one of its actors died kept its actors (and their
+landing processes) running until then. Clearing the finished frames of the error's
+traceback, and of the errors it was raised from, breaks the cycle at once; the traceback
+still names each frame and line.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import ray
+
+
+def get_without_cycle(ref: Any, timeout: float) -> Any:
+    """``ray.get(ref, timeout=timeout)``; what it raises is raised with its frames cleared."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except BaseException as exc:
+        forget_frames(exc)
+        raise
+
+
+def forget_frames(exc: BaseException | None) -> None:
+    """Clear the local variables of the finished frames in ``exc``'s traceback and in those
+    of its cause and context (a frame still running is left as it is)."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
