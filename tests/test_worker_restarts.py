@@ -9,6 +9,7 @@ default start method."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -819,13 +820,30 @@ def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_be
     assert snapshot() == before
 
 
-def test_a_stop_never_waits_on_another_peer_of_the_resource_sharer(tmp_path, monkeypatch):
-    """Taking back a Redeal's ends goes through multiprocessing's resource sharer, which
-    serves one peer at a time: with another peer connected and silent (here this test's
-    own), the stop still ends, and the ends are taken back once the sharer is free."""
+@contextlib.contextmanager
+def sharer_kept_busy():
+    """multiprocessing's resource sharer of this process, which serves one peer at a time,
+    held by a peer that is connected and silent (this test's own) until the block ends;
+    then the peer takes what it asked for, and every take-back helper is waited for."""
     from multiprocessing import current_process, reduction, resource_sharer
     from multiprocessing.connection import Client
 
+    theirs = resource_sharer.DupFd(0)  # what the silent peer will ask for in the end
+    peer = Client(resource_sharer._resource_sharer._address, authkey=current_process().authkey)
+    try:
+        yield
+    finally:
+        peer.send((theirs._id[1], os.getpid()))  # its key, as DupFd.detach sends it
+        os.close(reduction.recv_handle(peer))
+        peer.close()
+    for helper in [t for t in threading.enumerate() if t.name == "mprs_plus take back"]:
+        helper.join(60)
+
+
+def test_a_stop_never_waits_on_another_peer_of_the_resource_sharer(tmp_path, monkeypatch):
+    """Taking back a Redeal's ends goes through multiprocessing's resource sharer, which
+    serves one peer at a time: with another peer connected and silent, the stop still
+    ends, and the ends are taken back once the sharer is free."""
     from mprs_plus.runtime.child import dispatch
     from mprs_plus.runtime.control_messages import Redeal
     from test_release import snapshot
@@ -842,15 +860,26 @@ def test_a_stop_never_waits_on_another_peer_of_the_resource_sharer(tmp_path, mon
         return announce
 
     monkeypatch.setattr(dispatch, "_redealer", dies_at_a_redeal)
-    theirs = resource_sharer.DupFd(0)  # what the silent peer will ask for in the end
-    peer = Client(resource_sharer._resource_sharer._address, authkey=current_process().authkey)
-    try:
+    with sharer_kept_busy():
         with pytest.raises(RuntimeError, match="dispatch"):
             dealt_until_killed(str(tmp_path / "killed"))  # its stop returns: the sharer is busy
-    finally:
-        peer.send((theirs._id[1], os.getpid()))  # its key, as DupFd.detach sends it
-        os.close(reduction.recv_handle(peer))
-        peer.close()
-    for helper in [t for t in threading.enumerate() if t.name == "mprs_plus take back"]:
-        helper.join(60)
+    assert snapshot() == before
+
+
+def test_a_redeal_whose_channels_do_not_come_ends_the_dispatch_process_saying_why(tmp_path, monkeypatch, capfd):
+    """The dispatch process fetches a replacement's channels from this process's resource
+    sharer, here kept busy by another peer: past its bound it ends, saying why, and the
+    loop gets the dispatch process's death as its error instead of waiting for ever for
+    the replacement's items; its channels are taken back once the sharer is free."""
+    from mprs_plus.runtime.child import dispatch
+    from test_release import snapshot
+
+    dealt_until_killed(str(tmp_path / "first"))  # the sharer started
+    before = snapshot()
+    monkeypatch.setattr(dispatch, "REDEAL_FETCH_SECONDS", 1.0)  # forked: the dispatch process has it
+    with sharer_kept_busy():
+        with pytest.raises(RuntimeError, match="dispatch"):
+            dealt_until_killed(str(tmp_path / "killed"))
+    assert (tmp_path / "killed").exists()
+    assert "the channels of a replaced worker did not come from the training process within 1 s" in capfd.readouterr().err
     assert snapshot() == before

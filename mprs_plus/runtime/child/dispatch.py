@@ -21,6 +21,8 @@ worker's broken channel then never ends a lane.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,6 +37,12 @@ from .lifecycle import child_setup
 from ..control_messages import Received, Redeal, unpack
 from ..data_messages import RemoteError, describe_process
 from ...segment import Segment
+
+
+# Seconds the dispatch process waits for a Redeal's descriptors. They come from the training
+# process's resource sharer in milliseconds as a rule; it serves one peer at a time, and
+# one that stalls it would otherwise leave the replacement unfed and the loop waiting.
+REDEAL_FETCH_SECONDS = 60.0
 
 
 class DispatchSetup(NamedTuple):
@@ -98,15 +106,46 @@ def _redealer(lanes: list[Any], taken: Any) -> Callable[[Received], bool]:
             return False
         if taken is not None:
             taken.value += 1  # before the first descriptor is fetched: the main process never fetches it too
-        try:
-            senders = unpack(message.payload)  # each end's descriptors are fetched from the main process here
-        except BaseException:
-            # The replacement can never be fed: end this process, which the main process
-            # reports at once as the dispatch process's death, rather than leave it waiting.
-            traceback.print_exc()
-            os._exit(1)
+        senders = _fetched(message.payload, taken)
         for lane, sender in zip(lanes, senders):
             lane.redeal(message.worker, sender)
         return True
 
     return announce
+
+
+def _fetched(payload: bytes, taken: Any) -> Any:
+    """A Redeal's channel ends, each end's descriptors fetched from the main process as it
+    is unpickled, in a helper thread waited for at most ``REDEAL_FETCH_SECONDS``.
+
+    Where the fetch fails or does not end in time, the replacement can never be fed: this
+    process ends (exit status 1, the reason on its stderr), which the main process reports
+    at once as the dispatch process's death, rather than leave the loop waiting. A fetch
+    that did not end gives its Redeal back to ``taken``: the main process takes back at
+    its stop what is still with its sharer (what came here goes with this process)."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def fetch() -> None:
+        try:
+            outcome.append((True, unpack(payload)))
+        except BaseException as exc:
+            outcome.append((False, exc))
+
+    helper = threading.Thread(target=fetch, name="mprs_plus redeal fetch", daemon=True)
+    helper.start()
+    helper.join(REDEAL_FETCH_SECONDS)
+    if not outcome:
+        if taken is not None:
+            taken.value -= 1
+        print(
+            f"mprs_plus dispatch process: the channels of a replaced worker did not come from the training "
+            f"process within {REDEAL_FETCH_SECONDS:.0f} s (its multiprocessing resource sharer did not answer)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+    done, value = outcome[0]
+    if not done:
+        traceback.print_exception(value)
+        os._exit(1)
+    return value
