@@ -19,8 +19,15 @@ import warnings
 
 # Packages whose frames are never the user's.
 _LIBRARIES = (
-    *("mprs_plus", "torchdata", "torch"),
-    *("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers"),  # trainers iterating a loader
+    "mprs_plus",
+    "torchdata",
+    "torch",
+    # Trainers that iterate a loader for the user.
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "accelerate",
+    "transformers",
 )
 
 

@@ -410,8 +410,8 @@ class LoaderStage(IterDataPipe):
         """The runtime's restore hook: this epoch's stream after its first ``skip`` batches.
         Map-style: the samples of the skipped batches are read again and dropped (through
         the user's collate function, if any: ``replay``), so that whatever ``__getitem__``
-        and the collate function draw from the worker's generators is drawn again and the batches after them are the uninterrupted run's; a dataset with
-        a recorded state (set in ``begin``) replays only the batches after it. An iterable
+        and the collate function draw from the worker's generators is drawn again and the
+        batches after them are the uninterrupted run's; a dataset with a recorded state (set in ``begin``) replays only the batches after it. An iterable
         dataset goes on from its recorded state and replays only the batches after it.
         ``lost`` (map-style): the position of a batch whose samples killed the worker that
         read them twice; its samples are not read again."""

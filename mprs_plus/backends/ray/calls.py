@@ -23,11 +23,11 @@ def get_without_cycle(ref: Any, timeout: float) -> Any:
     try:
         return ray.get(ref, timeout=timeout)
     except BaseException as exc:
-        forget_frames(exc)
+        _forget_frames(exc)
         raise
 
 
-def forget_frames(exc: BaseException | None) -> None:
+def _forget_frames(exc: BaseException | None) -> None:
     """Clear the local variables of the finished frames in ``exc``'s traceback and in those
     of its cause and context (a frame still running is left as it is)."""
     seen: set[int] = set()

@@ -49,7 +49,6 @@ from typing import Any
 import ray
 
 from ...transport import ChannelBroken, ChannelClosed, EndOfStream, Traffic
-from .calls import get_without_cycle
 from ...transport.channel import RECHECK_SECONDS, poll_waitables, wait_together
 from ...transport.stream import (
     StreamReceiver,
@@ -60,6 +59,7 @@ from ...transport.stream import (
     _StreamEndpoint,
     listen,
 )
+from .calls import get_without_cycle
 
 SLICE = 0.02  # seconds between two looks at watched waitables while waiting on Ray
 _RECHECK = 1.0  # seconds between two looks of a control receiver with no deadline at its box

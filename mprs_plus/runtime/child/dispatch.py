@@ -58,7 +58,7 @@ class DispatchSetup(NamedTuple):
     stats: tuple[Any, ...] = ()  # a StatsWriter per dispatcher lane, when statistics are collected
     liveness: tuple[Any, ...] = ()  # a LaneLiveness per dispatcher lane (liveness.py)
     redeals: bool = False  # dead workers are replaced: keep each epoch's deal (redeal.py)
-    taken: Any = None  # a shared counter of the Redeals taken, added to before each is unpacked
+    taken: Any = None  # a shared count of the Redeals taken (see _fetched)
 
 
 def dispatch_main(setup: DispatchSetup) -> None:

@@ -582,7 +582,7 @@ class _Handovers:
     (``taken``, a counter in shared memory it adds to before it fetches one's descriptors).
     multiprocessing's resource sharer keeps a copy of each descriptor until it is fetched:
     once the stop ended the dispatch process, the payloads it never took (it died before
-    it read them) are taken back here, or those copies would stay open for this process's
+    it read them, or gave up fetching them) are taken back here, or those copies would stay open for this process's
     life."""
 
     def __init__(self, ctx: Any) -> None:
