@@ -27,14 +27,19 @@ class NoGraph:
     """Hide a reference from graph discovery while keeping it fully usable.
 
     Use it for a DataPipe that an object keeps *besides* its real input, so that the
-    planner does not treat it as a second parent::
+    planner does not treat it as a second parent:
 
-        class Wrapper(IterDataPipe):
-            def __init__(self):
-                self.src = NoGraph(IterableWrapper(range(4)))
-                self.dp = self.src.map(fn)          # reaches the real source
-            def __iter__(self):
-                return iter(self.dp)
+    ```python
+    class Wrapper(IterDataPipe):
+        def __init__(self):
+            self.src = NoGraph(IterableWrapper(range(4)))
+            self.dp = self.src.map(fn)          # reaches the real source
+        def __iter__(self):
+            return iter(self.dp)
+    ```
+
+    Args:
+        target: the object to hide; attribute reads, calls and iteration reach it.
     """
 
     __slots__ = ("_target",)

@@ -50,7 +50,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         worker_reset_fn: ``fn(datapipe, WorkerInfo, SeedGenerator) -> datapipe``, every
             epoch in each worker.
 
-    Beyond torchdata's arguments (keyword only):
+    Other Parameters:
         dispatch_init_fn: ``fn(datapipe, WorkerInfo) -> datapipe``, once in the dispatch
             process, on its copy of the dispatcher (``WorkerInfo(num_workers, 0)``).
         dispatch_buffer_size: items the dispatch process may deal ahead to each worker;
@@ -76,9 +76,12 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         device_prefetch: items copied to ``device`` ahead of the loop (default 2).
         worker_restarts: dead worker processes replaced in the service's life, all workers
             together (default 0: a dead worker is an error). A replacement goes on where
-            the dead one stopped: the same items in the same order (docs/worker-restarts.md).
+            the dead one stopped: the same items in the same order (the documentation's
+            page "When a worker dies").
             With a dispatch process, each dispatcher keeps the items it dealt in the
             current epoch, to deal them again to a replacement; its own death is an error.
+
+    The arguments under "Other parameters" go beyond torchdata's, and are keyword-only.
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.

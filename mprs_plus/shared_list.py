@@ -311,6 +311,9 @@ class SharedList(Sequence):
 
     The block is freed when the last ``SharedList`` over it, in any process, is gone;
     nothing is left in ``/dev/shm`` or the temporary directory, even after SIGKILL.
+
+    Args:
+        iterable: the items, each picklable; read once, in this process.
     """
 
     __slots__ = ("_block", "_indices")

@@ -20,7 +20,43 @@ from .transport import Lending
 
 @dataclass(frozen=True)
 class ProcessStats:
-    """What one process did since the service started."""
+    """What one process did since the service started.
+
+    Attributes:
+        role: the segment the process runs: "dispatch", "worker" or "main" (a ``Segment``,
+            which is a str, so ``role == "worker"`` reads as it looks).
+        index: the worker's id; 0 for the dispatch and main processes.
+        pid: its process id (a Ray actor's, on its node, with the Ray backend).
+        items_in: items it received from the segment before it.
+        items_out: items it handed on.
+        busy_s: seconds running its DataPipes.
+        waiting_input_s: seconds waiting for items to come in.
+        waiting_output_s: seconds waiting for room to hand items on.
+        bytes_out: bytes it wrote to its output channels.
+        elapsed_s: seconds since it started.
+        queued: items waiting in its output channel(s), where known.
+        rescues: lost wake-ups the transport's watchdog made up for (0 unless there is a bug).
+        node: the cluster node it runs on, with a backend that places children on nodes;
+            "" otherwise.
+        messages_out: messages written to its output channels (each carries a batch of items).
+        refused_connections: connections to its listening ports closed unread because they
+            did not prove the service's secret (a Ray actor's data channels; 0 locally).
+        in_service_s: the main process only: seconds inside the main segment's ``next()``,
+            the waits for input included (not the user's loop); 0 where not measured.
+        receiving_s: the main process only: seconds taking messages out of the channels
+            and rebuilding their items.
+        first_ask_s: the main process only: seconds from the service's start until the loop
+            first asked for an item; 0: not yet.
+        first_item_s: the main process only: seconds from the service's start until the loop
+            first got an item; 0: not yet.
+        large_built_in_place: large buffers it sent that were built straight into the memory
+            that crosses (a batch collated into the channel's lend area): never copied.
+        large_copied_in: large buffers it sent by copying them into that memory.
+        private_bytes: children: memory only this process holds (its copies of pages it
+            shared with the main process included), as last sampled; 0 where not measured.
+        private_growth_bytes: children: the growth of ``private_bytes`` since it started.
+        resident_growth_bytes: children: the growth of its resident memory since it started.
+    """
 
     role: Segment  # the segment the process runs; a str, so role == "worker" also reads
     index: int  # worker id; 0 for the dispatch and main processes
@@ -142,7 +178,27 @@ def _memory(rows: list[dict[str, float]]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class SegmentStats:
-    """The processes of one segment, added up (fractions are averages over its processes)."""
+    """The processes of one segment, added up (fractions are averages over its processes).
+
+    Attributes:
+        segment: "dispatch", "worker" or "main" (a ``Segment``, which is a str).
+        processes: how many processes run it.
+        items_in: items they received, all together.
+        items_out: items they handed on, all together.
+        busy_fraction: share of their time spent running their DataPipes.
+        input_wait_fraction: share of their time spent waiting for items to come in.
+        output_wait_fraction: share of their time spent waiting for room to hand items on.
+        bytes_out: bytes they wrote to their output channels.
+        messages_out: messages they wrote to their output channels.
+        receiving_fraction: the main segment only: share of the main process's time spent
+            taking items out of the channels; 0 where not measured.
+        main_segment_fraction: the main segment only: share spent running the main
+            segment's own DataPipes.
+        loop_fraction: the main segment only: share spent in the user's loop. With the input
+            wait and the two above, these add up to the whole.
+        starting_fraction: the main segment only: share spent before the loop first asked
+            for an item.
+    """
 
     segment: Segment  # a str: ``s.segment == "worker"`` reads as before
     processes: int
@@ -164,7 +220,17 @@ class SegmentStats:
 
 @dataclass(frozen=True)
 class DeviceFeed:
-    """What ``pin_memory=True`` (and ``device=``) did in the main process."""
+    """What ``pin_memory=True`` (and ``device=``) did in the main process.
+
+    Attributes:
+        device: where items were moved, e.g. "cuda:0"; "" when they were only page-locked.
+        items: items handed to the loop.
+        bytes_to_device: tensor bytes the service copied to the device.
+        pinned_copies: tensors that were not page-locked and were copied into such memory.
+        waited_on_copy: items handed out while their copy to the device still ran (the
+            loop's stream waits for it on the device): many mean the copies, not the
+            workers, pace the loop.
+    """
 
     device: str  # where items were moved; "" when they were only page-locked
     items: int  # items handed to the loop
@@ -186,7 +252,32 @@ class DeviceFeed:
 
 @dataclass(frozen=True)
 class Stats:
-    """A snapshot of a running service: per process, per segment, and a verdict."""
+    """A snapshot of a running service: per process, per segment, and a verdict.
+
+    ``print(stats)`` shows ``summary()``; every count adds up over all the epochs since the
+    service started.
+
+    Attributes:
+        processes: one ``ProcessStats`` per process: the dispatch process, the workers and
+            the main process.
+        segments: one ``SegmentStats`` per segment, its processes added up.
+        bottleneck: the verdict: a sentence naming what limits throughput, or saying that
+            the pipeline keeps up.
+        large_buffers: a ``Lending(lent, copied, held_buffers, held_bytes)``: large buffers
+            the main process received as views of shared memory or copied (the user held
+            too many already, or the worker had no room left to lend), and those held now
+            by any service of this process.
+        device: with ``pin_memory=True``, what was page-locked and moved to the device;
+            None otherwise.
+        epochs: epochs begun since the service started.
+        replacements: dead workers replaced (``worker_restarts``), in order: each a record
+            with ``worker``, ``pid``, ``cause`` ("SIGKILL", "exit code 3"), ``epoch``,
+            ``items``, ``rss_bytes``, ``out_of_memory`` and ``poison``.
+        main_memory_bytes: the main process's resident memory when the service started,
+            against which the workers' memory growth is judged.
+        memory: the sentence naming workers that copy what they share with the main
+            process (copy-on-access); "" when none do.
+    """
 
     processes: tuple[ProcessStats, ...]
     segments: tuple[SegmentStats, ...]

@@ -36,7 +36,33 @@ class DataLoader(_TorchDataLoader[_T_co]):
     run by mprs_plus's workers; plus ``StatefulDataLoader``'s ``state_dict()`` and
     ``load_state_dict()``, exact at any batch.
 
-    Beyond torch's arguments (keyword only):
+    The arguments under "Args" are torch's, with its defaults and meaning (in short
+    below; torch's documentation has the rest). Those under "Other parameters" are this
+    project's, keyword-only.
+
+    Args:
+        dataset: a map-style dataset (``__getitem__`` and ``__len__``) or an iterable one.
+        batch_size: items per batch; None hands out items one by one, uncollated.
+        shuffle: True draws a new order every epoch (map-style datasets only).
+        sampler: the order of the indices, instead of ``shuffle``.
+        batch_sampler: the indices of each batch, instead of ``batch_size``, ``shuffle``,
+            ``sampler`` and ``drop_last``.
+        num_workers: worker processes; 0 loads in the calling process.
+        collate_fn: makes a batch of a list of items (torch's ``default_collate`` when None).
+        pin_memory: page-locks the batches' tensors, for fast copies to a GPU.
+        drop_last: leaves out the last batch when it is short.
+        timeout: seconds to wait for a batch from the workers before an error; 0 waits as
+            long as they are alive (a dead one is an error at once).
+        worker_init_fn: ``fn(worker_id)``, once in each worker before it loads.
+        multiprocessing_context: "fork", "spawn", "forkserver" (or such a context), or None
+            for the default.
+        generator: the ``torch.Generator`` that draws the shuffle and the workers' seeds.
+        prefetch_factor: batches each worker may load ahead (keyword-only, as in torch).
+        persistent_workers: keeps the workers from one epoch to the next.
+        pin_memory_device: the device to pin for (torch's, deprecated there).
+        in_order: True hands out batches in the sampler's order; False as workers finish them.
+
+    Other Parameters:
         snapshot_every_n_steps: an iterable dataset with ``state_dict()`` has its state
             taken in each worker every n batches (``StatefulDataLoader``'s argument); a
             restore replays at most n - 1 batches of a worker. Map-style datasets need none.
@@ -47,7 +73,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         collect_stats: keep live statistics for ``stats()``.
         worker_restarts: dead worker processes replaced in the loader's life, all workers
             together (default 0: a dead worker is an error, as with torch). The loop gets
-            the uninterrupted run's batches (docs/worker-restarts.md).
+            the uninterrupted run's batches (the documentation's page "When a worker dies").
     """
 
     def __init__(
