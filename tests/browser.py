@@ -14,6 +14,7 @@ Every wait is bounded: a reply that does not come within the deadline raises
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import select
@@ -32,6 +33,12 @@ def find_chromium() -> str | None:
     return None
 
 
+def _above_9(fd: int) -> int:
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
+    os.close(fd)
+    return moved
+
+
 class Browser:
     """One headless browser with one page; use as a context manager."""
 
@@ -39,9 +46,12 @@ class Browser:
         self.timeout = timeout
         to_browser_read, self._to_browser = os.pipe()
         self._from_browser, from_browser_write = os.pipe()
-        # The browser must find the pipes at descriptors 3 and 4: the shell moves them there.
+        # Above 9, so that moving one to 3 or 4 cannot overwrite the other first.
+        to_browser_read, from_browser_write = (_above_9(fd) for fd in (to_browser_read, from_browser_write))
+        # The browser must find the pipes at descriptors 3 and 4: bash moves them there
+        # (dash, which may be sh, reads only one-digit descriptors).
         command = [
-            "sh", "-c", f'exec "$@" 3<&{to_browser_read} 4>&{from_browser_write}', "sh",
+            "bash", "-c", f'exec "$@" 3<&{to_browser_read} 4>&{from_browser_write}', "bash",
             program, "--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
             "--no-first-run", "--no-default-browser-check", "--hide-scrollbars",
             "--disable-extensions", "--disable-background-networking", "--mute-audio",
