@@ -7,8 +7,10 @@ from setuptools import find_packages, setup
 # pillow: the loader comparison (benchmarks/loader_compare.py) decodes JPEGs with it.
 BENCH = ["numpy>=1.24", "matplotlib>=3.7", "tqdm>=4.60", "spdl>=0.8", "ray[data]>=2.60", "pillow>=9.0"]
 # MkDocs: the docs are Markdown, the format of the README and of the pages' examples that
-# the tests run; mkdocstrings renders the API reference from the docstrings.
-DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0"]
+# the tests run; mkdocstrings renders the API reference from the docstrings. Pygments
+# colours the code when the site is built (through pymdown-extensions' highlight), so the
+# pages need no script from a CDN to show it.
+DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=1.0", "pyyaml>=6.0", "pymdown-extensions>=10.0", "pygments>=2.19"]
 # Plan.render() and `explain --format svg|png` draw with Graphviz's dot through this package.
 RENDER = ["graphviz>=0.20"]
 # The Ray backend (RayBackend): worker segments as Ray actors on a cluster's nodes. 2.9 is
