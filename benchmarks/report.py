@@ -273,6 +273,9 @@ def to_json(results: Results, rows: list[Row]) -> dict[str, Any]:
 
 
 def plot(results: Results, rows: list[Row], path: Path) -> None:
+    """The ratios as horizontal bars, one group per workload and metric, drawn 8 inches
+    (1,040 px) wide whatever the number of rows, so that a docs page shows it near its
+    drawn size and its labels stay readable; more rows make it taller, not wider."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,33 +283,35 @@ def plot(results: Results, rows: list[Row], path: Path) -> None:
     from matplotlib.lines import Line2D
 
     shown = [r for r in rows if any(r.ratios[c] for c in COMPARISONS)]
-    width = 0.8 / len(COMPARISONS)
-    fig, ax = plt.subplots(figsize=(max(9.0, 1.35 * len(shown) + 2), 5.5))
+    height = 0.8 / len(COMPARISONS)
+    fig, ax = plt.subplots(figsize=(8.0, 0.55 * len(shown) + 1.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for j, against in enumerate(COMPARISONS):
-        offset = (j - (len(COMPARISONS) - 1) / 2) * width
+        offset = (j - (len(COMPARISONS) - 1) / 2) * height
         for i, row in enumerate(shown):
             value = row.ratios[against]
             if not value:
                 continue
-            x = i + offset
-            ax.bar(x, value, width, color=colors[j % len(colors)])
-            ax.annotate(f"{value:.3g}", (x, value), ha="center", va="bottom", fontsize=6, rotation=90,
-                        xytext=(0, 2), textcoords="offset points")
+            y = i + offset
+            ax.barh(y, value, height, color=colors[j % len(colors)])
+            ax.annotate(f"{value:.3g}", (value, y), ha="left", va="center", fontsize=6,
+                        xytext=(2, 0), textcoords="offset points")
             for verdict in row.verdicts:
                 if verdict.target.against == against:
-                    ax.plot([x - width / 2, x + width / 2], [verdict.threshold] * 2, color="black", linewidth=2)
-    ax.set_yscale("log")
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(shown)))
-    ax.set_xticklabels([f"{r.workload.title}\n{r.metric.key.replace('_', ' ')}" for r in shown], fontsize=8)
-    ax.set_ylabel("mprs_plus ÷ other (above 1: mprs_plus better)")
-    ax.set_title(f"mprs_plus benchmarks: {_headline(results)}", fontsize=8, wrap=True)
+                    ax.plot([verdict.threshold] * 2, [y - height / 2, y + height / 2], color="black", linewidth=2)
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_yticks(range(len(shown)))
+    ax.set_yticklabels([f"{r.workload.title}\n{r.metric.key.replace('_', ' ')}" for r in shown], fontsize=8)
+    ax.invert_yaxis()  # the table's order, top to bottom
+    ax.set_xlabel("mprs_plus ÷ other (right of 1: mprs_plus better)")
+    ax.set_title(f"mprs_plus benchmarks: {_headline(results)}", fontsize=7, wrap=True)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[j % len(colors)]) for j in range(len(COMPARISONS))]
     handles.append(Line2D([], [], color="black", linewidth=2))
     labels = [f"vs {c}" for c in COMPARISONS] + ["target"]
-    ax.legend(handles, labels, fontsize=8, loc="upper right")
-    ax.margins(y=0.15)
+    ax.legend(handles, labels, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0 + 0.6 / fig.get_figheight()),
+              ncol=len(labels), frameon=False)
+    ax.margins(x=0.15)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -369,9 +374,11 @@ def sweep_plot(runs: list[Results], path: Path) -> None:
 
     series = _sweep_series(runs)
     counts = [run.settings.num_workers for run in runs]
-    columns = min(3, len(series))
+    # Two panels a row, 8 inches (880 px) wide in all: a docs page shows it near its drawn
+    # size, so its labels stay readable; more series make it taller, not wider.
+    columns = min(2, len(series))
     rows = -(-len(series) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.0 * columns, 3.0 * rows), squeeze=False)
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     # One colour per contender in every panel, whichever contenders a panel has.
     color = {c: palette[i % len(palette)] for i, c in enumerate(CONTENDERS)}
@@ -393,7 +400,7 @@ def sweep_plot(runs: list[Results], path: Path) -> None:
     for ax in list(axes.flat)[len(series):]:
         ax.set_visible(False)
     fig.suptitle(f"mprs_plus workers sweep ({runs[0].settings.context}, {runs[0].environment['usable_cores']} usable cores)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))  # room for the title above the panels
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
