@@ -161,6 +161,8 @@ def test_examples_run(page, tmp_path):
             last_python = block
         elif block.marker == "output":
             assert last_python is not None and last_python in runnable, f"{block.where}: output of no runnable block"
+            # The site wraps ```text blocks where they are shown (docs/css/extra.css).
+            assert block.lang == "text", f"{block.where}: write output as a ```text block, so the site wraps it"
             printed = outputs[runnable.index(last_python)]
             assert _normalise(printed) == _normalise(block.code), (
                 f"{block.where}: the page shows output that {last_python.where} does not print; "
