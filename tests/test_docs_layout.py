@@ -5,7 +5,8 @@ The site is built once, then one headless Chromium (tests/browser.py) opens ever
 
 - the page is no wider than the window: nothing pushes it sideways (a wide table scrolls
   inside its own box instead);
-- example output (```text blocks) is wrapped, never cut or scrolled;
+- example output (```text blocks) is wrapped, never cut or scrolled (a diagram,
+  ```{.text .diagram}, keeps its lines and may scroll inside its box);
 - a picture is shown at no less than half its drawn width at 1280 px, so its labels stay
   readable (a chart drawn twice the column's width for sharp screens is fine).
 
@@ -51,7 +52,7 @@ _MEASURE = """
       outside.push(el);
     }
   }
-  const scrolled = [...document.querySelectorAll(".language-text pre")]
+  const scrolled = [...document.querySelectorAll(".language-text:not(.diagram) pre")]
     .filter((pre) => pre.scrollWidth > pre.clientWidth + 1);
   const shrunk = [...document.querySelectorAll("[role=main] img")]
     .filter((img) => img.naturalWidth > 0 && img.getBoundingClientRect().width < img.naturalWidth / 2)
