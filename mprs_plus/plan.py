@@ -116,6 +116,12 @@ def plan(datapipe: Any, num_workers: int) -> Plan:
     drawn with ``Plan.explain()``) before it runs. The reading service calls it once,
     when ``DataLoader2`` first iterates.
 
+    Args:
+        datapipe: the pipeline's last DataPipe (the one a loader iterates), or a ``NoGraph``
+            around it.
+        num_workers: the worker processes to plan for; 0 plans everything in the calling
+            process.
+
     Raises:
         AmbiguousGraphError: a DataPipe holds references whose targets would run in
             different processes; the message names the attribute and the fixes.

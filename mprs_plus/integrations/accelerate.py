@@ -81,13 +81,20 @@ def enable(**options: Any) -> None:
     ``skip_first_batches()``, Transformers' ``Trainer``) runs on ``mprs_plus.DataLoader``.
 
     Call it once, before your loaders are prepared (with ``Trainer``: before
-    ``trainer.train()``); a second call only sets the options it names. ``options``:
-    arguments of ``mprs_plus.DataLoader`` that torch's has not (``worker_restarts``,
-    ``device``, ``backend``, ``collect_stats``, ``snapshot_every_n_steps``), for the
-    loaders built from torch's, such as the one ``Trainer`` makes; a loader of this class
-    keeps its own. Raises ``TypeError`` for another name, ``ImportError`` without
-    Accelerate, and ``RuntimeError`` for a release outside ``SUPPORTED``, whose internals
-    this module was not tested with."""
+    ``trainer.train()``); a second call only sets the options it names.
+
+    Args:
+        **options: arguments of ``mprs_plus.DataLoader`` that torch's has not
+            (``worker_restarts``, ``device``, ``backend``, ``collect_stats``,
+            ``snapshot_every_n_steps``), for the loaders built from torch's, such as the one
+            ``Trainer`` makes; a loader of this class keeps its own.
+
+    Raises:
+        TypeError: an option that is not one of those.
+        ImportError: Accelerate is not installed.
+        RuntimeError: Accelerate's release is outside ``SUPPORTED``, whose internals this
+            module was not tested with.
+    """
     global _originals
     unknown = sorted(set(options) - set(_OWN))
     if unknown:
