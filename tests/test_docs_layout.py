@@ -12,7 +12,7 @@ The site is built once, then one headless Chromium (tests/browser.py) opens ever
 
 Skipped where no Chromium is installed (.ci/run installs it). With
 MPRS_PLUS_DOCS_SCREENSHOTS=DIR, a full-page screenshot of every page at both widths is
-written there too, to look at.
+written there too, to look at; that takes minutes, so run it with ``--timeout 600``.
 """
 
 from __future__ import annotations
