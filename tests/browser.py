@@ -49,11 +49,12 @@ class Browser:
         # Above 9, so that moving one to 3 or 4 cannot overwrite the other first.
         to_browser_read, from_browser_write = (_above_9(fd) for fd in (to_browser_read, from_browser_write))
         # The browser must find the pipes at descriptors 3 and 4: bash moves them there
-        # (dash, which may be sh, reads only one-digit descriptors).
+        # (dash, which may be sh, reads only one-digit descriptors). Scrollbars are kept, so
+        # that a page measured at 1280 px has a desktop browser's room beside them.
         command = [
-            "bash", "-c", f'exec "$@" 3<&{to_browser_read} 4>&{from_browser_write}', "bash",
+            "bash", "-c", f'exec "$@" 3<&{to_browser_read}- 4>&{from_browser_write}-', "bash",
             program, "--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
-            "--no-first-run", "--no-default-browser-check", "--hide-scrollbars",
+            "--no-first-run", "--no-default-browser-check",
             "--disable-extensions", "--disable-background-networking", "--mute-audio",
             f"--user-data-dir={profile}", "about:blank",
         ]
