@@ -78,6 +78,11 @@ def blocks_of(page: Path) -> list[Block]:
         fence, lang = opening["fence"], (opening["info"].split() or [""])[0].lower()
         previous = next((line.strip() for line in reversed(lines[:index]) if line.strip()), "")
         marker = _MARKER.match(previous)
+        if marker is None and previous.startswith("<!--"):
+            raise AssertionError(
+                f"{_name(page)}:{index + 1}: {previous} is no doc marker (it would be ignored); "
+                "write <!-- doc: no-run -->, <!-- doc: output --> or <!-- doc: needs MODULE -->"
+            )
         end = index + 1
         while end < len(lines) and not re.fullmatch(rf"\s*{re.escape(fence[0])}{{{len(fence)},}}\s*", lines[end]):
             end += 1
@@ -209,6 +214,9 @@ def test_the_marker_parser(tmp_path):
     ]
     page.write_text("- item\n\n    ```python\n    x = 1\n    ```\n", encoding="utf-8")
     with pytest.raises(AssertionError, match="indented python block"):
+        blocks_of(page)
+    page.write_text("<!-- output -->\n```text\n1\n```\n", encoding="utf-8")
+    with pytest.raises(AssertionError, match="no doc marker"):
         blocks_of(page)
 
 
