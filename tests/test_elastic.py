@@ -243,3 +243,37 @@ def test_a_resumed_remainder_is_itself_resumed_at_another_world_size():
         rest += [i for batch in last for i in batch.tolist()]
     assert not set(made) & set(middle) and not set(made + middle) & set(rest)
     assert sorted(set(made + middle + rest)) == list(range(n))
+
+
+def draws_run(workers, dataset, **kwargs):
+    from restart_datasets import read_through
+
+    torch.manual_seed(0)
+    made = mprs_plus.DataLoader(dataset, batch_size=4, num_workers=workers, seeding="batch", **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the replacements' own warnings: test_worker_restarts.py checks them
+        got, errors = read_through(made, lambda batch: batch.tolist())
+    return got, errors, made.stats().replacements if workers else ()
+
+
+def test_a_replacement_worker_makes_the_uninterrupted_runs_batches(tmp_path):
+    from restart_datasets import Draws
+
+    expected, _, _ = draws_run(0, Draws())
+    got, errors, made = draws_run(2, Draws(kill_at=18, marker=str(tmp_path / "killed")), worker_restarts=1)
+    assert (tmp_path / "killed").exists() and len(made) == 1
+    assert got == expected and not errors
+
+
+def test_a_poison_sample_leaves_every_other_batch_unchanged():
+    """Index 29 (batch 7) kills every worker that reads it: under torch's seeding the dead
+    worker's later batches draw otherwise (test_worker_restarts.py); here every batch but
+    the poisoned one is the uninterrupted run's."""
+    from restart_datasets import Draws
+
+    expected, _, _ = draws_run(0, Draws())
+    got, errors, made = draws_run(2, Draws(kill_at=29, poison=True), worker_restarts=2)
+    assert len(errors) == 1 and "indices [28, 29, 30, 31]" in str(errors[0])
+    assert [m.poison for m in made] == [False, True]
+    assert got[7] is None
+    assert got[:7] + got[8:] == expected[:7] + expected[8:]
