@@ -181,10 +181,10 @@ def test_an_iterable_dataset_refuses_another_count_mid_epoch_not_between_epochs(
     assert sorted(i for batch in other for i in batch.tolist()) == list(range(12))
 
 
-def rank_loader(world, rank, workers, n=50, epoch=0):
+def rank_loader(world, rank, workers, n=50, epoch=0, seeding="batch"):
     sampler = DistributedSampler(Indices(n), num_replicas=world, rank=rank, shuffle=True, seed=7)
     sampler.set_epoch(epoch)
-    return mprs_plus.DataLoader(Indices(n), batch_size=3, sampler=sampler, num_workers=workers, seeding="batch")
+    return mprs_plus.DataLoader(Indices(n), batch_size=3, sampler=sampler, num_workers=workers, seeding=seeding)
 
 
 def test_a_world_size_of_4_resumed_at_3_makes_every_remaining_sample_once():
@@ -221,16 +221,17 @@ def test_a_world_size_of_4_resumed_at_3_makes_every_remaining_sample_once():
 
 
 def test_a_resumed_remainder_is_itself_resumed_at_another_world_size():
+    """torch's seeding too: another world size needs only positions of the sampler's order."""
     n = 50
     made = []
     for rank in range(4):
-        before = rank_loader(4, rank, workers=0)
+        before = rank_loader(4, rank, workers=0, seeding="worker")
         iterator = iter(before)
         made += [i for _ in range(2) for i in next(iterator).tolist()]
         state = before.state_dict()
     middle = []
     for rank in range(3):
-        resumed = rank_loader(3, rank, workers=0)
+        resumed = rank_loader(3, rank, workers=0, seeding="worker")
         resumed.load_state_dict(state)
         iterator = iter(resumed)
         middle += [i for _ in range(2) for i in next(iterator).tolist()]
@@ -238,7 +239,7 @@ def test_a_resumed_remainder_is_itself_resumed_at_another_world_size():
             state = resumed.state_dict()
     rest = []
     for rank in range(2):
-        last = rank_loader(2, rank, workers=1)
+        last = rank_loader(2, rank, workers=0, seeding="worker")
         last.load_state_dict(state)
         rest += [i for batch in last for i in batch.tolist()]
     assert not set(made) & set(middle) and not set(made + middle) & set(rest)
@@ -277,3 +278,12 @@ def test_a_poison_sample_leaves_every_other_batch_unchanged():
     assert [m.poison for m in made] == [False, True]
     assert got[7] is None
     assert got[:7] + got[8:] == expected[:7] + expected[8:]
+
+
+def test_another_world_size_without_a_distributed_sampler_is_refused():
+    made = mprs_plus.DataLoader(Indices(50), batch_size=3, num_workers=0, seeding="batch")
+    iterator = iter(made)
+    next(iterator)
+    state = made.state_dict()  # a world of 1: no DistributedSampler, no process group
+    with pytest.raises(ValueError, match="world size of 1, this process is one of 2"):
+        rank_loader(2, 0, workers=0).load_state_dict(state)

@@ -127,6 +127,8 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
     state = {**state, "worker_states": {int(w): tuple(v) for w, v in state["worker_states"].items()}}
     if recorded["num_workers"] != expected["num_workers"]:
         _check_other_count(loader, state, recorded["num_workers"], expected["num_workers"])
+    if state["phase"] == RUNNING:
+        check_world(loader, state)
     return state
 
 
@@ -206,8 +208,20 @@ def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
         remainder = remainder.taken_over(left.start, loader.batch_size, int(sampler.num_replicas))
         indices = remainder.indices(int(sampler.rank))
         return Adapted(fresh, Layout(), batches_of(indices, loader.batch_size, loader.drop_last), remainder)
+    check_world(loader, state)
+    if getattr(loader, "seeding", WORKER) == BATCH and not state["worker_states"] and recorded_by_position(loader):
+        return Adapted(fresh, layout.fold(recorded, state["consumed"]), None, remainder)
+    return Adapted(state, layout, None, remainder)
+
+
+def check_world(loader: Any, state: dict[str, Any]) -> None:
+    """A running state of another world size restores only by its ``Remainder`` (a
+    ``DistributedSampler`` then and now); else a ValueError."""
     from torch.utils.data.dataloader import _get_distributed_settings
 
+    sampler = distributed_sampler(loader.sampler, loader.batch_sampler)
+    if sampler is not None and state.get("distributed"):
+        return  # adapt() splits the rest over this world
     world = int(sampler.num_replicas) if sampler is not None else _get_distributed_settings()[0]
     if state.get("world_size") is not None and state["world_size"] != world:
         raise ValueError(
@@ -215,9 +229,6 @@ def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
             "world size is resumed for torch's DistributedSampler batched by the loader only (its epoch is one "
             "global order; another sharding's is not known here). Restore at the same world size"
         )
-    if getattr(loader, "seeding", WORKER) == BATCH and not state["worker_states"] and recorded_by_position(loader):
-        return Adapted(fresh, layout.fold(recorded, state["consumed"]), None, remainder)
-    return Adapted(state, layout, None, remainder)
 
 
 def recorded_by_position(loader: Any) -> bool:
