@@ -25,7 +25,7 @@ from ..errors import ServiceClosedError
 from . import state as loader_state
 from .batch_seeds import BatchSeeds, Kept
 from .elastic import Layout, Remainder
-from .epochs import EpochStart, deal, deal_epoch, draw_batches
+from .epochs import EpochStart, deal, deal_epoch, draw_batches, has_len
 from .errors import is_fatal, torch_error
 from .stage import (
     BatchFailure,
@@ -496,14 +496,6 @@ def warn_state_failed(keep: LoaderKeep, dataset_type: str, error: str) -> None:
         "DataLoader's states now restore that dataset by replaying its epoch from the start, as for a "
         "dataset without state_dict() (exact where it reads the same samples again)"
     )
-
-
-def has_len(sampler: Any) -> bool:
-    try:
-        len(sampler)
-    except TypeError:
-        return False
-    return True
 
 
 class _Fetched:

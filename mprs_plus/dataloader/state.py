@@ -36,7 +36,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .batch_seeds import BATCH, WORKER, distributed_sampler
 from .elastic import Layout, Remainder, batches_of
-from .epochs import EpochStart
+from .epochs import EpochStart, has_len
 
 RUNNING = "running"
 BETWEEN = "between_epochs"
@@ -154,8 +154,6 @@ def _check_other_count(loader: Any, state: dict[str, Any], recorded: int, worker
             f"{taken}: an iterable dataset shards itself by worker (get_worker_info()), so its position is each "
             "worker's own. Restore mid-epoch with the same num_workers (a state between epochs restores at any count)"
         )
-    from .iterator import has_len
-
     if not has_len(loader._index_sampler):
         raise ValueError(
             f"{taken}: a sampler without len() is drawn in the workers, a worker's share at a time. Restore "
@@ -234,6 +232,4 @@ def check_world(loader: Any, state: dict[str, Any]) -> None:
 def recorded_by_position(loader: Any) -> bool:
     """Whether the loader's epochs are dealt by positions here: a map-style dataset whose
     sampler has a len()."""
-    from .iterator import has_len
-
     return loader._dataset_kind == _DatasetKind.Map and has_len(loader._index_sampler)
