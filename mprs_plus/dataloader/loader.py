@@ -24,7 +24,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
-from .batch_seeds import BATCH, BatchSeeds, check_seeding, distributed_sampler, rank_of
+from .batch_seeds import BATCH, BatchSeeds, batch_shard, check_seeding, distributed_sampler, rank_of
 from .elastic import Layout, Remainder
 from .iterator import EpochPlan, EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
@@ -176,12 +176,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _epoch_plan(self, start: EpochStart, adapted: loader_state.Adapted | None) -> EpochPlan:
         """Which batches the epoch makes (a restore's, folded) and, with seeding="batch", their seeds."""
         sampler = distributed_sampler(self.sampler, self.batch_sampler)
+        shard = batch_shard(self.batch_sampler)
         if adapted is not None:
-            layout, batches, remainder = adapted.layout, adapted.batches, adapted.remainder
+            layout, remainder = adapted.layout, adapted.remainder
+            batches = adapted.batches() if adapted.batches is not None else None
         else:
             layout, batches, remainder = Layout(), None, None
         if remainder is None and sampler is not None:
             remainder = Remainder.of(sampler)  # recorded: a state restores at another world size
+        elif remainder is None and shard is not None:
+            remainder = Remainder.of_shard(shard)
         seeds = None
         if self.seeding == BATCH:
             from torch.utils.data.dataloader import _get_distributed_settings
