@@ -57,6 +57,7 @@ def test_the_same_batches_for_0_1_and_3_workers_and_as_ready():
     assert expected[0] != expected[1]  # a new epoch draws anew
     for workers in (0, 1, 3):
         assert run(workers) == expected, f"num_workers={workers}"
+    assert 'seeding="batch"' in loader(2).explain()
     as_ready = run(3, in_order=False)
     assert [sorted(epoch) for epoch in as_ready] == [sorted(epoch) for epoch in expected]
 

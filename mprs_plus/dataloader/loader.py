@@ -291,6 +291,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"A dead worker is replaced, {self.worker_restarts} times at most (worker_restarts); "
                 f"replaced so far: {len(made)}{f' ({causes})' if made else ''}.\n"
             )
+        if self.seeding == BATCH:
+            header += (
+                "Each batch seeds random, numpy and torch from (base seed, epoch, rank, its place) (seeding=\"batch\"): "
+                "the same batches for any num_workers.\n"
+            )
         text = header + plan(LoaderStage(self._job()), self.num_workers).explain()
         memory = self._family.stats().memory  # what its workers did so far: "" before they ran
         return f"{text}\nmemory: {memory}\n" if memory else text

@@ -83,7 +83,7 @@ def enable(**options: Any) -> None:
     Call it once, before your loaders are prepared (with ``Trainer``: before
     ``trainer.train()``); a second call only sets the options it names. ``options``:
     arguments of ``mprs_plus.DataLoader`` that torch's has not (``worker_restarts``,
-    ``device``, ``backend``, ``collect_stats``, ``snapshot_every_n_steps``), for the
+    ``device``, ``backend``, ``collect_stats``, ``snapshot_every_n_steps``, ``seeding``), for the
     loaders built from torch's, such as the one ``Trainer`` makes; a loader of this class
     keeps its own. Raises ``TypeError`` for another name, ``ImportError`` without
     Accelerate, and ``RuntimeError`` for a release outside ``SUPPORTED``, whose internals
