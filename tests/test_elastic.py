@@ -3,6 +3,7 @@ for any worker count; a state restored at another count or another world size. C
 the same run at a fixed count, and with torch's DataLoader (its sampler's order and base
 seed) where torch can make the run."""
 
+import itertools
 import json
 import random
 import warnings
@@ -288,3 +289,37 @@ def test_another_world_size_without_a_distributed_sampler_is_refused():
     state = made.state_dict()  # a world of 1: no DistributedSampler, no process group
     with pytest.raises(ValueError, match="world size of 1, this process is one of 2"):
         rank_loader(2, 0, workers=0).load_state_dict(state)
+
+
+def test_the_rank_of_an_initialised_process_group_is_part_of_the_seeds(monkeypatch):
+    """Without a DistributedSampler, the rank comes from torch.distributed (faked here: the
+    process group's own test is test_distributed.py's)."""
+    import torch.utils.data.dataloader as torch_loader
+
+    first = run(0, epochs=1, shuffle=False)[0]
+    monkeypatch.setattr(torch_loader, "_get_distributed_settings", lambda: (2, 1))
+    second = run(0, epochs=1, shuffle=False)[0]
+    assert [[row[0] for row in b] for b in first] == [[row[0] for row in b] for b in second]
+    assert not {row[1:] for b in first for row in b} & {row[1:] for b in second for row in b}
+
+
+def test_the_three_generators_draw_streams_of_their_own():
+    """random and numpy's legacy generator are both MT19937: seeded with the same words they
+    would draw the same numbers."""
+    batch = run(0, epochs=1, shuffle=False)[0][0]
+    python, numpy_, torch_ = zip(*(row[1:] for row in batch))
+    assert len(set(python) | set(numpy_) | set(torch_)) == 3 * len(batch)
+
+
+def test_a_layout_folds_any_deal_into_positions():
+    from mprs_plus.dataloader.elastic import Layout
+
+    fresh = Layout()
+    assert fresh.fold(2, [3, 2]) == Layout(5, ())  # in order: the first 5 batches
+    assert fresh.fold(2, [3, 1]) == Layout(3, (4,))  # as ready: worker 0 ran ahead
+    assert fresh.fold(0, [4]) == Layout(4, ())  # the loop's own process: one worker
+    left = Layout(3, (4,))
+    assert left.deal(10, 3) == [[3, 7], [5, 8], [6, 9]]
+    assert left.fold(3, [1, 1, 0]) == Layout(6, ())  # 3 and 5 made: 6 is next
+    assert left.fold(3, [0, 1, 1]) == Layout(3, (4, 5, 6))
+    assert list(itertools.islice(Layout(3, (4, 6)).remaining(), 3)) == [3, 5, 7]

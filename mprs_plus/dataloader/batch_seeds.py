@@ -65,11 +65,13 @@ class BatchSeeds(NamedTuple):
         """Seed this process's global generators for batch ``position``."""
         import numpy as np
 
-        words = np.random.SeedSequence(self.base_seed, spawn_key=self.key(position, worker)).generate_state(4)
-        low, high = int(words[0]), int(words[1])
-        random.seed(low | high << 32 | int(words[2]) << 64 | int(words[3]) << 96)
-        torch.default_generator.manual_seed(low | high << 32)
-        np.random.seed(words)
+        # Words of their own for each generator: ``random`` and numpy's legacy generator are
+        # both MT19937 seeded by init_by_array, so the same words would give one stream twice.
+        words = np.random.SeedSequence(self.base_seed, spawn_key=self.key(position, worker)).generate_state(10)
+        np.random.seed(words[:4])
+        python = [int(word) for word in words[4:8]]
+        random.seed(python[0] | python[1] << 32 | python[2] << 64 | python[3] << 96)
+        torch.default_generator.manual_seed(int(words[8]) | int(words[9]) << 32)
 
 
 class Kept:
