@@ -325,8 +325,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume ``state_dict`` (from ``state_dict()`` of a loader built the same way) with
-        the next ``iter()``. A state of another dataset length, batch size, worker count or
-        dataset kind is a ``ValueError``."""
+        the next ``iter()``. A state of another dataset length, batch size, seeding or
+        dataset kind is a ``ValueError``, and so is one of another worker count unless both
+        loaders use ``seeding="batch"`` (docs/elastic-workers.md). A state of one rank of a
+        ``DistributedSampler`` (or Accelerate's ``BatchSamplerShard``) run restores each rank
+        of a run at another world size."""
         self._restore = loader_state.check(self, state_dict)
         self._current = None  # state_dict() now reports the loaded state, until the next iter()
         run, self._keep.run = self._keep.run, None
