@@ -323,3 +323,46 @@ def test_a_layout_folds_any_deal_into_positions():
     assert left.fold(3, [1, 1, 0]) == Layout(6, ())  # 3 and 5 made: 6 is next
     assert left.fold(3, [0, 1, 1]) == Layout(3, (4, 5, 6))
     assert list(itertools.islice(Layout(3, (4, 6)).remaining(), 3)) == [3, 5, 7]
+
+
+class CountsOn(IterableDataset):
+    """An iterable dataset with a state of its own: where it is in its shard, and a draw."""
+
+    def __init__(self):
+        self.next = 0
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        step, start = (1, 0) if info is None else (info.num_workers, info.id)
+        while self.next * step + start < 20:
+            i = self.next * step + start
+            self.next += 1
+            yield torch.tensor([float(i), float(torch.rand(()))])
+        self.next = 0
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+
+@pytest.mark.parametrize("before, after", [(0, 1), (1, 0)])
+def test_an_iterable_datasets_state_moves_between_0_and_1_worker(before, after):
+    """One replica either way: the loop's own process is worker 0 of 1."""
+    def make(workers):
+        return mprs_plus.DataLoader(CountsOn(), batch_size=3, num_workers=workers, seeding="batch")
+
+    torch.manual_seed(0)
+    expected = [b.tolist() for b in make(before)]
+    torch.manual_seed(0)
+    made = make(before)
+    iterator = iter(made)
+    head = [next(iterator).tolist() for _ in range(3)]
+    state = json.loads(json.dumps(made.state_dict()))
+    del iterator
+    restored = make(after)
+    restored.load_state_dict(state)
+    assert head + [b.tolist() for b in restored] == expected

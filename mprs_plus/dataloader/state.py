@@ -143,6 +143,10 @@ def _check_other_count(loader: Any, state: dict[str, Any], recorded: int, worker
             "on the count. Restore with the same num_workers, or build both loaders with seeding=\"batch\", "
             "whose states restore at any count (docs/elastic-workers.md)"
         )
+    if max(recorded, workers) <= 1:
+        # One replica either way: the loop's own process is worker 0 of 1 (the same shard, the
+        # same dataset state, the same seeds), so a state of each restores at the other.
+        return
     if state["worker_states"]:
         raise ValueError(
             f"{taken}: it holds each worker's own dataset state (the dataset's state_dict()), which cannot be "
