@@ -76,7 +76,7 @@ class EpochPlan(NamedTuple):
     seeds: BatchSeeds | None = None  # seeding="batch": each batch seeded from its place
     layout: Layout = Layout()  # the batches still to make (all of them in a fresh epoch)
     batches: list[Any] | None = None  # the epoch's index batches, where not the sampler's (a Remainder's)
-    remainder: Remainder | None = None  # a DistributedSampler's epoch, as states record it
+    remainder: Remainder | None = None  # a sharded epoch (DistributedSampler, BatchSamplerShard), as states record it
 
 
 class LoaderKeep:

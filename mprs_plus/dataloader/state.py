@@ -172,7 +172,7 @@ class Adapted(NamedTuple):
     state: dict[str, Any]  # with the counts over this loader's deal
     layout: Layout  # the epoch's batches still to make
     batches: Callable[[], list[Any]] | None  # the epoch's index batches, where a Remainder makes them (else the sampler's)
-    remainder: Remainder | None  # the epoch of a DistributedSampler, as later states record it
+    remainder: Remainder | None  # a sharded epoch, as later states record it
 
 
 def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
