@@ -23,7 +23,9 @@ from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
 
 from ..errors import ServiceClosedError
 from . import state as loader_state
-from .epochs import EpochStart, deal, deal_epoch
+from .batch_seeds import BatchSeeds, Kept
+from .elastic import Layout, Remainder
+from .epochs import EpochStart, deal, deal_epoch, draw_batches, has_len
 from .errors import is_fatal, torch_error
 from .stage import (
     BatchFailure,
@@ -67,6 +69,16 @@ class EpochSettings(NamedTuple):
     dataset_type: str  # its class's name, for ours
 
 
+class EpochPlan(NamedTuple):
+    """Which of the epoch's batches are made, and how they are seeded (``seeding="batch"``,
+    a restore at another count or world size)."""
+
+    seeds: BatchSeeds | None = None  # seeding="batch": each batch seeded from its place
+    layout: Layout = Layout()  # the batches still to make (all of them in a fresh epoch)
+    batches: list[Any] | None = None  # the epoch's index batches, where not the sampler's (a Remainder's)
+    remainder: Remainder | None = None  # a sharded epoch (DistributedSampler, BatchSamplerShard), as states record it
+
+
 class LoaderKeep:
     """What a loader keeps from one epoch to the next, which its epochs update: the
     persistent workers' runtime, the datasets' states they carry into the next epoch, and
@@ -102,8 +114,12 @@ class LoaderIterator:
         shared_seed: int | None = None,
         carried: dict[int, tuple[int, Any]] | None = None,
         send_carried: bool = False,
+        plan: EpochPlan = EpochPlan(),
     ) -> None:
         self._settings = settings
+        self._plan = plan
+        if plan.batches is not None:  # the epoch's batches, made here (a Remainder)
+            indices = iter(plan.batches)
         self._keep = keep
         self._shared_seed = shared_seed  # a DataPipe dataset's, as torch draws it
         self._distributed = _get_distributed_settings()
@@ -237,7 +253,14 @@ class LoaderIterator:
                     fetch(index)
         else:
             replay(stage.job, skipped)
-        return _Fetched(self, indices, fetch)
+        seeds = self._plan.seeds
+        if seeds is None:
+            return _Fetched(self, indices, fetch)
+        layout = self._plan.layout
+        numbered: Iterator[tuple[int, Any]] = enumerate(indices)
+        if not layout.fresh:
+            numbered = ((p, index) for p, index in numbered if layout.keeps(p))
+        return _SeededFetched(self, numbered, fetch, seeds, iterable)
 
     # -- in workers ----------------------------------------------------------------------
 
@@ -251,9 +274,15 @@ class LoaderIterator:
             raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
         base_seed = self.start.base_seed or 0
         shares: list[Any] = [None] * workers
+        positions: list[Any] = [None] * workers  # seeding="batch": each share's places in the epoch (None: i * N + w)
         sampler = None
+        plan = self._plan
         if settings.kind == _DatasetKind.Map:
-            if has_len(settings.index_sampler):
+            if plan.batches is not None or not plan.layout.fresh:
+                every = plan.batches if plan.batches is not None else draw_batches(settings.index_sampler, indices)
+                positions = plan.layout.deal(len(every), workers)
+                shares = [[every[p] for p in share] for share in positions]
+            elif has_len(settings.index_sampler):
                 shares = deal_epoch(settings.index_sampler, indices, workers)
             else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
                 sampler = (settings.index_sampler, torch.get_rng_state())
@@ -267,7 +296,8 @@ class LoaderIterator:
             count, dataset_state = self._worker_states.get(w, (0, None)) if self._send_states else (0, None)
             parts.append(
                 WorkerEpoch(
-                    w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed
+                    w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed,
+                    plan.seeds, positions[w],
                 )
             )
         run = self._keep.run if settings.persistent else None
@@ -411,7 +441,17 @@ class LoaderIterator:
         fixed = self._fixed_state
         if fixed is None:
             fixed = self._fixed_state = loader_state.running(self._settings.shape, self.start, [], 0, {})
-        return {**fixed, "shape": dict(fixed["shape"]), "start": dict(fixed["start"]), "consumed": consumed, "next_worker": next_worker, "worker_states": states}
+        if "layout" not in fixed:
+            plan = self._plan
+            fixed["layout"] = None if plan.layout.fresh else plan.layout.to_dict()
+            fixed["distributed"] = None if plan.remainder is None else plan.remainder.to_dict()
+            fixed["world_size"] = plan.remainder.world if plan.remainder is not None else self._distributed[0]
+        return {
+            **fixed, "shape": dict(fixed["shape"]), "start": dict(fixed["start"]), "consumed": consumed,
+            "next_worker": next_worker, "worker_states": states,
+            "layout": None if fixed["layout"] is None else dict(fixed["layout"], done=list(fixed["layout"]["done"])),
+            "distributed": None if fixed["distributed"] is None else dict(fixed["distributed"]),
+        }
 
     def _cursor(self) -> Any:
         """The runtime's read cursor of this epoch, None before its first read; a
@@ -458,14 +498,6 @@ def warn_state_failed(keep: LoaderKeep, dataset_type: str, error: str) -> None:
     )
 
 
-def has_len(sampler: Any) -> bool:
-    try:
-        len(sampler)
-    except TypeError:
-        return False
-    return True
-
-
 class _Fetched:
     """The batches of an epoch in this process, one ``next()`` each, as torch's single
     process makes them: not a generator, so that a batch that raises leaves the epoch
@@ -483,3 +515,28 @@ class _Fetched:
         index = next(self._indices)
         self._owner._yielded += 1
         return self._fetch(index)  # an iterable dataset's end is its fetcher's StopIteration
+
+
+class _SeededFetched(_Fetched):
+    """``seeding="batch"`` in this process: each batch made with the seeds of its place in
+    the epoch, the trainer's own generators kept around it (captured before, loaded after)."""
+
+    def __init__(self, owner: LoaderIterator, numbered: Iterator[tuple[int, Any]], fetch: Any, seeds: BatchSeeds,
+                 iterable: bool) -> None:
+        super().__init__(owner, numbered, fetch)
+        self._seeds = seeds
+        self._iterable = iterable
+        self._kept = Kept()
+
+    def __next__(self) -> Any:
+        position, index = next(self._indices)
+        owner = self._owner
+        kept = self._kept
+        kept.keep()
+        try:
+            # An iterable dataset's batches are numbered in its stream, as a worker's are.
+            self._seeds.apply(owner._yielded, 0) if self._iterable else self._seeds.apply(position)
+            owner._yielded += 1
+            return self._fetch(index)
+        finally:
+            kept.give_back()

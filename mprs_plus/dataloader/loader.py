@@ -24,7 +24,9 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
-from .iterator import EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
+from .batch_seeds import BATCH, BatchSeeds, batch_shard, check_seeding, distributed_sampler, rank_of
+from .elastic import Layout, Remainder
+from .iterator import EpochPlan, EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
 
 
@@ -74,6 +76,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         worker_restarts: dead worker processes replaced in the loader's life, all workers
             together (default 0: a dead worker is an error, as with torch). The loop gets
             the uninterrupted run's batches (the documentation's page "When a worker dies").
+        seeding: ``"worker"`` (default, torch's: worker k seeded once with base_seed + k)
+            or ``"batch"``: ``random``, numpy's and torch's global generators seeded before
+            each batch from the base seed, the epoch, the rank and the batch's place, so the
+            batches are the same for any ``num_workers`` and states restore at any count
+            (the documentation's page "Elastic workers").
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         backend: Any = None,
         collect_stats: bool = True,
         worker_restarts: int = 0,
+        seeding: str | None = None,
     ) -> None:
         from ..runtime.main.family import Family
 
@@ -113,6 +121,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._current: weakref.ref[LoaderIterator] | None = None
         self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
         self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
+        self._epoch = 0  # epochs begun (iter() calls): part of a batch's seeds with seeding="batch"
         self._family = Family.new()
         # By keyword: a trainer that records this call to re-create the loader (Lightning,
         # when this class was made after it wrapped torch's __init__) reads each argument
@@ -149,6 +158,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.backend = backend
         self.collect_stats = collect_stats
         self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
+        self.seeding = check_seeding("worker" if seeding is None else seeding)
         self._options()  # checked now, as torch checks its own arguments
 
     # -- iterating ---------------------------------------------------------------------
@@ -157,6 +167,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         restore, self._restore = self._restore, None
         persistent = self.persistent_workers and self.num_workers > 0
         carried, send = dict(self._keep.carry) if persistent else {}, False
+        adapted = None
         if restore is not None:
             # What drew the recorded epoch (or, between epochs, what the next one draws
             # from), set back: the draws below repeat the uninterrupted run's.
@@ -168,18 +179,48 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 # Nothing of the epoch was handed out: it begins as any other, its workers
                 # loading the dataset states the recorded ones carried.
                 carried, send, restore = dict(restore["worker_states"]), True, None
+            else:
+                adapted = loader_state.adapt(self, restore)
+                restore = adapted.state
         else:
             start = capture_start(self, self._base_seed, not (persistent and self._base_seed is not None))
+        self._epoch = start.epoch + 1
         base_seed, shared_seed, indices = draw_epoch(self, start)
         start = start._replace(base_seed=base_seed)
+        plan = self._epoch_plan(start, adapted)
         if persistent:
             self._base_seed = base_seed
         previous = self._current() if self._current is not None else None
         if previous is not None and persistent:
             previous._abandon()  # its epoch ends: the workers move on to this one, as torch's reset does
-        iterator = LoaderIterator(self._epoch_settings(), self._keep, start, indices, restore, shared_seed, carried, send)
+        iterator = LoaderIterator(
+            self._epoch_settings(), self._keep, start, indices, restore, shared_seed, carried, send, plan
+        )
         self._current = weakref.ref(iterator)
         return iterator
+
+    def _epoch_plan(self, start: EpochStart, adapted: loader_state.Adapted | None) -> EpochPlan:
+        """Which batches the epoch makes (a restore's, folded) and, with seeding="batch", their seeds."""
+        sampler = distributed_sampler(self.sampler, self.batch_sampler)
+        shard = batch_shard(self.batch_sampler)
+        if adapted is not None:
+            layout, remainder = adapted.layout, adapted.remainder
+            batches = adapted.batches() if adapted.batches is not None else None
+        else:
+            layout, batches, remainder = Layout(), None, None
+        if remainder is None and sampler is not None:
+            remainder = Remainder.of(sampler)  # recorded: a state restores at another world size
+        elif remainder is None and shard is not None:
+            remainder = Remainder.of_shard(shard)
+        seeds = None
+        if self.seeding == BATCH:
+            from torch.utils.data.dataloader import _get_distributed_settings
+
+            rank = rank_of(self.sampler, self.batch_sampler, _get_distributed_settings())
+            # The rest of an epoch split over another world size: seeds of its own.
+            extra = (remainder.done,) if remainder is not None and remainder.done else ()
+            seeds = BatchSeeds(start.base_seed or 0, start.epoch, rank, extra)
+        return EpochPlan(seeds, layout, batches, remainder)
 
     @property
     def _run(self) -> Any:
@@ -276,6 +317,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"A dead worker is replaced, {self.worker_restarts} times at most (worker_restarts); "
                 f"replaced so far: {len(made)}{f' ({causes})' if made else ''}.\n"
             )
+        if self.seeding == BATCH:
+            header += (
+                "Each batch seeds random, numpy and torch from (base seed, epoch, rank, its place) (seeding=\"batch\"): "
+                "the same batches for any num_workers.\n"
+            )
         text = header + plan(LoaderStage(self._job()), self.num_workers).explain()
         memory = self._family.stats().memory  # what its workers did so far: "" before they ran
         return f"{text}\nmemory: {memory}\n" if memory else text
@@ -305,8 +351,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume ``state_dict`` (from ``state_dict()`` of a loader built the same way) with
-        the next ``iter()``. A state of another dataset length, batch size, worker count or
-        dataset kind is a ``ValueError``."""
+        the next ``iter()``. A state of another dataset length, batch size, seeding or
+        dataset kind is a ``ValueError``, and so is one of another worker count unless both
+        loaders use ``seeding="batch"`` (docs/elastic-workers.md). A state of one rank of a
+        ``DistributedSampler`` (or Accelerate's ``BatchSamplerShard``) run restores each rank
+        of a run at another world size."""
         self._restore = loader_state.check(self, state_dict)
         self._current = None  # state_dict() now reports the loaded state, until the next iter()
         run, self._keep.run = self._keep.run, None
