@@ -26,6 +26,7 @@ from .plan import Plan, plan
 from .runtime.main.family import Family
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
+from .runtime.main.stats import ServiceClock
 from .user_frame import warn
 
 if TYPE_CHECKING:
@@ -206,6 +207,8 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._runtime = open_runtime(datapipe, self._plan, self.options)
         with self._feeding.channels() if self._feeding is not None else contextlib.nullcontext():
             main = self._runtime.start()  # only a pinning service's channels are page-locked
+        if isinstance(main, ServiceClock):
+            main.profile_as_datapipe()  # each next() a profiler range, as under torchdata's service
         self._family.started(self._runtime.figures)
         if self._feeding is not None:
             self._runtime.figures.feeding = self._feeding.counters

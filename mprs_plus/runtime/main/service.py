@@ -263,7 +263,7 @@ class ServiceRuntime:
         if stats is None:
             return self._main
         # What the loop iterates: the main segment, its time counted apart from the loop's.
-        return ServiceClock(self._main, stats.main, self.figures.check_memory)
+        return ServiceClock(self._main, stats.main, self.figures.check_memory, isinstance(self._main, WorkerReader))
 
     # -- epochs, pause, resume, limit ----------------------------------------------------
 

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from torch.autograd import _profiler_enabled
+from torch.autograd.profiler import record_function
 from torch.utils.data import IterDataPipe
 
 from ...segment import Segment
@@ -110,17 +112,29 @@ class _InService:
     handed out alive for as long as the loop holds the iterator, after ``shutdown()`` too,
     and with it the lent buffer's shared memory."""
 
-    __slots__ = ("_items", "_writer", "_first", "_at_end")
+    __slots__ = ("_items", "_writer", "_first", "_at_end", "_profile_name")
 
     def __init__(
-        self, items: Iterator[Any], writer: StatsWriter, first: bool, at_end: Callable[[], None] | None = None
+        self,
+        items: Iterator[Any],
+        writer: StatsWriter,
+        first: bool,
+        at_end: Callable[[], None] | None = None,
+        profile_name: str | None = None,
     ) -> None:
         self._items, self._writer, self._first, self._at_end = items, writer, first, at_end
+        self._profile_name = profile_name
 
     def __iter__(self) -> _InService:
         return self
 
     def __next__(self) -> Any:
+        if self._profile_name is not None and _profiler_enabled():
+            with record_function(self._profile_name):
+                return self._next()
+        return self._next()
+
+    def _next(self) -> Any:
         clock = time.perf_counter
         asked = clock()
         try:
@@ -152,16 +166,35 @@ class ServiceClock(IterDataPipe):
     ``at_end`` runs when an epoch's items are all handed out (the memory check of
     ``Figures``)."""
 
-    def __init__(self, source: Any, writer: StatsWriter | None, at_end: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        writer: StatsWriter | None,
+        at_end: Callable[[], None] | None = None,
+        reads_workers: bool = False,
+    ) -> None:
         self.source = source
         self._writer = writer
         self._at_end = at_end
+        self._reads_workers = reads_workers  # the source is the workers' reader, which torch does not profile
+        self._profile_name: str | None = None
+
+    def profile_as_datapipe(self) -> None:
+        """Mark each ``next()`` with a profiler range, as torch marks a DataPipe's: under
+        DataLoader2, torchdata's reading service shows its main-process reader this way.
+        Only where the source is the workers' reader: a DataPipe of the user's there is
+        marked by torch itself."""
+        if self._reads_workers:
+            from torch.utils.data.datapipes._hook_iterator import _generate_iterdatapipe_msg
+
+            self._profile_name = _generate_iterdatapipe_msg(self.source, simplify_dp_name=True)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"source": self.source}  # the writer's table crosses no process boundary
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.source, self._writer, self._at_end = state["source"], None, None
+        self._reads_workers, self._profile_name = False, None
 
 
 def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
@@ -174,7 +207,7 @@ def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
         # The service's first epoch: the time before is the start, not the steady state
         # the verdict is about.
         writer.first_ask = time.monotonic() - writer.started_at
-    return _InService(items, writer, first, self._at_end)
+    return _InService(items, writer, first, self._at_end, self._profile_name)
 
 
 # Assigned after the class is made: torch's DataPipe metaclass would wrap an ``__iter__``
