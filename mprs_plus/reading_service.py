@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from .runtime.main.family import Family
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
 from .runtime.main.stats import ServiceClock
+from .runtime.timeline import Span
 from .user_frame import warn
 
 if TYPE_CHECKING:
@@ -80,6 +82,10 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             the dead one stopped: the same items in the same order (docs/worker-restarts.md).
             With a dispatch process, each dispatcher keeps the items it dealt in the
             current epoch, to deal them again to a replacement; its own death is an error.
+        timeline: record a timeline of every process (what each was doing, when), for
+            ``stats().write_timeline(path)``: True keeps the last 32768 spans of each
+            process's lane, a number keeps that many; False (default) records nothing.
+            Needs ``collect_stats``; local workers only (docs/profiling.md).
 
     A worker segment with several outputs (several branches joined in the main process)
     or several dispatchers hands its hooks a ``SegmentOutputs`` holding them.
@@ -111,6 +117,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         device: Any = None,
         device_prefetch: int = 2,
         worker_restarts: int = 0,
+        timeline: bool | int = False,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -130,6 +137,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             device=device,
             device_prefetch=device_prefetch,
             worker_restarts=worker_restarts,
+            timeline=timeline,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | InProcessRuntime | None = None
@@ -242,12 +250,17 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         and replayed from the epoch start on restore; mid-epoch that needs ``in_order=True``
         (else ``ValueError``). Between epochs a checkpoint always works.
         """
-        return self._checkpoints.checkpoint(self._runtime)
+        began = time.perf_counter()
+        state = self._checkpoints.checkpoint(self._runtime)
+        if self._runtime is not None:
+            self._runtime.note_span(Span.SAVE, began, time.perf_counter())  # on the timeline, when recorded
+        return state
 
     def restore(self, datapipe: Any, serialized_state: bytes) -> Any:
         """Start as ``initialize`` does; the next epoch goes on where the checkpoint was taken:
         each worker is re-seeded as at that epoch's start and drops, itself, the items the
         user already had. A checkpoint of another worker count is a ``ValueError``."""
+        began = time.perf_counter()
         state = self._checkpoints.load(serialized_state)
         main = self.initialize(datapipe)
         try:
@@ -255,6 +268,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         except ValueError:
             self.finalize()
             raise
+        self._started("restore").note_span(Span.RESTORE, began, time.perf_counter())
         return main
 
     def finalize_iteration(self) -> None:

@@ -16,6 +16,7 @@ its own, and stops it when the epoch ends or its iterator is dropped, as torch d
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
 from .iterator import EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
+from ..runtime.timeline import Span
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -48,6 +50,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         worker_restarts: dead worker processes replaced in the loader's life, all workers
             together (default 0: a dead worker is an error, as with torch). The loop gets
             the uninterrupted run's batches (docs/worker-restarts.md).
+        timeline: record a timeline of every worker and of the loop, for
+            ``stats().write_timeline(path)``: True, False (default), or the spans kept per
+            process (docs/profiling.md).
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         backend: Any = None,
         collect_stats: bool = True,
         worker_restarts: int = 0,
+        timeline: bool | int = False,
     ) -> None:
         from ..runtime.main.family import Family
 
@@ -123,6 +129,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.backend = backend
         self.collect_stats = collect_stats
         self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
+        self.timeline = timeline  # record a timeline of every process (docs/profiling.md)
         self._options()  # checked now, as torch checks its own arguments
 
     # -- iterating ---------------------------------------------------------------------
@@ -207,6 +214,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             pin_memory=bool(self.pin_memory),
             device=self.device,
             worker_restarts=self.worker_restarts,
+            timeline=getattr(self, "timeline", False),
         )
 
     def _job(self) -> _Job:
@@ -261,7 +269,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         same way, and its next epoch goes on exactly after the last batch handed out here."""
         current = self._current() if self._current is not None else None
         if current is not None and not current.finished:
-            return current.state_dict()
+            began = time.perf_counter()
+            state = current.state_dict()
+            run = current._run
+            if run is not None:  # on the timeline, when one is recorded
+                run.runtime.note_span(Span.SAVE, began, time.perf_counter())
+            return state
         if self._restore is not None:
             return dict(self._restore)
         start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))

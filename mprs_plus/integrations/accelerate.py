@@ -71,7 +71,7 @@ _originals: dict[str, Any] | None = None  # what enable() replaced, for disable(
 # This class's own arguments, which torch's loader has not: a loader built from torch's
 # (Transformers' Trainer makes one) takes those given to enable(); one built from this
 # class takes that loader's.
-_OWN = ("device", "backend", "collect_stats", "snapshot_every_n_steps", "worker_restarts")
+_OWN = ("device", "backend", "collect_stats", "snapshot_every_n_steps", "worker_restarts", "timeline")
 _options: dict[str, Any] = {}  # given to enable()
 _built: list[weakref.ref[DataLoader]] = []  # the loaders built here, newest last
 

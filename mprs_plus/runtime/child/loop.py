@@ -39,6 +39,7 @@ from ...transport import ChannelError, Receiver
 from .lanes import Lane, enter_lane
 from ..data_messages import RemoteError
 from ..control_messages import Received, Stop, Unreadable
+from ..timeline import Span
 
 _JOIN_SECONDS = 5.0
 
@@ -246,7 +247,11 @@ class ChildLoop:
             while True:
                 if states[k] is LaneState.RUNNING and not self.paused and not inbox.interrupt:
                     if self.skips[k]:
-                        if skip_items(lane, inbox, self.where, self.skips, k):
+                        began = time.perf_counter()
+                        ended = skip_items(lane, inbox, self.where, self.skips, k)
+                        if lane.stats is not None and lane.stats.trace is not None:  # the timeline's replay
+                            lane.stats.trace.span(Span.REPLAY, began, time.perf_counter())
+                        if ended:
                             states[k] = LaneState.IDLE
                     elif produce(lane, inbox, self.where):
                         states[k] = LaneState.IDLE  # its stream ended (END or ERROR sent)
@@ -321,6 +326,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     """Produce ``lane``'s items until interrupted (False) or until its stream ends (True:
     END or ERROR sent)."""
     lock, next_item, emit, stats, window = lane.lock, lane.next_item, lane.emit, lane.stats, lane.window
+    trace = stats.trace if stats is not None else None  # the timeline's ring, when recorded
     clock = time.perf_counter
     # While dead workers are replaced: one store per item says which item the lane makes
     # (``liveness.py``), so that a poison sample is known at its first death.
@@ -368,9 +374,13 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 continue
             produced = clock()
             emit(item)
+            sent = clock()
             stats.busy += produced - started
-            stats.wait_output += clock() - produced
+            stats.wait_output += sent - produced
             stats.items_out += 1
+            if trace is not None:
+                trace.run(started, produced)
+                trace.span(Span.SENDING, produced, sent)
             if not stats.items_out & 63:
                 stats.publish()
                 stats.sample_memory(due_only=True)
@@ -384,3 +394,5 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             liveness.value = value
         if stats is not None:
             stats.publish()
+        if trace is not None:
+            trace.flush()

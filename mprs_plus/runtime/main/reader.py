@@ -31,6 +31,7 @@ from .gate import CLOSED_MESSAGE, ReadGate
 from ..mux import ChannelMux, Message
 from .cursor import ReadCursor, read_as_ready, read_in_order
 from ..stats import StatsWriter
+from ..timeline import Span
 from .topology import ChildLink, Topology
 from .lifecycle import DEATH_GRACE
 from ..data_messages import Kind
@@ -105,7 +106,10 @@ class MainChannels:
             else:
                 started = time.perf_counter()  # a message's items are rebuilt in one go: timed per message
                 message = self.receivers[index].recv()
-                self._stats.receiving += time.perf_counter() - started
+                ended = time.perf_counter()
+                self._stats.receiving += ended - started
+                if self._stats.trace is not None:
+                    self._stats.trace.span(Span.RECEIVING, started, ended)
         except (ChannelBroken, EndOfStream) as exc:
             if self._replace_dead():
                 return self.recv(index)
@@ -210,6 +214,9 @@ class MainChannels:
                     )
                 if self._stuck_worker is None:
                     self._stuck_worker = worker
+                    if self._stats is not None and self._stats.trace is not None:  # on the timeline
+                        now = time.perf_counter()
+                        self._stats.trace.write(Span.WATCHDOG, now, now, worker)
                     _LOG.warning(
                         "mprs_plus: the main process has waited %.0f s for worker %d's next item, while every "
                         "other worker has items waiting to be read and has written none since. %s%s",
@@ -271,7 +278,10 @@ class MainChannels:
         else:
             ready = wait_readable(receivers, self._timeout, also=also)
         if self._stats is not None:
-            self._stats.wait_input += time.perf_counter() - asked
+            waited = time.perf_counter()
+            self._stats.wait_input += waited - asked
+            if self._stats.trace is not None:
+                self._stats.trace.span(Span.WAIT_INPUT, asked, waited)
         gate.check()  # a stop from another thread woke us up
         if len(ready) == 1 and ready[0] is receivers[0] and len(indices) == 1:
             return indices  # the usual wake-up of an in-order reader: its worker's item came

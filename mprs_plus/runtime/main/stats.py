@@ -29,6 +29,7 @@ from ...segment import Segment
 from ...transport import lending
 from ..private_memory import resident
 from ..stats import StatsTable, StatsWriter
+from ..timeline import Span, ServiceTrace, TimelineSource, TimelineTable
 
 if TYPE_CHECKING:
     from ...stats import Stats
@@ -39,11 +40,21 @@ class StatsView:
     main process's own row, and which rows and channels belong to which process (from the
     topology, so no row is found by position)."""
 
-    def __init__(self, table: StatsTable, topology: Any, pid: int, placement: Any = None) -> None:
+    def __init__(
+        self, table: StatsTable, topology: Any, pid: int, placement: Any = None, timeline: TimelineTable | None = None
+    ) -> None:
         self.table = table
         self._placement = placement  # children elsewhere: their rows are fetched, their nodes named
         self.main = table.writer(topology.main_row)  # written by the main process's reads
         self.main.start()
+        # The timeline's rings, when one is recorded (``runtime/timeline.py``): the loop's
+        # (the main row's) and the service's events (epochs, checkpoints, replacements).
+        self.timeline = timeline
+        self.service: ServiceTrace | None = None
+        if timeline is not None:
+            self.main.trace = timeline.ring(topology.main_row)
+            self.main.trace.begin(Span.STEP)
+            self.service = ServiceTrace(timeline.ring(timeline.service_row))
         self._topology = topology
         self._pid = pid
         self._lending_before = lending()  # the process's counters run across services
@@ -52,8 +63,20 @@ class StatsView:
         self.main_memory = resident()
 
     def writers(self, link: Any) -> tuple[StatsWriter, ...]:
-        """The rows ``link``'s lanes write, in lane order."""
-        return tuple(self.table.writer(row) for row in link.stats_rows)
+        """The rows ``link``'s lanes write, in lane order (with their rings of the timeline)."""
+        found = tuple(self.table.writer(row) for row in link.stats_rows)
+        if self.timeline is not None:
+            for writer in found:
+                writer.trace = self.timeline.ring(writer._row)
+        return found
+
+    def timeline_source(self) -> TimelineSource | None:
+        """What ``Stats.timeline()`` reads: the rings and whose they are; None when none is recorded."""
+        if self.timeline is None:
+            return None
+        rows = [(link.role, link.index, k, row) for link in self._topology.children() for k, row in enumerate(link.stats_rows)]
+        rows.append((Segment.MAIN, 0, 0, self._topology.main_row))
+        return TimelineSource(self.timeline, tuple(rows), self.main.trace)
 
     def snapshot(self, epochs: int = 0) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict;
@@ -101,7 +124,7 @@ class StatsView:
         now, before = lending(), self._lending_before
         # Children placed on nodes (p.node): the verdict names the network for their channels.
         lent = now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied)
-        return replace(aggregate(processes, lent, self.main_memory), epochs=epochs)
+        return replace(aggregate(processes, lent, self.main_memory), epochs=epochs, trace=self.timeline_source())
 
 
 class _InService:
@@ -112,7 +135,7 @@ class _InService:
     handed out alive for as long as the loop holds the iterator, after ``shutdown()`` too,
     and with it the lent buffer's shared memory."""
 
-    __slots__ = ("_items", "_writer", "_first", "_at_end", "_profile_name")
+    __slots__ = ("_items", "_writer", "_first", "_at_end", "_profile_name", "_returned")
 
     def __init__(
         self,
@@ -124,6 +147,7 @@ class _InService:
     ) -> None:
         self._items, self._writer, self._first, self._at_end = items, writer, first, at_end
         self._profile_name = profile_name
+        self._returned = 0.0  # when the last item was handed to the loop (the timeline's step)
 
     def __iter__(self) -> _InService:
         return self
@@ -137,18 +161,30 @@ class _InService:
     def _next(self) -> Any:
         clock = time.perf_counter
         asked = clock()
+        trace = self._writer.trace  # the timeline's, when one is recorded
+        if trace is not None and self._returned:
+            trace.run(self._returned, asked)  # the loop's own time since its last item
         try:
             item = next(self._items)
         except StopIteration:
-            self._writer.in_service += clock() - asked
+            ended = clock()
+            self._writer.in_service += ended - asked
+            if trace is not None:
+                trace.span(Span.NEXT, asked, ended)
+                trace.write(Span.EPOCH_END, ended, ended)
             if self._at_end is not None:
                 self._at_end()  # the epoch's end: its figures are complete (the workers sampled theirs)
             raise
-        else:
-            self._writer.in_service += clock() - asked
+        got = clock()
+        self._writer.in_service += got - asked
+        if trace is not None:
+            trace.span(Span.NEXT, asked, got)
+            self._returned = got
         if self._first:  # the service's first item: the end of its start, for the verdict
             self._first = False
             self._writer.first_item = time.monotonic() - self._writer.started_at
+            if trace is not None:
+                trace.span(Span.STARTUP, trace.began, got)
         return item
 
     def close(self) -> None:
