@@ -16,6 +16,7 @@ of a loader's items.
 
 from __future__ import annotations
 
+import bisect
 import html
 import json
 import os
@@ -43,6 +44,7 @@ NAMES: dict[Span, str] = {
     Span.WATCHDOG: "watchdog: worker {argument} may be stuck",
     Span.LIFE: "started",
     Span.REPLAY: "replaying",
+    Span.WAIT_WINDOW: "waiting for space",
 }
 _MAIN_NAMES = {Span.WAIT_INPUT: "waiting for the workers"}
 _CATEGORY = "mprs_plus"
@@ -68,6 +70,7 @@ def trace_events(
 
     for role, index, lane, records in rings:
         role = str(role)
+        inputs = sorted((s, e) for _, k, s, e, _ in records if k == Span.WAIT_INPUT)
         for pid, kind, start, end, argument in records:
             try:
                 span = Span(kind)
@@ -82,6 +85,8 @@ def trace_events(
                 tid = lane
                 owner.setdefault(pid, (role, index))
             first_seen[pid] = min(first_seen.get(pid, start), start)
+            if span is Span.ASLEEP and _within(inputs, start, end):
+                continue  # a sleep waiting for input: the wait for input says it already
             name = (_MAIN_NAMES.get(span) if role == "main" else None) or NAMES[span]
             name = name.format(argument=int(argument))
             ts = us(start)
@@ -109,6 +114,12 @@ def trace_events(
     owner.setdefault(main_pid, ("main", 0))
     events.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e.get("dur", 0.0)))
     return _metadata(owner, first_seen, main_pid, events) + events
+
+
+def _within(spans: list[tuple[float, float]], start: float, end: float) -> bool:
+    """Whether one of ``spans`` (sorted, disjoint: one lane's) holds ``start``..``end``."""
+    at = bisect.bisect_right(spans, (start, float("inf"))) - 1
+    return at >= 0 and spans[at][0] <= start and end <= spans[at][1]
 
 
 def _metadata(
@@ -193,6 +204,7 @@ _COLOURS = {
     "receiving": "#4f81bd",
     "starting": "#9e9e9e",
     "replaying": "#f79646",
+    "replacing worker": "#d62728",
     "checkpoint saved": "#2c7fb8",
     "checkpoint restored": "#2c7fb8",
 }
@@ -260,7 +272,7 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
         y = _AXIS + row_of[(e["pid"], e["tid"])] * _ROW + 2 + depth * 4
         h = max(4, _ROW - 4 - depth * 8)
         width = max(0.6, x(end) - x(start))
-        colour = _COLOURS.get(e["name"], "#7f7f7f")
+        colour = _colour(e["name"])
         parts.append(
             f'<rect x="{x(start):.2f}" y="{y}" width="{width:.2f}" height="{h}" fill="{colour}">'
             f"<title>{html.escape(e['name'])}: {_ms(start)} + {e['dur'] / 1000:.3f} ms</title></rect>"
@@ -279,7 +291,7 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
             parts.append(f'<text x="{x(at) + 6:.1f}" y="{y + 19}" fill="{colour}">{html.escape(e["name"])}</text>')
     # The legend.
     y = height - 40
-    shown = [name for name in _COLOURS if any(e.get("name") == name for e in timed)]
+    shown = [name for name in _COLOURS if any(e.get("name", "").startswith(name) for e in timed)]
     for i, name in enumerate(shown):
         lx = _LABEL + (i % 6) * 260
         ly = y + (i // 6) * 16
@@ -294,6 +306,10 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
         + "\n".join(parts)
         + "\n</body></html>\n"
     )
+
+
+def _colour(name: str) -> str:
+    return _COLOURS.get(name) or next((c for known, c in _COLOURS.items() if name.startswith(known)), "#7f7f7f")
 
 
 def _round_step(raw: float) -> float:

@@ -64,6 +64,7 @@ class Span(enum.IntEnum):
     WATCHDOG = 15  # main: the stuck-read watchdog warned (instant; argument: the worker)
     LIFE = 16  # a lane began in this process (instant)
     REPLAY = 17  # a lane dropped items the loop already had (a replacement, a restore)
+    WAIT_WINDOW = 18  # a worker's lane is as far ahead of the loop as it may be (prefetch_factor)
 
 
 INSTANTS = frozenset((Span.EPOCH, Span.EPOCH_END, Span.DEATH, Span.WATCHDOG, Span.LIFE))

@@ -322,6 +322,14 @@ def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -
     return False
 
 
+def _take_traced(window: Any, lane: Lane, interrupted: Callable[[], bool], trace: Any) -> bool:
+    """``window.take``, its wait on the timeline: the lane is ahead of the loop by its window."""
+    began = time.perf_counter()
+    taken = window.take(lane.flush, interrupted)
+    trace.span(Span.WAIT_WINDOW, began, time.perf_counter())
+    return taken
+
+
 def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     """Produce ``lane``'s items until interrupted (False) or until its stream ends (True:
     END or ERROR sent)."""
@@ -341,7 +349,9 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
 
     try:
         while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
-            if window is not None and not window.take(lane.flush, interrupted):
+            if window is not None and not (
+                window.take(lane.flush, interrupted) if trace is None else _take_traced(window, lane, interrupted, trace)
+            ):
                 return False  # interrupted while waiting for the main process to hand out an item
             if lock is not None and not lock.acquire(blocking=False):
                 lane.flush()  # never wait for the compute lock holding unsent items
