@@ -162,11 +162,12 @@ def test_a_timeline_has_a_track_per_process_whose_spans_nest_on_one_clock(tmp_pa
     assert main["epoch 1 begins"] == 1 and main["epoch ends"] == 1
     for worker in ("worker 0", "worker 1"):
         assert _names_on(tracks, pid_of[worker])["busy"] >= 1
-    # The worker that is three times slower is busy longer: the picture shows who is slow.
+    # Busy covers each worker's work: at least the time its 24 samples slept (6 ms each on
+    # worker 1, 2 ms on worker 0), however loaded the machine.
     busy = {
         w: sum(e["dur"] for e in tracks[(pid_of[w], 0)] if e["name"] == "busy") for w in ("worker 0", "worker 1")
     }
-    assert busy["worker 1"] > 1.5 * busy["worker 0"]
+    assert busy["worker 0"] >= 24 * 2000 and busy["worker 1"] >= 24 * 6000
     # One clock: a batch is made before the loop receives it. Worker 0 makes the first batch;
     # its first busy span begins before the loop's first next() ends.
     first_next = min(
