@@ -26,7 +26,7 @@ from typing import Any
 from .runtime.timeline import INSTANTS, Span
 
 # What each record is called, per role where it differs (the docs' "What each span means").
-NAMES: dict[Span, str] = {
+NAMES: dict[int, str] = {
     Span.BUSY: "busy",
     Span.WAIT_INPUT: "waiting for input",
     Span.SENDING: "sending",
@@ -46,7 +46,7 @@ NAMES: dict[Span, str] = {
     Span.REPLAY: "replaying",
     Span.WAIT_WINDOW: "waiting for space",
 }
-_MAIN_NAMES = {Span.WAIT_INPUT: "waiting for the workers"}
+_MAIN_NAMES: dict[int, str] = {Span.WAIT_INPUT: "waiting for the workers"}
 _CATEGORY = "mprs_plus"
 
 
@@ -72,20 +72,19 @@ def trace_events(
         role = str(role)
         inputs = sorted((s, e) for _, k, s, e, _ in records if k == Span.WAIT_INPUT)
         for pid, kind, start, end, argument in records:
-            try:
-                span = Span(kind)
-            except ValueError:
+            span = kind
+            if span not in NAMES:
                 continue  # a record torn by a writer that died mid-store
             if role == "service":
                 pid, tid = main_pid, 1
-                if span is Span.DEATH:  # on the dead life's own track
+                if span == Span.DEATH:  # on the dead life's own track
                     deaths.append((int(argument), start))
                     continue
             else:
                 tid = lane
                 owner.setdefault(pid, (role, index))
             first_seen[pid] = min(first_seen.get(pid, start), start)
-            if span is Span.ASLEEP and _within(inputs, start, end):
+            if span == Span.ASLEEP and _within(inputs, start, end):
                 continue  # a sleep waiting for input: the wait for input says it already
             name = (_MAIN_NAMES.get(span) if role == "main" else None) or NAMES[span]
             name = name.format(argument=int(argument))

@@ -416,7 +416,7 @@ class ServiceRuntime:
         finally:
             trace.span(Span.REPLACING, began, time.perf_counter(), link.index)
 
-    def note_span(self, kind: Span, start: float, end: float) -> None:
+    def note_span(self, kind: int, start: float, end: float) -> None:
         """A span of the service's events on the timeline (a checkpoint taken or restored,
         ``time.perf_counter()`` times), when one is recorded."""
         if self._service_trace is not None:
