@@ -4,7 +4,7 @@
    per batch, a loop over an in-process loader (``num_workers=0``, batches of one int:
    nothing else to pay for) calling ``next()`` with the range's check and without it
    (``_next``, what the check wraps), with no profiler active; then the same loop under
-   ``torch.profiler.profile()``.
+   ``torch.profiler.profile()``; torch's own loader beside it, both ways.
 2. The timeline (``timeline=True``) against none: tiny items through two workers, the
    worst case (no work per item, so the spans' bookkeeping is the largest share it can
    be), and batches of 64 samples that take 20 us each.
@@ -55,12 +55,14 @@ class Work(torch.utils.data.Dataset):
 
 
 def per_batch_us(batches: int, how: str) -> float:
-    """Microseconds per ``next()`` of an in-process loader of one-int batches."""
-    loader = mprs_plus.DataLoader(list(range(batches)), batch_size=1, collate_fn=identity)
+    """Microseconds per ``next()`` of an in-process loader of one-int batches (torch's
+    own for ``how`` starting with "torch")."""
+    kind = torch.utils.data.DataLoader if how.startswith("torch") else mprs_plus.DataLoader
+    loader = kind(list(range(batches)), batch_size=1, collate_fn=identity)
     iterator = iter(loader)
     step = iterator._next if how == "unwrapped" else iterator.__next__
     started = time.perf_counter()
-    if how == "profiled":
+    if how.endswith("profiled"):
         with profile():
             for _ in range(batches):
                 step()
@@ -97,7 +99,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=400)
     parser.add_argument("--repetitions", type=int, default=5)
     args = parser.parse_args()
-    calls: dict[str, list[float]] = {"unwrapped": [], "checked": [], "profiled": []}
+    calls: dict[str, list[float]] = {"unwrapped": [], "checked": [], "profiled": [], "torch": [], "torch profiled": []}
     for _ in range(args.repetitions):
         for how in calls:
             calls[how].append(per_batch_us(20_000, how))
@@ -106,6 +108,9 @@ def main() -> None:
     print(f"  without the range's check     {base:7.2f} us")
     print(f"  with it, no profiler          {checked:7.2f} us   (+{checked - base:.2f} us)")
     print(f"  with it, under profile()      {profiled:7.2f} us   (+{profiled - base:.2f} us)")
+    theirs, theirs_profiled = statistics.median(calls["torch"]), statistics.median(calls["torch profiled"])
+    print(f"  torch's loader                {theirs:7.2f} us")
+    print(f"  torch's, under profile()      {theirs_profiled:7.2f} us   (+{theirs_profiled - theirs:.2f} us)")
     for name, measure, count, unit in (
         ("tiny items, 2 workers", tiny_rate, args.items, "items/s"),
         ("batches of 64 x 20 us samples, 2 workers", batch_rate, args.batches, "batches/s"),

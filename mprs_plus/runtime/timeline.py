@@ -175,6 +175,20 @@ class LaneTrace:
             self.write(self._run_kind, self._start, self._end)
         self._start, self._end, self._open = start, end, True
 
+    def item(self, start: float, made: float, done: float, then: int) -> None:
+        """``run(start, made)`` and ``span(then, made, done)`` in one call: what a lane's loop
+        does per item (its work, then the hand-on; the loop's step, then its ``next()``)."""
+        if self._open and start - self._end < MIN_SPAN and made - self._start < MAX_RUN:
+            self._end = made
+        else:
+            if self._open:
+                self.write(self._run_kind, self._start, self._end)
+            self._start, self._end, self._open = start, made, True
+        if done - made >= MIN_SPAN:
+            self._open = False
+            self.write(self._run_kind, self._start, self._end)
+            self.write(then, made, done)
+
     def span(self, kind: int, start: float, end: float, argument: float = 0.0) -> None:
         """Anything but the lane's own work; not recorded when shorter than ``MIN_SPAN``.
         It closes the open run: the next run starts after it (or around it, when it lies

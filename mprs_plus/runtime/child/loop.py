@@ -389,8 +389,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             stats.wait_output += sent - produced
             stats.items_out += 1
             if trace is not None:
-                trace.run(started, produced)
-                trace.span(Span.SENDING, produced, sent)
+                trace.item(started, produced, sent, Span.SENDING)
             if not stats.items_out & 63:
                 stats.publish()
                 stats.sample_memory(due_only=True)

@@ -29,7 +29,7 @@ from ...segment import Segment
 from ...transport import lending
 from ..private_memory import resident
 from ..stats import StatsTable, StatsWriter
-from ..timeline import Span, ServiceTrace, TimelineSource, TimelineTable
+from ..timeline import LaneTrace, Span, ServiceTrace, TimelineSource, TimelineTable
 
 if TYPE_CHECKING:
     from ...stats import Stats
@@ -161,31 +161,37 @@ class _InService:
     def _next(self) -> Any:
         clock = time.perf_counter
         asked = clock()
-        trace = self._writer.trace  # the timeline's, when one is recorded
-        if trace is not None and self._returned:
-            trace.run(self._returned, asked)  # the loop's own time since its last item
         try:
             item = next(self._items)
         except StopIteration:
             ended = clock()
             self._writer.in_service += ended - asked
+            trace = self._writer.trace
             if trace is not None:
-                trace.span(Span.NEXT, asked, ended)
+                self._traced(trace, asked, ended)
                 trace.write(Span.EPOCH_END, ended, ended)
             if self._at_end is not None:
                 self._at_end()  # the epoch's end: its figures are complete (the workers sampled theirs)
             raise
         got = clock()
         self._writer.in_service += got - asked
+        trace = self._writer.trace  # the timeline's, when one is recorded
         if trace is not None:
-            trace.span(Span.NEXT, asked, got)
-            self._returned = got
+            self._traced(trace, asked, got)
         if self._first:  # the service's first item: the end of its start, for the verdict
             self._first = False
             self._writer.first_item = time.monotonic() - self._writer.started_at
             if trace is not None:
                 trace.span(Span.STARTUP, trace.began, got)
         return item
+
+    def _traced(self, trace: LaneTrace, asked: float, got: float) -> None:
+        """On the timeline: the loop's own time since its last item, then this ``next()``."""
+        if self._returned:
+            trace.item(self._returned, asked, got, Span.NEXT)
+        else:
+            trace.span(Span.NEXT, asked, got)
+        self._returned = got
 
     def close(self) -> None:
         """As the loop closes its iterator: the main segment's own end."""
