@@ -227,7 +227,8 @@ class Stats:
         if self.trace is None:
             raise ValueError(
                 "no timeline was recorded: pass timeline=True to mprs_plus.DataLoader or "
-                "MultiProcessingReadingService (local workers; collect_stats=True)"
+                "MultiProcessingReadingService; it is recorded with worker processes of this machine "
+                "(num_workers > 0, no Ray backend) once an epoch began"
             )
         from .timeline import trace
 
