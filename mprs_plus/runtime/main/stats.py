@@ -153,12 +153,6 @@ class _InService:
         return self
 
     def __next__(self) -> Any:
-        if self._profile_name is not None and _profiler_enabled():
-            with record_function(self._profile_name):
-                return self._next()
-        return self._next()
-
-    def _next(self) -> Any:
         clock = time.perf_counter
         asked = clock()
         try:
@@ -198,6 +192,19 @@ class _InService:
         close = getattr(self._items, "close", None)
         if close is not None:
             close()
+
+
+class _ProfiledInService(_InService):
+    """``_InService`` whose ``next()`` is a profiler range while a profiler runs (a class of
+    its own: a loop that is not profiled this way pays nothing for it)."""
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        if _profiler_enabled():
+            with record_function(self._profile_name):
+                return _InService.__next__(self)
+        return _InService.__next__(self)
 
 
 class ServiceClock(IterDataPipe):
@@ -249,7 +256,8 @@ def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
         # The service's first epoch: the time before is the start, not the steady state
         # the verdict is about.
         writer.first_ask = time.monotonic() - writer.started_at
-    return _InService(items, writer, first, self._at_end, self._profile_name)
+    kind = _InService if self._profile_name is None else _ProfiledInService
+    return kind(items, writer, first, self._at_end, self._profile_name)
 
 
 # Assigned after the class is made: torch's DataPipe metaclass would wrap an ``__iter__``
