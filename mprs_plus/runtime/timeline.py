@@ -8,8 +8,9 @@ local, so a service that records nothing pays one branch per item. The rings are
 statistics rows are, one per lane, with one writer thread each, so no lock is needed: the
 writer stores a record, then the count; a reader takes the count, copies, and drops what
 the writer may have overwritten meanwhile (the ring's oldest records). The main process's
-service ring (epochs, checkpoints, replacements, the watchdog) has several writer threads
-and a lock.
+loop ring is written by the thread that iterates the service (the loop's, or the feeding's
+with ``device=``), the watchdog's warning included; its service ring (epochs, checkpoints,
+replacements) has several writer threads and a lock.
 
 A record is four doubles: ``pid * 64 + kind``, start, end, an argument. The pid in each
 record gives every life of a process its own track, even after the ring wrapped; the ring
@@ -117,7 +118,8 @@ def _paired_clocks(tries: int = 5) -> tuple[float, float]:
 
 
 class LaneTrace:
-    """One ring's writer: ``run`` for a lane's own work (merged), ``span`` for the rest."""
+    """One ring's writer: ``run`` for a lane's own work (merged), ``span`` for the rest,
+    ``item`` for both at once (a lane's loop, once per item)."""
 
     __slots__ = (
         "_shared", "_table", "_base", "_capacity", "_count", "_code", "_run_kind", "_start", "_end", "_open", "began"
