@@ -325,3 +325,24 @@ def test_the_lightning_callback_logs_the_loaders_figures(tmp_path):
     trainer.fit(Model(), mprs_plus.DataLoader(torch.arange(12), batch_size=2, num_workers=1))
     assert len(logged) == 3  # steps 2, 4, 6
     assert all("mprs_plus/loop_wait_share" in values for values in logged)
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdogs_suspicion_is_on_the_timeline(monkeypatch):
+    from torchdata.dataloader2 import DataLoader2
+
+    import pipelines
+    from mprs_plus.runtime.main import reader as main_reader
+
+    monkeypatch.setattr(main_reader, "STUCK_SECONDS", 0.2)  # the detection span, small (as tests/test_stuck.py)
+    service = mprs_plus.MultiProcessingReadingService(2, multiprocessing_context="fork", timeline=True)
+    loader = DataLoader2(pipelines.starving_pipe(20000), reading_service=service)
+    try:
+        with pytest.raises(mprs_plus.PipelineStuckError):
+            list(loader)
+    finally:
+        loader.shutdown()
+    trace = service.stats().timeline()
+    tracks = check_trace_events(trace)
+    main = next(pid for pid, name in _process_names(trace).items() if name.startswith("main"))
+    assert _names_on(tracks, main)["watchdog: worker 1 may be stuck"] == 1

@@ -194,6 +194,7 @@ class MainChannels:
         timeout = self._timeout
         start = time.monotonic()
         written: list[int] | None = None  # looked at only once a slice has passed: no cost per item
+        marked = False  # the watchdog's suspicion is on the timeline (when one is recorded)
         self._stuck_worker = None
         while True:
             left = None if timeout is None else timeout - (time.monotonic() - start)
@@ -205,6 +206,9 @@ class MainChannels:
             if written is not None and all(
                 now.queued_messages and now.messages == before for now, before in zip(traffic, written)
             ):
+                if self._stats is not None and self._stats.trace is not None and not marked:  # on the timeline
+                    marked, now = True, time.perf_counter()
+                    self._stats.trace.write(Span.WATCHDOG, now, now, worker)
                 if self._asleep_for is not None and self._asleep_for(span):
                     raise PipelineStuckError(
                         f"worker {worker}'s next item can never come: the main process has waited "
@@ -214,9 +218,6 @@ class MainChannels:
                     )
                 if self._stuck_worker is None:
                     self._stuck_worker = worker
-                    if self._stats is not None and self._stats.trace is not None:  # on the timeline
-                        now = time.perf_counter()
-                        self._stats.trace.write(Span.WATCHDOG, now, now, worker)
                     _LOG.warning(
                         "mprs_plus: the main process has waited %.0f s for worker %d's next item, while every "
                         "other worker has items waiting to be read and has written none since. %s%s",
