@@ -47,6 +47,7 @@ NAMES: dict[int, str] = {
     Span.WAIT_WINDOW: "waiting for space",
 }
 _MAIN_NAMES: dict[int, str] = {Span.WAIT_INPUT: "waiting for the workers"}
+_CHILD_NAMES: dict[int, str] = {Span.STARTUP: "setting up"}
 _CATEGORY = "mprs_plus"
 
 
@@ -86,7 +87,7 @@ def trace_events(
             first_seen[pid] = min(first_seen.get(pid, start), start)
             if span == Span.ASLEEP and _within(inputs, start, end):
                 continue  # a sleep waiting for input: the wait for input says it already
-            name = (_MAIN_NAMES.get(span) if role == "main" else None) or NAMES[span]
+            name = (_MAIN_NAMES if role == "main" else _CHILD_NAMES).get(span) or NAMES[span]
             name = name.format(argument=int(argument))
             ts = us(start)
             if span in INSTANTS:
@@ -202,6 +203,7 @@ _COLOURS = {
     "waiting for space": "#8064a2",
     "receiving": "#4f81bd",
     "starting": "#9e9e9e",
+    "setting up": "#9e9e9e",
     "replaying": "#f79646",
     "replacing worker": "#d62728",
     "checkpoint saved": "#2c7fb8",
