@@ -45,6 +45,7 @@ NAMES: dict[int, str] = {
     Span.LIFE: "started",
     Span.REPLAY: "replaying",
     Span.WAIT_WINDOW: "waiting for space",
+    Span.RESET: "epoch {argument} set-up",
 }
 _MAIN_NAMES: dict[int, str] = {Span.WAIT_INPUT: "waiting for the workers"}
 _CHILD_NAMES: dict[int, str] = {Span.STARTUP: "setting up"}
@@ -204,6 +205,7 @@ _COLOURS = {
     "receiving": "#4f81bd",
     "starting": "#9e9e9e",
     "setting up": "#9e9e9e",
+    "epoch ": "#bcbd22",
     "replaying": "#f79646",
     "replacing worker": "#d62728",
     "checkpoint saved": "#2c7fb8",

@@ -42,6 +42,10 @@ class Slow(Dataset):
         return i
 
 
+def _nap(worker_id: int) -> None:
+    time.sleep(0.03)
+
+
 def _exported(tmp_path, loader, step=None) -> list[dict]:
     """The events torch.profiler exported for one epoch of ``loader``."""
     with profile() as prof:
@@ -147,7 +151,9 @@ def _names_on(tracks: dict, pid: int) -> Counter:
 
 
 def test_a_timeline_has_a_track_per_process_whose_spans_nest_on_one_clock(tmp_path):
-    loader = mprs_plus.DataLoader(Slow(48, 0.002, slow_worker=1, factor=3), batch_size=4, num_workers=2, timeline=True)
+    loader = mprs_plus.DataLoader(
+        Slow(48, 0.002, slow_worker=1, factor=3), batch_size=4, num_workers=2, worker_init_fn=_nap, timeline=True
+    )
     for _ in loader:
         time.sleep(0.001)  # the step
     stats = loader.stats()
@@ -161,7 +167,8 @@ def test_a_timeline_has_a_track_per_process_whose_spans_nest_on_one_clock(tmp_pa
     assert main["next(): waiting for a batch"] >= 1 and main["your step"] >= 1 and main["starting"] == 1
     assert main["epoch 1 begins"] == 1 and main["epoch ends"] == 1
     for worker in ("worker 0", "worker 1"):
-        assert _names_on(tracks, pid_of[worker])["busy"] >= 1
+        seen = _names_on(tracks, pid_of[worker])
+        assert seen["busy"] >= 1 and seen["epoch 1 set-up"] == 1  # worker_init_fn's 30 ms in it
     # Busy covers each worker's work: at least the time its 24 samples slept (6 ms each on
     # worker 1, 2 ms on worker 0), however loaded the machine.
     busy = {

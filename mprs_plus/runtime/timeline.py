@@ -66,6 +66,7 @@ class Span:
     LIFE = 16  # a lane began in this process (instant)
     REPLAY = 17  # a lane dropped items the loop already had (a replacement, a restore)
     WAIT_WINDOW = 18  # a worker's lane is as far ahead of the loop as it may be (prefetch_factor)
+    RESET = 19  # a child begins an epoch: seeding, reset hooks (argument: the epoch)
 
 
 INSTANTS = frozenset((Span.EPOCH, Span.EPOCH_END, Span.DEATH, Span.WATCHDOG, Span.LIFE))

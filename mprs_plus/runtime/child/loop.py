@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from ...transport import ChannelError, Receiver
 from .lanes import Lane, enter_lane
 from ..data_messages import RemoteError
-from ..control_messages import Received, Stop, Unreadable
+from ..control_messages import Received, Reset, Stop, Unreadable
 from ..timeline import Span
 
 _JOIN_SECONDS = 5.0
@@ -271,9 +271,14 @@ class ChildLoop:
         messages = self.inbox.take()
         if messages is None:
             return False
+        stats = self.lanes[0].stats
+        trace = stats.trace if stats is not None else None
         try:
             for message in messages:
+                began = time.perf_counter()
                 self._control.apply(message, self)
+                if trace is not None and isinstance(message, Reset):  # on the timeline: the epoch's set-up
+                    trace.span(Span.RESET, began, time.perf_counter(), message.epoch)
         finally:
             going_on = self.inbox.applied()
         return going_on
