@@ -183,6 +183,10 @@ def test_a_timeline_has_a_track_per_process_whose_spans_nest_on_one_clock(tmp_pa
     assert min(e["ts"] for e in tracks[(pid_of["worker 0"], 0)] if e["name"] == "busy") < first_next
     path = stats.write_timeline(tmp_path / "trace.json")
     assert json.loads(open(path).read())["traceEvents"]
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(stats)).timeline() == copy.deepcopy(stats).timeline() == stats.timeline()
 
 
 def test_a_killed_worker_shows_its_death_and_its_replacements_own_track(tmp_path):

@@ -265,3 +265,24 @@ class TimelineSource:
             found.append((role, index, lane, records))
         found.append(("service", 0, 0, self.table.read(self.table.service_row)))
         return found
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Shared memory pickles only to a child being started: a copy (pickled, deep-copied
+        # with its Stats) holds the records as they are now.
+        return (ReadTimeline, (self.read(), self.table.origin, self.table.wall_origin))
+
+
+class ReadTimeline:
+    """A timeline's records as read once, with ``TimelineSource``'s surface."""
+
+    def __init__(self, records: list[Any], origin: float, wall_origin: float) -> None:
+        self._records = records
+        self.table = _Clocks(origin, wall_origin)
+
+    def read(self) -> list[Any]:
+        return self._records
+
+
+class _Clocks:
+    def __init__(self, origin: float, wall_origin: float) -> None:
+        self.origin, self.wall_origin = origin, wall_origin
