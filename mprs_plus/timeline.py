@@ -94,8 +94,9 @@ def trace_events(
             if span in INSTANTS:
                 events.append({"ph": "i", "s": "t", "name": name, "cat": _CATEGORY, "pid": pid, "tid": tid, "ts": ts})
             else:
+                duration = round(us(end) - ts, 3)
                 events.append(
-                    {"ph": "X", "name": name, "cat": _CATEGORY, "pid": pid, "tid": tid, "ts": ts, "dur": round(us(end) - ts, 3)}
+                    {"ph": "X", "name": name, "cat": _CATEGORY, "pid": pid, "tid": tid, "ts": ts, "dur": duration}
                 )
     for pid, at in deaths:
         cause = causes.get(pid)
@@ -124,7 +125,10 @@ def _within(spans: list[tuple[float, float]], start: float, end: float) -> bool:
 
 
 def _metadata(
-    owner: Mapping[int, tuple[str, int]], first_seen: Mapping[int, float], main_pid: int, events: Iterable[dict[str, Any]]
+    owner: Mapping[int, tuple[str, int]],
+    first_seen: Mapping[int, float],
+    main_pid: int,
+    events: Iterable[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Names and order of the tracks: main, dispatch, then each worker's lives in order."""
     lives: dict[tuple[str, int], list[int]] = {}
@@ -138,7 +142,8 @@ def _metadata(
             if life > 1:
                 name += f", life {life}"
             sort = order.get(role, 3) * 100000 + max(index, 0) * 100 + life
-            found.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"{name} (pid {pid})"}})
+            label = {"name": f"{name} (pid {pid})"}
+            found.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": label})
             found.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": sort}})
     tids = sorted({(e["pid"], e["tid"]) for e in events})
     for pid, tid in tids:
@@ -175,7 +180,11 @@ def merge_into(torch_trace: str | os.PathLike[str], timeline: Mapping[str, Any],
     base_us = merged.get("baseTimeNanoseconds", 0) / 1000
     shift = timeline["otherData"]["origin_unix_us"] - base_us
     events = timeline["traceEvents"]
-    main_pids = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name" and e["args"]["name"].startswith("main")}
+    main_pids = {
+        e["pid"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "process_name" and e["args"]["name"].startswith("main")
+    }
     added = []
     for event in events:
         event = dict(event)
@@ -246,7 +255,7 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LABEL + _WIDTH + 20}" height="{height}" '
         'font-family="sans-serif" font-size="11">',
-        f'<rect width="100%" height="100%" fill="white"/>',
+        '<rect width="100%" height="100%" fill="white"/>',
     ]
     for i, track in enumerate(tracks):
         y = _AXIS + i * _ROW
@@ -263,7 +272,10 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
         tick += step
     # Spans, outer first: a nested span is drawn thinner, inside its parent's bar.
     stacks: dict[tuple[Any, Any], list[float]] = {}
-    for e in sorted((e for e in timed if e["ph"] == "X"), key=lambda e: (row_of[(e["pid"], e["tid"])], e["ts"], -e["dur"])):
+    spans = sorted(
+        (e for e in timed if e["ph"] == "X"), key=lambda e: (row_of[(e["pid"], e["tid"])], e["ts"], -e["dur"])
+    )
+    for e in spans:
         start, end = e["ts"] / 1000, (e["ts"] + e["dur"]) / 1000
         if end < lo or start > hi:
             continue
@@ -289,7 +301,8 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
         y = _AXIS + row_of[(e["pid"], e["tid"])] * _ROW
         died = e["name"].startswith("died")
         colour = "#d00" if died or e["name"].startswith("watchdog") else "#000"
-        parts.append(f'<path d="M{x(at):.1f},{y + 2} l4,8 l-8,0 z" fill="{colour}"><title>{html.escape(e["name"])}</title></path>')
+        mark = f'<path d="M{x(at):.1f},{y + 2} l4,8 l-8,0 z" fill="{colour}">'
+        parts.append(f"{mark}<title>{html.escape(e['name'])}</title></path>")
         if died or e["name"].startswith(("epoch", "watchdog")):
             parts.append(f'<text x="{x(at) + 6:.1f}" y="{y + 19}" fill="{colour}">{html.escape(e["name"])}</text>')
     # The legend.

@@ -191,7 +191,11 @@ def test_a_timeline_has_a_track_per_process_whose_spans_nest_on_one_clock(tmp_pa
 
 def test_a_killed_worker_shows_its_death_and_its_replacements_own_track(tmp_path):
     loader = mprs_plus.DataLoader(
-        Draws(kill_at=29, marker=str(tmp_path / "killed")), batch_size=4, num_workers=2, worker_restarts=1, timeline=True
+        Draws(kill_at=29, marker=str(tmp_path / "killed")),
+        batch_size=4,
+        num_workers=2,
+        worker_restarts=1,
+        timeline=True,
     )
     with pytest.warns(RuntimeWarning, match="A new worker replaces it"):
         assert len(list(loader)) == 12

@@ -248,7 +248,9 @@ class TimelineSource:
     """What ``Stats.timeline()`` reads: the rings, and whose each is (role, worker index,
     lane, row); the main process's loop ring, whose open run is read as it stands."""
 
-    def __init__(self, table: TimelineTable, rows: tuple[tuple[Any, int, int, int], ...], main: LaneTrace | None) -> None:
+    def __init__(
+        self, table: TimelineTable, rows: tuple[tuple[Any, int, int, int], ...], main: LaneTrace | None
+    ) -> None:
         self.table = table
         self.rows = rows
         self._main = main

@@ -74,7 +74,11 @@ class StatsView:
         """What ``Stats.timeline()`` reads: the rings and whose they are; None when none is recorded."""
         if self.timeline is None:
             return None
-        rows = [(link.role, link.index, k, row) for link in self._topology.children() for k, row in enumerate(link.stats_rows)]
+        rows = [
+            (link.role, link.index, k, row)
+            for link in self._topology.children()
+            for k, row in enumerate(link.stats_rows)
+        ]
         rows.append((Segment.MAIN, 0, 0, self._topology.main_row))
         return TimelineSource(self.timeline, tuple(rows), self.main.trace)
 
