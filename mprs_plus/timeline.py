@@ -214,7 +214,7 @@ _COLOURS = {
     "receiving": "#4f81bd",
     "starting": "#9e9e9e",
     "setting up": "#9e9e9e",
-    "epoch ": "#bcbd22",
+    "epoch N set-up": "#bcbd22",
     "replaying": "#f79646",
     "replacing worker": "#d62728",
     "checkpoint saved": "#2c7fb8",
@@ -307,7 +307,8 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
             parts.append(f'<text x="{x(at) + 6:.1f}" y="{y + 19}" fill="{colour}">{html.escape(e["name"])}</text>')
     # The legend.
     y = height - 40
-    shown = [name for name in _COLOURS if any(e.get("name", "").startswith(name) for e in timed)]
+    seen = {_key(e["name"]) for e in timed if e["ph"] == "X"}
+    shown = [name for name in _COLOURS if name in seen]
     for i, name in enumerate(shown):
         lx = _LABEL + (i % 6) * 260
         ly = y + (i // 6) * 16
@@ -324,8 +325,18 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
     )
 
 
+def _key(name: str) -> str | None:
+    """The legend's entry for a span's name ("replacing worker 1": "replacing worker")."""
+    if name in _COLOURS:
+        return name
+    if name.startswith("epoch ") and name.endswith(" set-up"):
+        return "epoch N set-up"
+    return next((known for known in _COLOURS if name.startswith(known)), None)
+
+
 def _colour(name: str) -> str:
-    return _COLOURS.get(name) or next((c for known, c in _COLOURS.items() if name.startswith(known)), "#7f7f7f")
+    key = _key(name)
+    return _COLOURS[key] if key is not None else "#7f7f7f"
 
 
 def _round_step(raw: float) -> float:
