@@ -237,10 +237,14 @@ class ServiceClock(IterDataPipe):
         DataLoader2, torchdata's reading service shows its main-process reader this way.
         Only where the source is the workers' reader: a DataPipe of the user's there is
         marked by torch itself."""
-        if self._reads_workers:
+        if not self._reads_workers:
+            return
+        try:  # torch's own naming, a private function of torch's
             from torch.utils.data.datapipes._hook_iterator import _generate_iterdatapipe_msg
 
             self._profile_name = _generate_iterdatapipe_msg(self.source, simplify_dp_name=True)
+        except Exception:  # moved or changed: what it gives for our reader
+            self._profile_name = f"{type(self.source).__name__}()"
 
     def __getstate__(self) -> dict[str, Any]:
         return {"source": self.source}  # the writer's table crosses no process boundary
