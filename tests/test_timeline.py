@@ -361,3 +361,15 @@ def test_the_watchdogs_suspicion_is_on_the_timeline(monkeypatch):
     tracks = check_trace_events(trace)
     main = next(pid for pid, name in _process_names(trace).items() if name.startswith("main"))
     assert _names_on(tracks, main)["watchdog: worker 1 may be stuck"] == 1
+
+
+def test_a_spawned_workers_rings_reach_it_with_its_setup():
+    loader = mprs_plus.DataLoader(list(range(32)), batch_size=4, num_workers=2, multiprocessing_context="spawn", timeline=True)
+    assert len(list(loader)) == 8
+    trace = loader.stats().timeline()
+    tracks = check_trace_events(trace)
+    names = _process_names(trace)
+    assert sorted(name.split(" (pid")[0] for name in names.values()) == ["main", "worker 0", "worker 1"]
+    for pid, name in names.items():
+        if name.startswith("worker"):
+            assert _names_on(tracks, pid)["started"] == 1
