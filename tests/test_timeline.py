@@ -363,8 +363,12 @@ def test_the_watchdogs_suspicion_is_on_the_timeline(monkeypatch):
     assert _names_on(tracks, main)["watchdog: worker 1 may be stuck"] == 1
 
 
-def test_a_spawned_workers_rings_reach_it_with_its_setup():
-    loader = mprs_plus.DataLoader(list(range(32)), batch_size=4, num_workers=2, multiprocessing_context="spawn", timeline=True)
+def test_a_workers_ring_reaches_it_pickled_with_its_setup():
+    # Under forkserver (as under spawn) a worker's setup is pickled, its rings with it; the
+    # suite's forkserver is started once for every test that uses it.
+    loader = mprs_plus.DataLoader(
+        list(range(32)), batch_size=4, num_workers=2, multiprocessing_context="forkserver", timeline=True
+    )
     assert len(list(loader)) == 8
     trace = loader.stats().timeline()
     tracks = check_trace_events(trace)
