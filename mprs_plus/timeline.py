@@ -211,7 +211,7 @@ _COLOURS = {
     "next(): waiting for a batch": "#c0504d",
     "sending": "#4f81bd",
     "waiting for space": "#8064a2",
-    "receiving": "#4f81bd",
+    "receiving": "#7fb2e5",
     "starting": "#9e9e9e",
     "setting up": "#9e9e9e",
     "epoch N set-up": "#bcbd22",
@@ -270,8 +270,11 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
         parts.append(f'<line x1="{x(tick):.1f}" x2="{x(tick):.1f}" y1="{_AXIS - 4}" y2="{height - 60}" stroke="#ddd"/>')
         parts.append(f'<text x="{x(tick):.1f}" y="{_AXIS - 8}" text-anchor="middle">{_ms(tick)}</text>')
         tick += step
-    # Spans, outer first: a nested span is drawn thinner, inside its parent's bar.
+    # Spans, outer first: a nested span is drawn thinner, inside its parent's bar. Spans of one
+    # colour closer than half a pixel are drawn as one bar: a long run's page stays small.
     stacks: dict[tuple[Any, Any], list[float]] = {}
+    bars: list[list[Any]] = []  # [x0, x1, y, height, colour, names]
+    last: dict[tuple[Any, Any, int], list[Any]] = {}
     spans = sorted(
         (e for e in timed if e["ph"] == "X"), key=lambda e: (row_of[(e["pid"], e["tid"])], e["ts"], -e["dur"])
     )
@@ -286,11 +289,25 @@ def render_html(timeline: Mapping[str, Any], start_ms: float | None = None, end_
         stack.append(end)
         y = _AXIS + row_of[(e["pid"], e["tid"])] * _ROW + 2 + depth * 4
         h = max(4, _ROW - 4 - depth * 8)
-        width = max(0.6, x(end) - x(start))
         colour = _colour(e["name"])
+        x0, x1 = x(start), x(end)
+        previous = last.get((e["pid"], e["tid"], depth))
+        if previous is not None and previous[4] == colour and x0 <= previous[1] + 0.5:
+            previous[1] = max(previous[1], x1)
+            previous[5].append(e)
+            continue
+        bar = [x0, x1, y, h, colour, [e]]
+        bars.append(bar)
+        last[(e["pid"], e["tid"], depth)] = bar
+    for x0, x1, y, h, colour, merged in bars:
+        first = merged[0]
+        if len(merged) == 1:
+            title = f"{first['name']}: {_ms(first['ts'] / 1000)} + {first['dur'] / 1000:.3f} ms"
+        else:
+            title = f"{len(merged)} spans of {first['name']} from {_ms(first['ts'] / 1000)}"
         parts.append(
-            f'<rect x="{x(start):.2f}" y="{y}" width="{width:.2f}" height="{h}" fill="{colour}">'
-            f"<title>{html.escape(e['name'])}: {_ms(start)} + {e['dur'] / 1000:.3f} ms</title></rect>"
+            f'<rect x="{x0:.2f}" y="{y}" width="{max(0.6, x1 - x0):.2f}" height="{h}" fill="{colour}">'
+            f"<title>{html.escape(title)}</title></rect>"
         )
     for e in timed:
         if e["ph"] != "i":
