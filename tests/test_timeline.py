@@ -278,6 +278,10 @@ def test_the_page_is_self_contained_and_the_merge_lines_up_with_torchs_clock(tmp
     assert "<svg" in page and "worker 1 (pid" in page and "next(): waiting for a batch" in page
     assert "<script" not in page and "src=" not in page and "href=" not in page  # nothing fetched
 
+    (tmp_path / "not_a_trace.json").write_text("{}")
+    assert main(["timeline", str(tmp_path / "not_a_trace.json")]) == 2  # said on stderr, no page written
+    assert not (tmp_path / "not_a_trace.html").exists()
+
     merged = json.loads(open(merge_into(tmp_path / "torch.json", timeline, tmp_path / "merged.json")).read())
     events = merged["traceEvents"]
     theirs = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith(DATALOADER_RULE)]
