@@ -1,4 +1,4 @@
-"""``python -m mprs_plus <command>``: demo, explain, bench. ``--help`` on each."""
+"""``python -m mprs_plus <command>``: demo, explain, bench, timeline. ``--help`` on each."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ._cli import bench, demo, explain
+    from ._cli import bench, demo, explain, timeline
 
     parser = argparse.ArgumentParser(
         prog="python -m mprs_plus",
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Each command has --help.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, explain, bench):
+    for module in (demo, explain, bench, timeline):
         module.register(commands)
     return parser
 

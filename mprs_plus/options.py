@@ -40,6 +40,9 @@ class _Fields(NamedTuple):
     # Dead workers replaced in the service's life, all workers together (``runtime/main/replacement.py``).
     worker_restarts: int = 0
     restarts_used: int = 0  # of that budget, by earlier runtimes of the same loader
+    # Record a timeline of every process (``runtime/timeline.py``): False, True, or the
+    # records kept per lane.
+    timeline: bool | int = False
 
 
 class Options(_Fields):
@@ -64,6 +67,14 @@ class Options(_Fields):
             raise ValueError(f"stats_interval must be a number of seconds > 0, or None; got {self.stats_interval!r}")
         if self.stats_interval is not None and not self.collect_stats:
             raise ValueError("stats_interval logs statistics: it needs collect_stats=True")
+        if not isinstance(self.timeline, (bool, int)) or (
+            not isinstance(self.timeline, bool) and self.timeline < 16
+        ):
+            raise ValueError(
+                f"timeline must be True, False, or the number of records kept per process (>= 16); got {self.timeline!r}"
+            )
+        if self.timeline and not self.collect_stats:
+            raise ValueError("timeline records the figures stats() adds up: it needs collect_stats=True")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0
         ):
@@ -110,6 +121,15 @@ class Options(_Fields):
             hook = getattr(self, name)
             if hook is not None and not callable(hook):
                 raise TypeError(f"{name} must be callable or None, got {type(hook).__name__}")
+
+    @property
+    def timeline_capacity(self) -> int:
+        """Records kept per lane of the timeline; 0 when none is recorded."""
+        if self.timeline is True:
+            from .runtime.timeline import DEFAULT_CAPACITY
+
+            return DEFAULT_CAPACITY
+        return int(self.timeline)
 
     @property
     def items_in_flight_per_worker(self) -> int:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ from .plan import Plan, plan
 from .runtime.main.family import Family
 from .runtime.main.restore import Checkpoints
 from .runtime.main.service import ServiceRuntime, open_runtime, warnings_for
+from .runtime.main.stats import ServiceClock
+from .runtime.timeline import Span
 from .user_frame import warn
 
 if TYPE_CHECKING:
@@ -80,6 +83,10 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             page "When a worker dies").
             With a dispatch process, each dispatcher keeps the items it dealt in the
             current epoch, to deal them again to a replacement; its own death is an error.
+        timeline: record a timeline of every process (what each was doing, when), for
+            ``stats().write_timeline(path)``: True keeps the last 32768 spans of each
+            process's lane, a number keeps that many; False (default) records nothing.
+            Needs ``collect_stats``; local workers only (docs/profiling.md).
 
     The arguments under "Other parameters" go beyond torchdata's, and are keyword-only.
 
@@ -113,6 +120,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         device: Any = None,
         device_prefetch: int = 2,
         worker_restarts: int = 0,
+        timeline: bool | int = False,
     ) -> None:
         self.options = Options(
             num_workers=num_workers,
@@ -132,6 +140,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
             device=device,
             device_prefetch=device_prefetch,
             worker_restarts=worker_restarts,
+            timeline=timeline,
         )
         self._plan: Plan | None = None
         self._runtime: ServiceRuntime | InProcessRuntime | None = None
@@ -209,6 +218,8 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         self._runtime = open_runtime(datapipe, self._plan, self.options)
         with self._feeding.channels() if self._feeding is not None else contextlib.nullcontext():
             main = self._runtime.start()  # only a pinning service's channels are page-locked
+        if isinstance(main, ServiceClock):
+            main.profile_as_datapipe()  # each next() a profiler range, as under torchdata's service
         self._family.started(self._runtime.figures)
         if self._feeding is not None:
             self._runtime.figures.feeding = self._feeding.counters
@@ -242,12 +253,17 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         and replayed from the epoch start on restore; mid-epoch that needs ``in_order=True``
         (else ``ValueError``). Between epochs a checkpoint always works.
         """
-        return self._checkpoints.checkpoint(self._runtime)
+        began = time.perf_counter()
+        state = self._checkpoints.checkpoint(self._runtime)
+        if self._runtime is not None:
+            self._runtime.note_span(Span.SAVE, began, time.perf_counter())  # on the timeline, when recorded
+        return state
 
     def restore(self, datapipe: Any, serialized_state: bytes) -> Any:
         """Start as ``initialize`` does; the next epoch goes on where the checkpoint was taken:
         each worker is re-seeded as at that epoch's start and drops, itself, the items the
         user already had. A checkpoint of another worker count is a ``ValueError``."""
+        began = time.perf_counter()
         state = self._checkpoints.load(serialized_state)
         main = self.initialize(datapipe)
         try:
@@ -255,6 +271,7 @@ class MultiProcessingReadingService(CheckpointableReadingServiceInterface):
         except ValueError:
             self.finalize()
             raise
+        self._started("restore").note_span(Span.RESTORE, began, time.perf_counter())
         return main
 
     def finalize_iteration(self) -> None:

@@ -9,9 +9,10 @@ asked for, or kept as a service stops; never on the path to a loader's first ite
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .segment import Segment
@@ -306,6 +307,49 @@ class Stats:
     # workers' growth is judged, and the sentence naming copy-on-access ("" when none).
     main_memory_bytes: int = 0
     memory: str = ""
+    # The timeline's rings, when one is recorded (``timeline=True``): read by ``timeline()``.
+    trace: Any = field(default=None, repr=False, compare=False)
+
+    def timeline(self) -> dict[str, Any]:
+        """What every process did, when, as a Chrome trace-event JSON object (Perfetto,
+        ``chrome://tracing``, ``python -m mprs_plus timeline``): read from the rings now,
+        the last spans of each process (docs/profiling.md). ValueError when no timeline was
+        recorded: pass ``timeline=True`` to the loader or the reading service."""
+        if self.trace is None:
+            raise ValueError(
+                "no timeline was recorded: pass timeline=True to mprs_plus.DataLoader or "
+                "MultiProcessingReadingService; it is recorded with worker processes of this machine "
+                "(num_workers > 0, no Ray backend) once an epoch began"
+            )
+        from .timeline import trace
+
+        return trace(self.trace, {made.pid: made.cause for made in self.replacements})
+
+    def write_timeline(self, path: str | os.PathLike[str]) -> str:
+        """Write ``timeline()`` to ``path`` (JSON); returns the path."""
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.timeline(), f)
+        return os.fspath(path)
+
+    def scalars(self, prefix: str = "mprs_plus/") -> dict[str, float]:
+        """The figures worth a chart, flat, for a logger: Lightning's ``log_dict``,
+        TensorBoard's ``add_scalar``, ``wandb.log`` (docs/profiling.md, Loggers). Names
+        start with ``prefix``; 0.0 where not measured yet."""
+        main, workers = self.segment(Segment.MAIN), self.segment(Segment.WORKER)
+        loop = next((p for p in self.processes if p.role == Segment.MAIN), None)
+        each = [p for p in self.processes if p.role == Segment.WORKER]
+        found = {
+            "items_per_s": loop.items_in / loop.elapsed_s if loop is not None and loop.elapsed_s > 0 else 0.0,
+            "loop_wait_share": main.input_wait_fraction if main is not None else 0.0,
+            "workers_busy_share": workers.busy_fraction if workers is not None else 0.0,
+            "workers_waiting_for_space_share": workers.output_wait_fraction if workers is not None else 0.0,
+            "replacements": float(len(self.replacements)),
+            "workers_private_mib": sum(p.private_bytes for p in each) / 2**20,
+            "workers_copied_mib": sum(p.copied_bytes for p in each) / 2**20,
+        }
+        return {prefix + name: float(value) for name, value in found.items()}
 
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)

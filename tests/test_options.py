@@ -25,7 +25,7 @@ def test_torchdata_arguments_come_first_in_torchdatas_order():
         assert ours[name].default == parameter.default, name
     extra = list(ours)[len(theirs) :]
     assert extra == ["dispatch_init_fn", "dispatch_buffer_size", "in_order", "timeout", "collect_stats", "stats_interval", "backend",
-                     "pin_memory", "device", "device_prefetch", "worker_restarts"]
+                     "pin_memory", "device", "device_prefetch", "worker_restarts", "timeline"]
     assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extra)
 
 

@@ -16,6 +16,7 @@ its own, and stops it when the epoch ends or its iterator is dropped, as torch d
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from .batch_seeds import BATCH, BatchSeeds, batch_shard, check_seeding, distribu
 from .elastic import Layout, Remainder
 from .iterator import EpochPlan, EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
+from ..runtime.timeline import Span
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -81,6 +83,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             each batch from the base seed, the epoch, the rank and the batch's place, so the
             batches are the same for any ``num_workers`` and states restore at any count
             (the documentation's page "Elastic workers").
+        timeline: record a timeline of every worker and of the loop, for
+            ``stats().write_timeline(path)``: True, False (default), or the spans kept per
+            process (the documentation's page "Profiling a run").
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         collect_stats: bool = True,
         worker_restarts: int = 0,
         seeding: str | None = None,
+        timeline: bool | int = False,
     ) -> None:
         from ..runtime.main.family import Family
 
@@ -159,6 +165,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.collect_stats = collect_stats
         self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
         self.seeding = check_seeding("worker" if seeding is None else seeding)
+        self.timeline = timeline  # record a timeline of every process (see docs/profiling.md)
         self._options()  # checked now, as torch checks its own arguments
 
     # -- iterating ---------------------------------------------------------------------
@@ -274,6 +281,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             pin_memory=bool(self.pin_memory),
             device=self.device,
             worker_restarts=self.worker_restarts,
+            timeline=getattr(self, "timeline", False),
         )
 
     def _job(self) -> _Job:
@@ -333,7 +341,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         same way, and its next epoch goes on exactly after the last batch handed out here."""
         current = self._current() if self._current is not None else None
         if current is not None and not current.finished:
-            return current.state_dict()
+            began = time.perf_counter()
+            state = current.state_dict()
+            run = current._run
+            if run is not None:  # on the timeline, when one is recorded
+                run.runtime.note_span(Span.SAVE, began, time.perf_counter())
+            return state
         if self._restore is not None:
             return dict(self._restore)
         start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))

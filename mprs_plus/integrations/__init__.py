@@ -3,6 +3,7 @@ asked for (``import mprs_plus.integrations.accelerate``), so that nothing else i
 package imports a trainer.
 
     accelerate    Hugging Face Accelerate, and so Transformers' ``Trainer``: ``enable()``
+    lightning     Lightning: ``StatsLogger``, a callback that logs the loader's figures
 
 Each checks the library's version and fails with an error saying what to do when that
 library's internals moved, never falling back silently to torch's loader.

@@ -71,7 +71,7 @@ _originals: dict[str, Any] | None = None  # what enable() replaced, for disable(
 # This class's own arguments, which torch's loader has not: a loader built from torch's
 # (Transformers' Trainer makes one) takes those given to enable(); one built from this
 # class takes that loader's.
-_OWN = ("device", "backend", "collect_stats", "snapshot_every_n_steps", "worker_restarts", "seeding")
+_OWN = ("device", "backend", "collect_stats", "snapshot_every_n_steps", "worker_restarts", "seeding", "timeline")
 _options: dict[str, Any] = {}  # given to enable()
 _built: list[weakref.ref[DataLoader]] = []  # the loaders built here, newest last
 
@@ -86,7 +86,7 @@ def enable(**options: Any) -> None:
     Args:
         **options: arguments of ``mprs_plus.DataLoader`` that torch's has not
             (``worker_restarts``, ``device``, ``backend``, ``collect_stats``,
-            ``snapshot_every_n_steps``, ``seeding``), for the loaders built from torch's,
+            ``snapshot_every_n_steps``, ``seeding``, ``timeline``), for the loaders built from torch's,
             such as the one ``Trainer`` makes; a loader of this class keeps its own.
 
     Raises:

@@ -40,6 +40,7 @@ Rooms by process: a module's folder says where its code runs.
       pausing.py           pause/resume a segment's DataPipes, in graph order
       segments.py          runnable copies of a Plan's segments (built in main, run in children)
       stats.py             the shared statistics table and its writers
+      timeline.py          the timeline's rings of spans, one per lane (timeline=True)
       private_memory.py    a process's private and resident memory, sampled rarely (stats.py)
       tensor_reducer.py    tensors through the channels as raw bytes (registered on import)
 

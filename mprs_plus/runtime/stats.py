@@ -53,6 +53,7 @@ from typing import Any
 
 from ..transport import Sender
 from .private_memory import EVERY, sample
+from .timeline import LaneTrace
 
 FIELDS = (
     "items_in",
@@ -134,6 +135,7 @@ class StatsWriter:
         "started_at",
         "channels",
         "_memory_due",
+        "trace",
     )
 
     def __init__(self, table: Any, base: int, row: int) -> None:
@@ -152,12 +154,15 @@ class StatsWriter:
         self.started_at = 0.0
         self.channels: tuple[Sender, ...] = ()  # output endpoints, for bytes and queue fill
         self._memory_due = 0.0  # when the next memory sample is due (children only)
+        # The lane's ring of the timeline (``timeline.py``), when one is recorded.
+        self.trace: LaneTrace | None = None
 
-    def __getstate__(self) -> tuple[Any, int, int]:
-        return (self._table, self._base, self._row)
+    def __getstate__(self) -> tuple[Any, int, int, LaneTrace | None]:
+        return (self._table, self._base, self._row, self.trace)
 
-    def __setstate__(self, state: tuple[Any, int, int]) -> None:
-        self.__init__(*state)  # type: ignore[misc]
+    def __setstate__(self, state: tuple[Any, int, int, LaneTrace | None]) -> None:
+        self.__init__(*state[:3])  # type: ignore[misc]
+        self.trace = state[3]
 
     def start(self) -> None:
         self.started_at = time.monotonic()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from torch.utils.data import IterDataPipe
 from ..data_messages import RemoteError
 from ..control_messages import Limit, Pause, Received, Reset, Resume, Unreadable, unpack
 from ..pausing import pause_datapipes, resume_datapipes
+from ..timeline import Span
 from .seeding import deferred_numpy_seed
 
 if TYPE_CHECKING:
@@ -113,10 +115,14 @@ class SegmentControl:
         """Apply ``message``; called on lane 0 with every other lane parked."""
         if self._setup is not None:
             setup, self._setup = self._setup, None
+            began = time.perf_counter()
             try:
                 self.root = setup(self.root)
             except BaseException as exc:  # user code: any exception is reported (loop.produce)
                 self._failure = RemoteError.capture(exc, self._where)
+            stats = loop.lanes[0].stats
+            if stats is not None and stats.trace is not None:  # on the timeline: its set-up
+                stats.trace.span(Span.STARTUP, began, time.perf_counter())
         if isinstance(message, Unreadable):  # a control message that could not be read at all
             self._report(loop, message.error)
             return

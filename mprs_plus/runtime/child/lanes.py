@@ -54,7 +54,11 @@ def enter_lane(lane: Lane) -> None:
     _current.aside = getattr(lane, "send_aside", None)
     if lane.stats is not None:
         lane.stats.start()
-    if lane.liveness is not None:
+    trace = lane.stats.trace if lane.stats is not None else None
+    if trace is not None:  # the timeline is recorded: this life's track begins (timeline.py)
+        trace.begin()
+        note_blocking(trace.sleep_note(lane.liveness.note if lane.liveness is not None else None))
+    elif lane.liveness is not None:
         note_blocking(lane.liveness.note)  # its sleeps in channel waits, for a stuck read (liveness.py)
 
 

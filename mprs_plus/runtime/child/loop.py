@@ -38,7 +38,8 @@ from typing import Any, Protocol
 from ...transport import ChannelError, Receiver
 from .lanes import Lane, enter_lane
 from ..data_messages import RemoteError
-from ..control_messages import Received, Stop, Unreadable
+from ..control_messages import Received, Reset, Stop, Unreadable
+from ..timeline import Span
 
 _JOIN_SECONDS = 5.0
 
@@ -246,7 +247,11 @@ class ChildLoop:
             while True:
                 if states[k] is LaneState.RUNNING and not self.paused and not inbox.interrupt:
                     if self.skips[k]:
-                        if skip_items(lane, inbox, self.where, self.skips, k):
+                        began = time.perf_counter()
+                        ended = skip_items(lane, inbox, self.where, self.skips, k)
+                        if lane.stats is not None and lane.stats.trace is not None:  # the timeline's replay
+                            lane.stats.trace.span(Span.REPLAY, began, time.perf_counter())
+                        if ended:
                             states[k] = LaneState.IDLE
                     elif produce(lane, inbox, self.where):
                         states[k] = LaneState.IDLE  # its stream ended (END or ERROR sent)
@@ -266,9 +271,14 @@ class ChildLoop:
         messages = self.inbox.take()
         if messages is None:
             return False
+        stats = self.lanes[0].stats
+        trace = stats.trace if stats is not None else None
         try:
             for message in messages:
+                began = time.perf_counter()
                 self._control.apply(message, self)
+                if trace is not None and isinstance(message, Reset):  # on the timeline: the epoch's set-up
+                    trace.span(Span.RESET, began, time.perf_counter(), message.epoch)
         finally:
             going_on = self.inbox.applied()
         return going_on
@@ -317,10 +327,19 @@ def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -
     return False
 
 
+def _take_traced(window: Any, lane: Lane, interrupted: Callable[[], bool], trace: Any) -> bool:
+    """``window.take``, its wait on the timeline: the lane is ahead of the loop by its window."""
+    began = time.perf_counter()
+    taken = window.take(lane.flush, interrupted)
+    trace.span(Span.WAIT_WINDOW, began, time.perf_counter())
+    return taken
+
+
 def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     """Produce ``lane``'s items until interrupted (False) or until its stream ends (True:
     END or ERROR sent)."""
     lock, next_item, emit, stats, window = lane.lock, lane.next_item, lane.emit, lane.stats, lane.window
+    trace = stats.trace if stats is not None else None  # the timeline's ring, when recorded
     clock = time.perf_counter
     # While dead workers are replaced: one store per item says which item the lane makes
     # (``liveness.py``), so that a poison sample is known at its first death.
@@ -335,7 +354,9 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
 
     try:
         while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
-            if window is not None and not window.take(lane.flush, interrupted):
+            if window is not None and not (
+                window.take(lane.flush, interrupted) if trace is None else _take_traced(window, lane, interrupted, trace)
+            ):
                 return False  # interrupted while waiting for the main process to hand out an item
             if lock is not None and not lock.acquire(blocking=False):
                 lane.flush()  # never wait for the compute lock holding unsent items
@@ -368,9 +389,12 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 continue
             produced = clock()
             emit(item)
+            sent = clock()
             stats.busy += produced - started
-            stats.wait_output += clock() - produced
+            stats.wait_output += sent - produced
             stats.items_out += 1
+            if trace is not None:
+                trace.item(started, produced, sent, Span.SENDING)
             if not stats.items_out & 63:
                 stats.publish()
                 stats.sample_memory(due_only=True)
@@ -384,3 +408,5 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             liveness.value = value
         if stats is not None:
             stats.publish()
+        if trace is not None:
+            trace.flush()

@@ -35,6 +35,7 @@ from ..data_messages import Kind, describe_process
 from ...segment import Segment
 from ..mux import CLOSED_EPOCH, ChannelMux, WakePipe
 from ..control_messages import Received, Reset
+from ..timeline import Span
 
 
 class DispatchedInput(IterDataPipe):
@@ -70,6 +71,8 @@ def _iterate_dispatched(self: DispatchedInput) -> Iterator[Any]:
             waited = clock() - asked
             stats.wait_input += waited
             stats.busy -= waited
+            if stats.trace is not None:
+                stats.trace.span(Span.WAIT_INPUT, asked, asked + waited)
         if message is None:
             return  # a newer epoch began, or the dispatch process stopped
         kind, _, payload = message

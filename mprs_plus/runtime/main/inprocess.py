@@ -80,5 +80,8 @@ class InProcessRuntime:
     def stats(self) -> Stats:
         return self.figures.snapshot()
 
+    def note_span(self, kind: Any, start: float, end: float) -> None:
+        """No processes, no timeline: nothing to note."""
+
     def stop(self) -> None:
         self.lifecycle.advance(State.STOPPED)

@@ -31,6 +31,7 @@ from .gate import CLOSED_MESSAGE, ReadGate
 from ..mux import ChannelMux, Message
 from .cursor import ReadCursor, read_as_ready, read_in_order
 from ..stats import StatsWriter
+from ..timeline import Span
 from .topology import ChildLink, Topology
 from .lifecycle import DEATH_GRACE
 from ..data_messages import Kind
@@ -105,7 +106,10 @@ class MainChannels:
             else:
                 started = time.perf_counter()  # a message's items are rebuilt in one go: timed per message
                 message = self.receivers[index].recv()
-                self._stats.receiving += time.perf_counter() - started
+                ended = time.perf_counter()
+                self._stats.receiving += ended - started
+                if self._stats.trace is not None:
+                    self._stats.trace.span(Span.RECEIVING, started, ended)
         except (ChannelBroken, EndOfStream) as exc:
             if self._replace_dead():
                 return self.recv(index)
@@ -190,6 +194,7 @@ class MainChannels:
         timeout = self._timeout
         start = time.monotonic()
         written: list[int] | None = None  # looked at only once a slice has passed: no cost per item
+        marked = False  # the watchdog's suspicion is on the timeline (when one is recorded)
         self._stuck_worker = None
         while True:
             left = None if timeout is None else timeout - (time.monotonic() - start)
@@ -201,6 +206,9 @@ class MainChannels:
             if written is not None and all(
                 now.queued_messages and now.messages == before for now, before in zip(traffic, written)
             ):
+                if self._stats is not None and self._stats.trace is not None and not marked:  # on the timeline
+                    marked, now = True, time.perf_counter()
+                    self._stats.trace.write(Span.WATCHDOG, now, now, worker)
                 if self._asleep_for is not None and self._asleep_for(span):
                     raise PipelineStuckError(
                         f"worker {worker}'s next item can never come: the main process has waited "
@@ -271,7 +279,10 @@ class MainChannels:
         else:
             ready = wait_readable(receivers, self._timeout, also=also)
         if self._stats is not None:
-            self._stats.wait_input += time.perf_counter() - asked
+            waited = time.perf_counter()
+            self._stats.wait_input += waited - asked
+            if self._stats.trace is not None:
+                self._stats.trace.span(Span.WAIT_INPUT, asked, waited)
         gate.check()  # a stop from another thread woke us up
         if len(ready) == 1 and ready[0] is receivers[0] and len(indices) == 1:
             return indices  # the usual wake-up of an in-order reader: its worker's item came

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -65,6 +66,7 @@ from .cursor import ReadCursor
 from ..pausing import pause_datapipes, resume_datapipes
 from ..segments import build_dispatch_sources, build_main_pipeline, build_worker_program
 from ..stats import StatsTable
+from ..timeline import ServiceTrace, Span, TimelineTable
 from .stats import ServiceClock, StatsView
 from .family import Figures
 from .state import Lifecycle, State
@@ -175,6 +177,7 @@ class ServiceRuntime:
         # their records as the main process read them (``generators.ReceivedRecords``).
         self._received_records: dict[int, ReceivedRecords] | None = None
         self._handovers: _Handovers | None = None  # Redeals sent to the dispatch process
+        self._service_trace: ServiceTrace | None = None  # the timeline's service events, when recorded
         self.figures = Figures()
         self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
         weakref.finalize(self, self._supervisor.stop)
@@ -198,7 +201,13 @@ class ServiceRuntime:
         supervisor, topology = self._supervisor, self._topology
         stats = None
         if self.options.collect_stats:
-            stats = StatsView(StatsTable(self._ctx, topology.stats_rows), topology, os.getpid(), supervisor.placement)
+            timeline = None
+            if self.options.timeline and supervisor.placement.on_this_host:  # rings in this host's memory
+                timeline = TimelineTable(self._ctx, topology.stats_rows, self.options.timeline_capacity)
+            stats = StatsView(
+                StatsTable(self._ctx, topology.stats_rows), topology, os.getpid(), supervisor.placement, timeline
+            )
+        self._service_trace = stats.service if stats is not None else None
         # Kept whatever the options: a stuck read's evidence (and, to replace dead workers, the item each makes).
         liveness = Liveness(self._ctx, topology.stats_rows, positions=bool(self.options.worker_restarts))
         lanes = [row for link in topology.children() for row in link.stats_rows]
@@ -263,7 +272,7 @@ class ServiceRuntime:
         if stats is None:
             return self._main
         # What the loop iterates: the main segment, its time counted apart from the loop's.
-        return ServiceClock(self._main, stats.main, self.figures.check_memory)
+        return ServiceClock(self._main, stats.main, self.figures.check_memory, isinstance(self._main, WorkerReader))
 
     # -- epochs, pause, resume, limit ----------------------------------------------------
 
@@ -289,6 +298,8 @@ class ServiceRuntime:
 
             set_graph_random_seed(self._main, seed_generator)
         epoch = reader.begin_epoch(next_worker, skips)
+        if self._service_trace is not None:
+            self._service_trace.instant(Span.EPOCH, epoch)
         topology, supervisor = self._topology, self._supervisor
         resets: list[tuple[ChildLink, Reset]] = []  # all pickled before any child starts
         if topology.dispatch is not None:
@@ -394,6 +405,25 @@ class ServiceRuntime:
         replacements, supervisor = self._replacements, self._supervisor
         if replacements is None:
             raise RuntimeError("internal error: a worker replaced without worker_restarts")
+        process = link.process
+        trace = self._service_trace
+        if trace is None:
+            return self._replace(link, epoch, received)
+        trace.instant(Span.DEATH, process.pid)  # on the dead life's track (``mprs_plus.timeline``)
+        began = time.perf_counter()
+        try:
+            return self._replace(link, epoch, received)
+        finally:
+            trace.span(Span.REPLACING, began, time.perf_counter(), link.index)
+
+    def note_span(self, kind: int, start: float, end: float) -> None:
+        """A span of the service's events on the timeline (a checkpoint taken or restored,
+        ``time.perf_counter()`` times), when one is recorded."""
+        if self._service_trace is not None:
+            self._service_trace.span(kind, start, end)
+
+    def _replace(self, link: ChildLink, epoch: int, received: tuple[int, ...]) -> tuple[list[Any], ...]:
+        replacements, supervisor = self._replacements, self._supervisor
         process = link.process
         process.join(DEATH_GRACE)
         setup = self._setups[link.index]

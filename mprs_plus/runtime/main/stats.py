@@ -21,12 +21,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from torch.autograd import _profiler_enabled
+from torch.autograd.profiler import record_function
 from torch.utils.data import IterDataPipe
 
 from ...segment import Segment
 from ...transport import lending
 from ..private_memory import resident
 from ..stats import StatsTable, StatsWriter
+from ..timeline import LaneTrace, Span, ServiceTrace, TimelineSource, TimelineTable
 
 if TYPE_CHECKING:
     from ...stats import Stats
@@ -37,11 +40,21 @@ class StatsView:
     main process's own row, and which rows and channels belong to which process (from the
     topology, so no row is found by position)."""
 
-    def __init__(self, table: StatsTable, topology: Any, pid: int, placement: Any = None) -> None:
+    def __init__(
+        self, table: StatsTable, topology: Any, pid: int, placement: Any = None, timeline: TimelineTable | None = None
+    ) -> None:
         self.table = table
         self._placement = placement  # children elsewhere: their rows are fetched, their nodes named
         self.main = table.writer(topology.main_row)  # written by the main process's reads
         self.main.start()
+        # The timeline's rings, when one is recorded (``runtime/timeline.py``): the loop's
+        # (the main row's) and the service's events (epochs, checkpoints, replacements).
+        self.timeline = timeline
+        self.service: ServiceTrace | None = None
+        if timeline is not None:
+            self.main.trace = timeline.ring(topology.main_row)
+            self.main.trace.begin(Span.STEP)
+            self.service = ServiceTrace(timeline.ring(timeline.service_row))
         self._topology = topology
         self._pid = pid
         self._lending_before = lending()  # the process's counters run across services
@@ -50,8 +63,24 @@ class StatsView:
         self.main_memory = resident()
 
     def writers(self, link: Any) -> tuple[StatsWriter, ...]:
-        """The rows ``link``'s lanes write, in lane order."""
-        return tuple(self.table.writer(row) for row in link.stats_rows)
+        """The rows ``link``'s lanes write, in lane order (with their rings of the timeline)."""
+        found = tuple(self.table.writer(row) for row in link.stats_rows)
+        if self.timeline is not None:
+            for writer in found:
+                writer.trace = self.timeline.ring(writer._row)
+        return found
+
+    def timeline_source(self) -> TimelineSource | None:
+        """What ``Stats.timeline()`` reads: the rings and whose they are; None when none is recorded."""
+        if self.timeline is None:
+            return None
+        rows = [
+            (link.role, link.index, k, row)
+            for link in self._topology.children()
+            for k, row in enumerate(link.stats_rows)
+        ]
+        rows.append((Segment.MAIN, 0, 0, self._topology.main_row))
+        return TimelineSource(self.timeline, tuple(rows), self.main.trace)
 
     def snapshot(self, epochs: int = 0) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict;
@@ -99,7 +128,7 @@ class StatsView:
         now, before = lending(), self._lending_before
         # Children placed on nodes (p.node): the verdict names the network for their channels.
         lent = now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied)
-        return replace(aggregate(processes, lent, self.main_memory), epochs=epochs)
+        return replace(aggregate(processes, lent, self.main_memory), epochs=epochs, trace=self.timeline_source())
 
 
 class _InService:
@@ -110,12 +139,19 @@ class _InService:
     handed out alive for as long as the loop holds the iterator, after ``shutdown()`` too,
     and with it the lent buffer's shared memory."""
 
-    __slots__ = ("_items", "_writer", "_first", "_at_end")
+    __slots__ = ("_items", "_writer", "_first", "_at_end", "_profile_name", "_returned")
 
     def __init__(
-        self, items: Iterator[Any], writer: StatsWriter, first: bool, at_end: Callable[[], None] | None = None
+        self,
+        items: Iterator[Any],
+        writer: StatsWriter,
+        first: bool,
+        at_end: Callable[[], None] | None = None,
+        profile_name: str | None = None,
     ) -> None:
         self._items, self._writer, self._first, self._at_end = items, writer, first, at_end
+        self._profile_name = profile_name
+        self._returned = 0.0  # when the last item was handed to the loop (the timeline's step)
 
     def __iter__(self) -> _InService:
         return self
@@ -126,22 +162,53 @@ class _InService:
         try:
             item = next(self._items)
         except StopIteration:
-            self._writer.in_service += clock() - asked
+            ended = clock()
+            self._writer.in_service += ended - asked
+            trace = self._writer.trace
+            if trace is not None:
+                self._traced(trace, asked, ended)
+                trace.write(Span.EPOCH_END, ended, ended)
             if self._at_end is not None:
                 self._at_end()  # the epoch's end: its figures are complete (the workers sampled theirs)
             raise
-        else:
-            self._writer.in_service += clock() - asked
+        got = clock()
+        self._writer.in_service += got - asked
+        trace = self._writer.trace  # the timeline's, when one is recorded
+        if trace is not None:
+            self._traced(trace, asked, got)
         if self._first:  # the service's first item: the end of its start, for the verdict
             self._first = False
             self._writer.first_item = time.monotonic() - self._writer.started_at
+            if trace is not None:
+                trace.span(Span.STARTUP, trace.began, got)
         return item
+
+    def _traced(self, trace: LaneTrace, asked: float, got: float) -> None:
+        """On the timeline: the loop's own time since its last item, then this ``next()``."""
+        if self._returned:
+            trace.item(self._returned, asked, got, Span.NEXT)
+        else:
+            trace.span(Span.NEXT, asked, got)
+        self._returned = got
 
     def close(self) -> None:
         """As the loop closes its iterator: the main segment's own end."""
         close = getattr(self._items, "close", None)
         if close is not None:
             close()
+
+
+class _ProfiledInService(_InService):
+    """``_InService`` whose ``next()`` is a profiler range while a profiler runs (a class of
+    its own: a loop that is not profiled this way pays nothing for it)."""
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        if _profiler_enabled():
+            with record_function(self._profile_name):
+                return _InService.__next__(self)
+        return _InService.__next__(self)
 
 
 class ServiceClock(IterDataPipe):
@@ -152,16 +219,39 @@ class ServiceClock(IterDataPipe):
     ``at_end`` runs when an epoch's items are all handed out (the memory check of
     ``Figures``)."""
 
-    def __init__(self, source: Any, writer: StatsWriter | None, at_end: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        writer: StatsWriter | None,
+        at_end: Callable[[], None] | None = None,
+        reads_workers: bool = False,
+    ) -> None:
         self.source = source
         self._writer = writer
         self._at_end = at_end
+        self._reads_workers = reads_workers  # the source is the workers' reader, which torch does not profile
+        self._profile_name: str | None = None
+
+    def profile_as_datapipe(self) -> None:
+        """Mark each ``next()`` with a profiler range, as torch marks a DataPipe's: under
+        DataLoader2, torchdata's reading service shows its main-process reader this way.
+        Only where the source is the workers' reader: a DataPipe of the user's there is
+        marked by torch itself."""
+        if not self._reads_workers:
+            return
+        try:  # torch's own naming, a private function of torch's
+            from torch.utils.data.datapipes._hook_iterator import _generate_iterdatapipe_msg
+
+            self._profile_name = _generate_iterdatapipe_msg(self.source, simplify_dp_name=True)
+        except Exception:  # moved or changed: what it gives for our reader
+            self._profile_name = f"{type(self.source).__name__}()"
 
     def __getstate__(self) -> dict[str, Any]:
         return {"source": self.source}  # the writer's table crosses no process boundary
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.source, self._writer, self._at_end = state["source"], None, None
+        self._reads_workers, self._profile_name = False, None
 
 
 def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
@@ -174,7 +264,8 @@ def _iterate_clocked(self: ServiceClock) -> Iterator[Any]:
         # The service's first epoch: the time before is the start, not the steady state
         # the verdict is about.
         writer.first_ask = time.monotonic() - writer.started_at
-    return _InService(items, writer, first, self._at_end)
+    kind = _InService if self._profile_name is None else _ProfiledInService
+    return kind(items, writer, first, self._at_end, self._profile_name)
 
 
 # Assigned after the class is made: torch's DataPipe metaclass would wrap an ``__iter__``
