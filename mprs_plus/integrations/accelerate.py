@@ -86,8 +86,9 @@ def enable(**options: Any) -> None:
     Args:
         **options: arguments of ``mprs_plus.DataLoader`` that torch's has not
             (``worker_restarts``, ``device``, ``backend``, ``collect_stats``,
-            ``snapshot_every_n_steps``, ``seeding``, ``timeline``), for the loaders built from torch's,
-            such as the one ``Trainer`` makes; a loader of this class keeps its own.
+            ``snapshot_every_n_steps``, ``seeding``, ``timeline``), for the loaders built
+            from torch's, such as the one ``Trainer`` makes; a loader of this class keeps its
+            own.
 
     Raises:
         TypeError: an option that is not one of those.
