@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from ...transport.stream import refused_connections
 from . import channel
 
 
@@ -56,12 +57,8 @@ class SegmentHost:
         from ...runtime import data_messages
         from ...runtime.stats import StatsTable
 
-        from ...transport.stream import refused_connections
-
         where = self.where()
         data_messages.NODE = f"{where['ip']}, node id {where['node_id'][:12]}"
-        # A warm actor hosts one child after another (``warm.py``): this one's figures only.
-        self._refused_before = refused_connections()
         self._table = None
         if stats_rows:
             self._table = StatsTable(multiprocessing.get_context(), max(stats_rows) + 1)
@@ -70,6 +67,10 @@ class SegmentHost:
             target(setup)
         finally:
             _let_go(setup)
+            # A warm actor hosts one child after another (``warm.py``): the next one counts
+            # the connections refused from now on (its listeners are made, and may refuse
+            # strangers, before its run begins).
+            self._refused_before = refused_connections()
 
     def prepare(self) -> bool:
         """Import what a child runs (torch among it): a pre-started actor does it while
@@ -81,9 +82,8 @@ class SegmentHost:
     def stats(self, rows: tuple[int, ...]) -> tuple[float, list[dict[str, float]], int]:
         """This child's statistics rows, with its clock's time now (the training process's
         clock may differ: another host), and the connections its listeners refused (they
-        did not prove the secret): this process hosts this one child, so all are its."""
-        from ...transport.stream import refused_connections
-
+        did not prove the secret) since the child before it ended: this process hosts
+        one child at a time, so all are its."""
         table = getattr(self, "_table", None)
         refused = refused_connections() - getattr(self, "_refused_before", 0)
         if table is None:

@@ -38,7 +38,7 @@ import ray
 from . import connection
 from .calls import get_without_cycle
 
-TAKE_WAIT = 5.0  # seconds an idle actor may take to answer when taken (a dead one fails at once)
+TAKE_WAIT = 10.0  # seconds an idle actor may take to answer when taken (a dead one fails at once)
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report the killed actors gone
 _EXIT_WAIT = 2.0  # seconds the exit hook waits for its kill requests
 RAY_WARM_THREAD = "mprs_plus ray warm"
