@@ -414,7 +414,7 @@ class RayPlacement:
         deadline = time.monotonic() + _CLOSE_WAIT
         for process in processes:
             process.stop_watching()  # every watcher ends within one look, all together
-        if self._warm_for > 0:
+        if self._warm_for > 0 and pool.accepts():
             # An actor whose child ended as asked waits for the next service (``warm.py``);
             # the others (killed, failed, stuck) are killed below.
             warm = [p for p in processes if p.reusable()]

@@ -80,6 +80,11 @@ class WarmPool:
         self._holding = False  # counted as a user of a connection made here
         self._reaper: threading.Thread | None = None
         self._hooked = False
+        self._exiting = False  # the exit hook ran: a service stopped later kills its actors
+
+    def accepts(self) -> bool:
+        """Actors given back now are kept (not once the interpreter is exiting)."""
+        return not self._exiting
 
     def take(self, key: Key) -> tuple[Any, Any] | None:
         """An idle actor of ``key`` that is alive, and the answer of its ``where`` call;
@@ -187,6 +192,7 @@ class WarmPool:
             connection.detach()
 
     def _at_exit(self) -> None:
+        self._exiting = True
         self.close(wait=_EXIT_WAIT)
 
 
