@@ -148,13 +148,28 @@ def _dataloader2(backend):
     return DataLoader2(IterableWrapper(range(8)).sharding_filter(), reading_service=service)
 
 
+def _listening_at(loader) -> list[tuple[str, int]]:
+    """Where the workers' data channels listened (TCP), as their receivers learnt it."""
+    runtime = loader.reading_service._runtime
+    receivers = [receiver for _, receiver in runtime._supervisor.topology.data_receivers()]
+    return [r._address(60.0) if callable(r._address) else r._address for r in receivers]
+
+
 def test_an_idle_actor_that_died_is_not_handed_out_and_close_leaves_none(cluster):
+    """Also: an idle actor keeps no listener of the loader before (the next one gets new
+    connections, proved with its own secret)."""
+    import socket
+
     backend = RayBackend(num_cpus_per_worker=0)
     loader = _dataloader2(backend)
     assert list(loader) == list(range(8))
     first = set(_actor_ids(loader))
+    addresses = _listening_at(loader)
     loader.shutdown()
     assert warm.pool.idle() == 2
+    for address in addresses:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(address, timeout=30).close()
     victim = next(entry.actor for entries in warm.pool._idle.values() for entry in entries)
     ray.kill(victim, no_restart=True)
     with pytest.raises(ray.exceptions.RayActorError):  # Ray has it dead now: the pool does not know

@@ -3,10 +3,10 @@
     service's close  an actor whose child ended as asked (its ``run`` returned) --> give(key)
                      any other (killed, failed, stuck at the stop) is killed as before
     service's start  take(key): the latest actor given back whose ``where`` answers within
-                     ``TAKE_WAIT`` s (one still starting, pre-started, is handed out as a
-                     new one would be); a dead one is killed and the next tried; none: a
-                     new actor, and idle actors of other settings are ended (they hold
-                     the cluster's resources that the new one may need)
+                     ``TAKE_WAIT`` s (one still starting, pre-started, is waited for first,
+                     at most ``STARTING_WAIT`` s); a dead one is killed and the next tried;
+                     none: a new actor, and idle actors of other settings are ended (they
+                     hold the cluster's resources that the new one may need)
     reaper thread    an actor idle for ``RayBackend.warm_for`` seconds is killed
     close(key)       ``RayBackend.close()``: its idle actors killed, and waited for (bounded)
     exit hook        every idle actor killed (bounded); Ray's owner death ends them anyway
@@ -39,6 +39,7 @@ from . import connection
 from .calls import get_without_cycle
 
 TAKE_WAIT = 10.0  # seconds an idle actor may take to answer when taken (a dead one fails at once)
+STARTING_WAIT = 120.0  # seconds a pre-started actor may take to start (as placement.START_TIMEOUT)
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report the killed actors gone
 _EXIT_WAIT = 2.0  # seconds the exit hook waits for its kill requests
 RAY_WARM_THREAD = "mprs_plus ray warm"
@@ -98,14 +99,17 @@ class WarmPool:
                 if not entries:
                     del self._idle[key]
             try:
-                where = entry.actor.where.remote()
-                started, _ = ray.wait([entry.started], timeout=0)
-                if not started:
-                    return entry.actor, where  # still starting: watched as a new one is
-                answered, _ = ray.wait([where], timeout=TAKE_WAIT)
-                if answered:
-                    get_without_cycle(where, timeout=0)
-                    return entry.actor, where
+                # A pre-started actor may still be importing what a child runs: its child's
+                # setup must not be unpickled meanwhile (torch imported in two threads at
+                # once fails), so it is waited for, as long as a new actor may take to start.
+                started, _ = ray.wait([entry.started], timeout=STARTING_WAIT)
+                if started:
+                    get_without_cycle(entry.started, timeout=0)
+                    where = entry.actor.where.remote()
+                    answered, _ = ray.wait([where], timeout=TAKE_WAIT)
+                    if answered:
+                        get_without_cycle(where, timeout=0)
+                        return entry.actor, where
             except Exception:
                 pass  # dead while idle (or Ray failed): never handed out
             _kill_soon([entry.actor])
