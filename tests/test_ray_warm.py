@@ -85,7 +85,7 @@ def _torch_epochs(backend, log, loaders=2, epochs=2):
     from warm_datasets import RecordsInit, Shifted
 
     torch.manual_seed(5)
-    batches, pids = [], []
+    batches = []
     for number in range(loaders):
         dataset = Shifted(12)
         loader = mprs_plus.DataLoader(

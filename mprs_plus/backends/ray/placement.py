@@ -63,10 +63,9 @@ RAY_CALL_THREAD = "mprs_plus ray call"  # the name of the helper threads of ``_b
 class ActorProcess:
     """A child running in a Ray actor, seen as a process."""
 
-    def __init__(self, name: str, actor: Any, run: Any, where: Any, reused: bool = False) -> None:
+    def __init__(self, name: str, actor: Any, run: Any, where: Any) -> None:
         self.name = name
         self.actor = actor
-        self.reused = reused  # a warm actor, taken from the pool (``warm.py``)
         self._killed = False  # asked to be killed: never given back
         self.exitcode: int | None = None
         self.reason = ""  # why it ended, in words, when not asked to
@@ -111,6 +110,11 @@ class ActorProcess:
         take the request (see ``_bounded``)."""
         self._killed = True
         _bounded(lambda: _kill(self.actor), _KILL_CALL_WAIT)
+
+    @property
+    def started(self) -> Any:
+        """The answer of a call that came once the actor had started (its ``where``)."""
+        return self._where_ref
 
     def reusable(self) -> bool:
         """Its child ended as asked (``run`` returned) and nobody asked for a kill: the
@@ -291,7 +295,7 @@ class RayPlacement:
                 f"({type(exc).__name__}: {first_line(exc)}). Use module-level functions, and open files and "
                 "connections inside __iter__ rather than in __init__."
             ) from None
-        process = ActorProcess(name, actor, run, where, reused=taken is not None)
+        process = ActorProcess(name, actor, run, where)
         self.processes.append(process)
         return process
 
@@ -420,7 +424,7 @@ class RayPlacement:
             warm = [p for p in processes if p.reusable()]
             for process in warm:
                 process.close()
-                pool.give(self.key, process.actor, process._where_ref, self._warm_for)
+                pool.give(self.key, process.actor, process.started, self._warm_for)
             processes = [p for p in processes if p not in warm]
         helpers = [_in_helper(functools.partial(_kill_and_wait, process, deadline)) for process in processes]
         for helper in helpers:

@@ -38,7 +38,8 @@ import ray
 from . import connection
 from .calls import get_without_cycle
 
-TAKE_WAIT = 10.0  # seconds an idle actor may take to answer when taken (a dead one fails at once)
+TAKE_WAIT = 30.0  # seconds an idle actor may take to answer when taken (a dead one fails at once;
+# a loaded node answers late, and a lost one fails once Ray has found it lost)
 STARTING_WAIT = 120.0  # seconds a pre-started actor may take to start (as placement.START_TIMEOUT)
 _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report the killed actors gone
 _EXIT_WAIT = 2.0  # seconds the exit hook waits for its kill requests
