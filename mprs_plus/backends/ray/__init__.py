@@ -52,8 +52,9 @@ class RayBackend:
         address: the cluster to attach to: ``"auto"`` (the one ``ray start`` runs on this
             machine, or ``RAY_ADDRESS``), an address such as ``"ray://head:10001"`` or
             ``"10.0.0.1:6379"``, or None to start a Ray of this machine for the service and
-            stop it at shutdown. If Ray is already initialized in this process, that
-            connection is used whatever ``address`` says, and left as it was at shutdown.
+            stop it at shutdown (once its warm actors are done, ``warm_for``). If Ray is
+            already initialized in this process, that connection is used whatever
+            ``address`` says, and left as it was at shutdown.
             A cluster attached to is never stopped.
         num_cpus_per_worker: CPUs each actor reserves on its node (Ray's ``num_cpus``).
         resources: Ray custom resources each actor reserves, e.g. ``{"preprocess": 1}`` to
