@@ -65,11 +65,27 @@ def _alive_actors() -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def nothing_left(cluster):
+def nothing_left(request):
+    if "cluster" not in request.fixturenames:
+        yield
+        return
     yield
     warm.pool.close()  # what RayBackend.close() does, for every setting at once
     assert warm.pool.idle() == 0
     assert _alive_actors() == [], "actors left behind"
+
+
+@pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), True, "60"])
+def test_a_warm_for_that_is_not_seconds_is_refused_when_the_backend_is_made(bad):
+    with pytest.raises(ValueError, match="warm_for must be a number of seconds >= 0"):
+        RayBackend(warm_for=bad)
+
+
+def test_prestart_needs_warm_actors_and_a_count():
+    with pytest.raises(ValueError, match="needs warm_for > 0"):
+        RayBackend(warm_for=0).prestart(2)
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        RayBackend().prestart(-1)
 
 
 def _actor_ids(loader) -> list[str]:
