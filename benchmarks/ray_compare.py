@@ -5,10 +5,12 @@
     python -m benchmarks.ray_compare --quick    each measurement once, with few items
     python benchmarks/ray_compare.py --help     the same script; --only, --contenders, ...
 
-Three workloads (tiny items, 1 MiB numpy arrays, 2 ms of CPU work per item) through four
+Three workloads (tiny items, 1 MiB numpy arrays, 2 ms of CPU work per item) through five
 contenders: ``mprs_plus-ray`` (the service with ``backend=RayBackend(...)``: its two workers
 are Ray actors on the other node, their items come over streams), ``mprs_plus-ray-near``
 (the same, both actors on the training process's node: shared-memory rings),
+``mprs_plus-ray-warm`` (as ``mprs_plus-ray``, its actors warm: an untimed loader before
+the timed one started them, as an earlier epoch or loader of the driver would),
 ``mprs_plus`` (two local worker processes) and ``ray-data`` (``ray.data.range(n).map(...)``,
 read with ``iter_rows()``). The Ray contenders run on a simulated two-node cluster started
 once for the run (``ray.cluster_utils.Cluster``, one CPU per node, the Ray backend's two
@@ -21,6 +23,11 @@ state and over the whole epoch (start-up included), GB/s (arrays), the main proc
 time per item (every thread of it: Ray's driver threads count) and the time from creating
 the loader to its first item. Interleaved as the suite is (``harness.schedule``): every
 repetition runs every contender once per workload, a different one first each time.
+
+Then what a start costs (``workloads/ray_startup.py``): two epochs of
+``persistent_workers=False`` and five loaders one after another, with warm actors (the
+default), without them (``warm_for=0``) and Ray Data: each epoch's time to its first batch.
+``--startup-repetitions 0`` leaves it out.
 
 Without Ray the Ray contenders are n/a, saying why; so are the ``mprs_plus-ray`` rows while
 ``mprs_plus.RayBackend`` is not importable. Speed is reported, never asserted: the exit
@@ -65,6 +72,7 @@ from benchmarks.workloads.ray_cluster import (  # noqa: E402
     RAY_CONTENDERS,
     RAY_DATA,
     RAY_NEAR,
+    RAY_WARM,
 )
 
 
@@ -79,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)}")
     parser.add_argument(
         "--contenders", default=",".join(CONTENDERS), metavar="NAMES", help=f"comma-separated, from: {', '.join(CONTENDERS)}"
+    )
+    parser.add_argument(
+        "--startup-repetitions", type=int, default=None, metavar="N",
+        help="repetitions of the start-up sequences (default 3; 0 with --quick: none)",
     )
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output folder (default benchmarks/results)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -114,14 +126,28 @@ def main(argv: list[str] | None = None) -> int:
         cpu_loops=calibrate_loops(0.002),
     )
     backend_missing = ray_cluster.ray_backend_missing()
-    missing = {RAY_BACKEND: backend_missing, RAY_NEAR: backend_missing, RAY_DATA: ray_cluster.ray_missing()}
+    missing = {
+        RAY_BACKEND: backend_missing,
+        RAY_NEAR: backend_missing,
+        RAY_WARM: backend_missing,
+        RAY_DATA: ray_cluster.ray_missing(),
+    }
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     cluster = None
     if any(c in contenders and not missing[c] for c in RAY_CONTENDERS):
         cluster = ray_cluster.LocalCluster().start()
+    startup_reps = args.startup_repetitions if args.startup_repetitions is not None else (0 if args.quick else 3)
+    startup: dict[str, Any] | None = None
     try:
         cases = tuple(c for c in ray_cluster.CASES if c.name in case_names)
         results = run(ray_cluster.workloads(cluster, cases), settings, contenders, missing, cluster, not args.no_progress)
+        if cluster is not None and startup_reps > 0 and not missing[RAY_BACKEND]:
+            from benchmarks.workloads import ray_startup
+
+            startup = ray_startup.measure(cluster, startup_reps, settings)
+            startup["rows"] = ray_startup.rows(startup)
+            startup["table"] = ray_startup.table(startup)
+            startup["load_average_end"] = list(os.getloadavg())
     finally:
         if cluster is not None:
             cluster.stop()
@@ -129,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         # Every process of the cluster ends with its shutdown; one that does not is reported.
         results.environment["cluster_left_running"] = end_new_children(set(), settings.reap_grace_s)
     text = table(results)
+    if startup is not None:
+        results.environment["startup"] = {k: v for k, v in startup.items() if k != "table"}
+        text += "\n\n" + startup["table"]
     print(text)
     paths = write(results, text, args.out, f"ray-{stamp}{'-quick' if args.quick else ''}")
     print()

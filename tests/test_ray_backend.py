@@ -105,6 +105,11 @@ def no_actor_left(request):
         yield
         return
     yield
+    # The actors a test's loaders gave back wait for a next loader (RayBackend.warm_for):
+    # ended here as RayBackend.close() ends them, so that each test starts from none.
+    from mprs_plus.backends.ray import warm
+
+    warm.pool.close()
     # close() waits until Ray reports each killed actor dead: nothing to wait for here.
     assert _alive_actors() == [], f"actors left behind{unstopped_services()}"
 
@@ -469,7 +474,9 @@ SHIPPING_DRIVER = textwrap.dedent(
     loader = DataLoader2(IterableWrapper(range(6)).sharding_filter().map(shipped_code.triple), reading_service=service)
     assert list(loader) == [3 * i for i in range(6)]
     loader.shutdown()
-    assert not ray.is_initialized()  # disconnected: the service connected
+    assert ray.is_initialized()  # the service connected: its warm actors keep the connection
+    backend.close()
+    assert not ray.is_initialized()  # disconnected with the last of them
     print("ok")
     """
 )
@@ -489,9 +496,11 @@ def test_attached_by_address_the_code_ships_with_runtime_env_and_the_cluster_sta
     assert ray.cluster_resources().get("CPU", 0) >= 4  # the cluster we attached to still runs
 
 
-def test_ray_started_for_the_service_is_stopped_at_shutdown():
-    """address=None starts a Ray of this machine and stops it at shutdown. Runs in a
-    subprocess: this module's process is attached to the test cluster."""
+def test_ray_started_for_the_service_is_stopped_once_its_warm_actors_are_done():
+    """address=None starts a Ray of this machine; it stays while the loader's warm actor
+    waits for a next loader, and stops when RayBackend.close() ends that actor (with
+    warm_for=0: at shutdown). Runs in a subprocess: this module's process is attached to
+    the test cluster."""
     code = textwrap.dedent(
         """
         import ray, mprs_plus
@@ -503,6 +512,8 @@ def test_ray_started_for_the_service_is_stopped_at_shutdown():
         assert list(loader) == list(range(5))
         assert ray.is_initialized()
         loader.shutdown()
+        assert ray.is_initialized()  # a warm actor waits
+        backend.close()
         assert not ray.is_initialized()
         print("ok")
         """
@@ -1176,7 +1187,9 @@ def test_a_persistent_actor_killed_in_epoch_two_is_replaced_with_that_epochs_gen
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got, loader = killed_in_epoch_two(marker, armed, _plain_batch, backend=RayBackend(num_cpus_per_worker=0))
+            # warm_for=0: a stopped actor is killed, and Ray's list shows whether it stopped.
+            backend = RayBackend(num_cpus_per_worker=0, warm_for=0)
+            got, loader = killed_in_epoch_two(marker, armed, _plain_batch, backend=backend)
             stats = loader.stats()
             del loader
         assert _alive_actors() == [], f"actors left behind{unstopped_services()}"
@@ -1238,7 +1251,7 @@ def test_a_replacement_is_killed_at_shutdown_while_the_dead_actors_kill_waits_on
             num_workers=2,
             persistent_workers=True,
             worker_restarts=1,
-            backend=RayBackend(num_cpus_per_worker=0),
+            backend=RayBackend(num_cpus_per_worker=0, warm_for=0),  # the live actors are killed too
         )
         assert len(list(loader)) == 12
     runtime = loader._run.runtime

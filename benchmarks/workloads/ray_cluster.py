@@ -39,14 +39,17 @@ ROOT = Path(__file__).resolve().parents[2]
 # node (shared-memory rings handed over to the actors).
 RAY_BACKEND = "mprs_plus-ray"
 RAY_NEAR = "mprs_plus-ray-near"
+# RAY_BACKEND whose actors are warm (``RayBackend.warm_for``): an untimed loader before
+# the timed one started them, as an earlier epoch or loader of the same driver would.
+RAY_WARM = "mprs_plus-ray-warm"
 LOCAL = "mprs_plus"  # the same service with local worker processes
 RAY_DATA = "ray-data"  # ray.data.range(n).map(...).iter_rows()
-CONTENDERS = (RAY_BACKEND, RAY_NEAR, LOCAL, RAY_DATA)
-RAY_BACKENDS = (RAY_BACKEND, RAY_NEAR)
+CONTENDERS = (RAY_BACKEND, RAY_NEAR, RAY_WARM, LOCAL, RAY_DATA)
+RAY_BACKENDS = (RAY_BACKEND, RAY_NEAR, RAY_WARM)
 RAY_CONTENDERS = (*RAY_BACKENDS, RAY_DATA)
 # Custom resources that tell the nodes apart: the head runs the training process.
 TRAINER_NODE, OTHER_NODE = "trainer_node", "other_node"
-_NODE_OF = {RAY_BACKEND: OTHER_NODE, RAY_NEAR: TRAINER_NODE}
+_NODE_OF = {RAY_BACKEND: OTHER_NODE, RAY_NEAR: TRAINER_NODE, RAY_WARM: OTHER_NODE}
 
 # Metrics of every workload (see ``stream_epoch``). Throughput is in items/s everywhere;
 # GB/s is derived from it where items have a size. The cluster is running before any is timed.
@@ -265,18 +268,33 @@ def open_ray_data(n: int, fn: Callable[[int], Any]) -> harness.Loader:
     return harness.Loader(rows, close)
 
 
-def open_ray_backend(settings: harness.Settings, pipe: Any, address: str, node: str) -> harness.Loader:
+def ray_backend(settings: harness.Settings, address: str, node: str, warm_for: float = 0) -> Any:
     """The workers all on ``node`` (a custom resource of one node): half a CPU each, so that
     both fit on a node of one CPU, as Ray Data's two tasks fit on two."""
-    from torchdata.dataloader2 import DataLoader2
-
-    from mprs_plus import MultiProcessingReadingService, RayBackend
+    from mprs_plus import RayBackend
 
     share = 1.0 / max(1, settings.num_workers)
-    backend = RayBackend(address=address, num_cpus_per_worker=share, resources={node: share})
+    return RayBackend(address=address, num_cpus_per_worker=share, resources={node: share}, warm_for=warm_for)
+
+
+def open_ray_backend(settings: harness.Settings, pipe: Any, backend: Any) -> harness.Loader:
+    from torchdata.dataloader2 import DataLoader2
+
+    from mprs_plus import MultiProcessingReadingService
+
     service = MultiProcessingReadingService(settings.num_workers, backend=backend)
     loader = DataLoader2(pipe, reading_service=service)
     return harness.Loader(loader, loader.shutdown)
+
+
+def warm_up(settings: harness.Settings, backend: Any, fn: Callable[[int], Any]) -> None:
+    """An untimed loader of a few items: its actors then wait, warm, for the next one."""
+    loader = open_ray_backend(settings, mapped_range(4 * settings.num_workers, fn), backend)
+    try:
+        for _ in loader:
+            pass
+    finally:
+        harness.close_within(loader, settings)
 
 
 def open_contender(
@@ -286,8 +304,11 @@ def open_contender(
         return harness.open_loader(harness.MPRS_PLUS, settings, pipe=mapped_range(n, fn))
     if cluster is None or cluster.address is None:
         raise RuntimeError(f"{contender} needs the Ray cluster, which is not running")
-    if contender in RAY_BACKENDS:
-        return open_ray_backend(settings, mapped_range(n, fn), cluster.address, _NODE_OF[contender])
+    if contender in (RAY_BACKEND, RAY_NEAR):
+        # Each measurement starts its actors (warm_for=0): the next contender, Ray Data
+        # among them, gets every CPU of the cluster.
+        backend = ray_backend(settings, cluster.address, _NODE_OF[contender])
+        return open_ray_backend(settings, mapped_range(n, fn), backend)
     if contender == RAY_DATA:
         return open_ray_data(n, fn)
     raise ValueError(f"unknown contender {contender!r}; choose from {CONTENDERS}")
@@ -337,6 +358,15 @@ def workloads(cluster: LocalCluster | None, cases: tuple[Case, ...] = CASES) -> 
 
     def run(case: Case, contender: str, settings: harness.Settings) -> dict[str, Any]:
         n, fn = case.items(settings), case.make_fn(settings)
+        if contender == RAY_WARM:
+            if cluster is None or cluster.address is None:
+                raise RuntimeError(f"{contender} needs the Ray cluster, which is not running")
+            backend = ray_backend(settings, cluster.address, _NODE_OF[contender], warm_for=60)
+            try:
+                warm_up(settings, backend, fn)
+                return stream_epoch(lambda: open_ray_backend(settings, mapped_range(n, fn), backend), items=n, settings=settings)
+            finally:
+                backend.close()  # the cluster's CPUs back for the next contender
         return stream_epoch(lambda: open_contender(contender, settings, n, fn, cluster), items=n, settings=settings)
 
     return [

@@ -52,8 +52,9 @@ class RayBackend:
         address: the cluster to attach to: ``"auto"`` (the one ``ray start`` runs on this
             machine, or ``RAY_ADDRESS``), an address such as ``"ray://head:10001"`` or
             ``"10.0.0.1:6379"``, or None to start a Ray of this machine for the service and
-            stop it at shutdown. If Ray is already initialized in this process, that
-            connection is used whatever ``address`` says, and left as it was at shutdown.
+            stop it at shutdown (once its warm actors are done, ``warm_for``). If Ray is
+            already initialized in this process, that connection is used whatever
+            ``address`` says, and left as it was at shutdown.
             A cluster attached to is never stopped.
         num_cpus_per_worker: CPUs each actor reserves on its node (Ray's ``num_cpus``).
         resources: Ray custom resources each actor reserves, e.g. ``{"preprocess": 1}`` to
@@ -76,6 +77,15 @@ class RayBackend:
         listen_interface: the network interface (e.g. ``"eth1"``) on which every actor
             listens for its peers' connections, on each node its IPv4 address; None: the
             address Ray uses for the node. A node without it is an error saying so.
+        warm_for: seconds an actor that a service no longer needs (an epoch of
+            ``persistent_workers=False``, a loader shut down) waits in this process, idle,
+            for the next service with these settings, which then takes it instead of
+            starting a new one: no process start, no torch import. It hosts a new worker
+            from scratch (the dataset as the loader holds it now, the epoch's seeds,
+            ``worker_init_fn`` again). 0: every service starts its own actors and kills
+            them at its end. While actors wait, they hold their CPUs and resources on the
+            cluster, and the Ray connection (a Ray started here) stays; ``close()`` ends
+            them at once, and they end at the latest with this process.
     """
 
     address: str | None = "auto"
@@ -87,6 +97,7 @@ class RayBackend:
     log_to_driver: bool = True
     landing: bool = True
     listen_interface: str | None = None
+    warm_for: float = 60.0
 
     def __post_init__(self) -> None:
         try:
@@ -102,6 +113,9 @@ class RayBackend:
         cpus = self.num_cpus_per_worker
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
             raise ValueError(f"num_cpus_per_worker must be a number >= 0, got {cpus!r}")
+        warm = self.warm_for
+        if isinstance(warm, bool) or not isinstance(warm, (int, float)) or not 0 <= warm < float("inf"):
+            raise ValueError(f"warm_for must be a number of seconds >= 0 (0: no warm actors), got {warm!r}")
 
     def open(self, ctx: Any) -> Any:
         """The placement of one running service (connects to Ray, or starts it)."""
@@ -109,6 +123,42 @@ class RayBackend:
         from .placement import RayPlacement
 
         return RayPlacement(self)
+
+    def prestart(self, count: int) -> None:
+        """Start ``count`` actors now, without waiting for them: they start (and import
+        torch) while this process does something else, such as loading the model, and
+        the next services with these settings take them as warm actors. They wait at
+        most ``warm_for`` seconds from now. Connects to Ray as a service would."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"prestart(count): count must be an int >= 0, got {count!r}")
+        if self.warm_for <= 0:
+            raise ValueError("prestart() keeps its actors as warm actors: it needs warm_for > 0")
+        from .placement import RayPlacement
+        from .warm import pool
+
+        placement = RayPlacement(self)
+        try:
+            for _ in range(count):
+                actor = placement.new_actor("a pre-started actor")
+                pool.give(placement.key, actor, actor.prepare.remote(), self.warm_for)
+        finally:
+            placement.close()
+
+    def close(self) -> None:
+        """End this backend's warm actors now (those of its settings that wait idle), and
+        wait, bounded, until Ray reports them gone. Services still running keep theirs."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from .placement import RayPlacement
+        from .warm import pool
+
+        placement = RayPlacement(self)
+        try:
+            pool.close(placement.key)
+        finally:
+            placement.close()
 
 
 __all__ = ["RayBackend"]

@@ -3,10 +3,14 @@
 channels (``channel.py``): deliveries to its control receiver, and ``listen`` for the data
 channels whose listening end it hosts (their items then travel over those connections).
 
+An actor may host one child after another (warm actors, ``warm.py``): each child's
+channel ends and control boxes are let go of when it ends.
+
 Defined when first needed, so that importing this module never starts Ray."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -17,6 +21,7 @@ from typing import Any
 
 import ray
 
+from ...transport.stream import refused_connections
 from . import channel
 
 
@@ -54,21 +59,36 @@ class SegmentHost:
 
         where = self.where()
         data_messages.NODE = f"{where['ip']}, node id {where['node_id'][:12]}"
+        self._table = None
         if stats_rows:
             self._table = StatsTable(multiprocessing.get_context(), max(stats_rows) + 1)
             setup = setup._replace(stats=tuple(self._table.writer(row) for row in stats_rows))
-        target(setup)
+        try:
+            target(setup)
+        finally:
+            _let_go(setup)
+            # A warm actor hosts one child after another (``warm.py``): the next one counts
+            # the connections refused from now on (its listeners are made, and may refuse
+            # strangers, before its run begins).
+            self._refused_before = refused_connections()
+
+    def prepare(self) -> bool:
+        """Import what a child runs (torch among it): a pre-started actor does it while
+        the training process does something else (``RayBackend.prestart``)."""
+        from ...runtime.child import dispatch, worker  # noqa: F401
+
+        return True
 
     def stats(self, rows: tuple[int, ...]) -> tuple[float, list[dict[str, float]], int]:
         """This child's statistics rows, with its clock's time now (the training process's
         clock may differ: another host), and the connections its listeners refused (they
-        did not prove the secret): this process hosts this one child, so all are its."""
-        from ...transport.stream import refused_connections
-
+        did not prove the secret) since the child before it ended: this process hosts
+        one child at a time, so all are its."""
         table = getattr(self, "_table", None)
+        refused = refused_connections() - getattr(self, "_refused_before", 0)
         if table is None:
-            return time.monotonic(), [], refused_connections()
-        return time.monotonic(), [table.read(row) for row in rows], refused_connections()
+            return time.monotonic(), [], refused
+        return time.monotonic(), [table.read(row) for row in rows], refused
 
     def deliver(self, cid: str, seq: int, message: Any, last: bool) -> None:
         channel.serve_deliver(cid, seq, message, last)
@@ -79,6 +99,27 @@ class SegmentHost:
         (and, for its sending ends, on a Unix-domain socket for a peer on this node); the
         addresses, for the peers to connect."""
         return channel.listen_here(specs, senders, interface)
+
+
+def _let_go(setup: Any) -> None:
+    """The child ended: let go of its channel ends (their sockets, listeners, shared
+    memory) and of its control boxes, so that a next child of this actor starts from
+    what a new process has, and nothing of this one accumulates."""
+    from ...transport.stream import close_listeners
+
+    def visit(value: Any) -> None:
+        if isinstance(value, (tuple, list)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, channel.RayReceiver):
+            channel.drop_box(value)
+        elif hasattr(value, "release") and hasattr(value, "traffic"):  # a channel end
+            with contextlib.suppress(Exception):
+                value.release()
+
+    for value in setup:
+        visit(value)
+    close_listeners()  # a listener whose end was never used (its child stopped first)
 
 
 _remote_class: Any = None

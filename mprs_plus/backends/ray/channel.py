@@ -479,6 +479,12 @@ def _box(cid: str) -> _Box:
         return box
 
 
+def drop_box(receiver: RayReceiver) -> None:
+    """In the receiver's actor, once its child ended: forget the receiver's box."""
+    with _boxes_lock:
+        _boxes.pop(receiver._spec.cid, None)
+
+
 def serve_deliver(cid: str, seq: int, message: Any, last: bool) -> None:
     """In the receiver's actor: put control message ``seq`` in order (calls to a threaded
     actor may run out of order)."""

@@ -1,7 +1,8 @@
 """Children as Ray actors: start them where the backend's options say, watch them, stop them.
 
     RayPlacement.start(name, target, setup)
-        actor = SegmentHost.options(num_cpus, resources, scheduling_strategy, runtime_env)
+        actor = a warm one of these settings (``warm.py``), alive, or a new
+                SegmentHost.options(num_cpus, resources, scheduling_strategy, runtime_env)
         its control receiver learns its host (deliveries go to it); the ends of data
         channels placed first listen in it: actor.listen(specs) -> addresses, which their
         peers connect to (in later actors, or here)                 (``channel.py``);
@@ -20,8 +21,10 @@ An actor that is not running ``START_TIMEOUT`` seconds after it was asked for (n
 the resources it needs, its runtime_env fails) is an error too.
 
 Every actor is owned by the training process: if it dies, even by SIGKILL, Ray ends them
-(owner death); ``close()`` kills them and waits, bounded, until Ray reports them gone, then
-closes every data connection of this process (it never listens: its ends connect).
+(owner death); ``close()`` gives an actor whose child ended as asked back to the pool of
+warm actors (``RayBackend(warm_for=...)``), kills the others and waits, bounded, until Ray
+reports them gone, then closes every data connection of this process (it never listens:
+its ends connect).
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ import ray
 
 from ...errors import ProcessDiedError
 from ...transport.stream import StreamReceiver, StreamSender, new_secret
+from . import connection
 from .actor import remote_class
 from .calls import get_without_cycle
+from .connection import first_line
+from .warm import pool, pool_key
 from .channel import ActorAddress, RayReceiver, open_ray_channel, open_stream_channel
 
 START_TIMEOUT = 120.0  # seconds an actor may take to start (a runtime_env may install packages)
@@ -51,19 +57,10 @@ _CLOSE_WAIT = 10.0  # seconds close() waits for Ray to report killed actors gone
 _KILL_CALL_WAIT = 2.0  # seconds one kill request may take before the stop moves on
 _DIED = -9  # an actor's exit code once Ray reported it dead (read as SIGKILL: Ray says no more)
 _STATS_WAIT = 1.0  # seconds stats() waits for the actors' figures
+# Small items per message from a worker actor (local workers: 64). Tiny items, two actors:
+# the training process's CPU per item 1.7 -> 1.0 µs, the steady rate 1.6x (docs/ray.md).
+BATCH_ITEMS = 256
 RAY_CALL_THREAD = "mprs_plus ray call"  # the name of the helper threads of ``_bounded``
-
-
-class _Ours:
-    """Whether this process's Ray connection was made by a placement, and how many running
-    placements use it: the last one to close disconnects (ray.shutdown); a connection the
-    user made is never closed here."""
-
-    started = False
-    users = 0
-
-
-_ours = _Ours()
 
 
 class ActorProcess:
@@ -72,6 +69,7 @@ class ActorProcess:
     def __init__(self, name: str, actor: Any, run: Any, where: Any) -> None:
         self.name = name
         self.actor = actor
+        self._killed = False  # asked to be killed: never given back
         self.exitcode: int | None = None
         self.reason = ""  # why it ended, in words, when not asked to
         self.cannot_load = False  # it ended because the segment's code is not on its node
@@ -113,7 +111,18 @@ class ActorProcess:
     def terminate(self) -> None:
         """Ask Ray to kill the actor; waits at most ``_KILL_CALL_WAIT`` seconds for Ray to
         take the request (see ``_bounded``)."""
+        self._killed = True
         _bounded(lambda: _kill(self.actor), _KILL_CALL_WAIT)
+
+    @property
+    def started(self) -> Any:
+        """The answer of a call that came once the actor had started (its ``where``)."""
+        return self._where_ref
+
+    def reusable(self) -> bool:
+        """Its child ended as asked (``run`` returned) and nobody asked for a kill: the
+        actor may host a next child."""
+        return self._done.is_set() and self.exitcode == 0 and not self._killed
 
     kill = terminate
 
@@ -148,7 +157,7 @@ class ActorProcess:
             get_without_cycle(self._run, timeout=0)
         except ray.exceptions.RayActorError as exc:
             self.exitcode = _DIED
-            self.reason = f"its Ray actor died: {_first_line(exc)}"
+            self.reason = f"its Ray actor died: {first_line(exc)}"
         except ray.exceptions.RayTaskError as exc:
             self.exitcode = 1
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else None
@@ -160,14 +169,14 @@ class ActorProcess:
                 self.cannot_load = True
                 self.reason = (
                     "could not load the pipeline's code on its node "
-                    f"({_first_line(cause or exc)}): ship it with RayBackend(runtime_env={{'working_dir': ...}}) "
+                    f"({first_line(cause or exc)}): ship it with RayBackend(runtime_env={{'working_dir': ...}}) "
                     "or runtime_env={'py_modules': [...]}, or install it on every node"
                 )
             else:
-                self.reason = f"failed: {_first_line(cause or exc)}"
+                self.reason = f"failed: {first_line(cause or exc)}"
         except Exception as exc:
             self.exitcode = 1
-            self.reason = f"ended with {type(exc).__name__}: {_first_line(exc)}"
+            self.reason = f"ended with {type(exc).__name__}: {first_line(exc)}"
         else:
             self.exitcode = 0
 
@@ -186,11 +195,6 @@ class ActorProcess:
                 os.close(sentinel)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return next((line.strip() for line in text if line.strip()), type(exc).__name__)
-
-
 class RayPlacement:
     start_at_once = True  # no fork to save: every actor starts while the first epoch is sent
     on_this_host = False  # actors on any node of the cluster
@@ -200,32 +204,13 @@ class RayPlacement:
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
-        self._started_ray = False
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"address": backend.address, "log_to_driver": backend.log_to_driver}
-            if backend.runtime_env is not None:
-                # For the whole job: Ray uploads local directories (working_dir, py_modules)
-                # only from ray.init, never for one actor.
-                kwargs["runtime_env"] = dict(backend.runtime_env)
-            if backend.address is None:
-                # "local": a new Ray of this machine, even where `ray start` runs one already.
-                kwargs.update(address="local", num_cpus=backend.num_cpus, include_dashboard=False)
-            try:
-                ray.init(**kwargs)
-            except Exception as exc:
-                where = "a new local Ray" if backend.address is None else f"Ray at address={backend.address!r}"
-                raise ConnectionError(
-                    f"the Ray backend could not start or reach {where}: {_first_line(exc)}. Start a cluster "
-                    "(`ray start --head` here, `ray start --address=HEAD:6379` on the other nodes), pass its "
-                    "address, or address=None for a Ray of this machine."
-                ) from None
-            _ours.started = True
-        self._started_ray = _ours.started
-        if self._started_ray:
-            _ours.users += 1
+        self._started_ray = connection.attach(backend)
         self.processes: list[ActorProcess] = []
         # Attached to a Ray this process initialized: the runtime_env goes with each actor.
         self._actor_env = backend.runtime_env if not self._started_ray else None
+        # Warm actors (``warm.py``): those of the services before this one, of these settings.
+        self._warm_for = float(backend.warm_for)
+        self.key = pool_key(backend, self._actor_env is not None)
         # The data channels: one secret for all of this service's, both ends of each (by
         # key), and the keys whose listening end is placed already.
         self._secret = new_secret()
@@ -243,9 +228,9 @@ class RayPlacement:
         ends[1].land = bool(self._backend.landing)
         return ends
 
-    def start(self, name: str, target: Callable[[Any], None], setup: Any) -> ActorProcess:
+    def actor_options(self) -> dict[str, Any]:
+        """What each actor is made with (``ray.remote``'s options)."""
         backend = self._backend
-        receivers, streams = _endpoints(setup)
         options: dict[str, Any] = {
             "num_cpus": backend.num_cpus_per_worker,
             # Threads: the child's own, control deliveries, listen, stats.
@@ -258,20 +243,35 @@ class RayPlacement:
             options["scheduling_strategy"] = backend.scheduling_strategy
         if self._actor_env is not None:
             options["runtime_env"] = dict(self._actor_env)
-        options = {k: v for k, v in options.items() if v is not None}
+        return {k: v for k, v in options.items() if v is not None}
+
+    def new_actor(self, name: str) -> Any:
+        """A new actor (Ray starts its process meanwhile)."""
         try:
-            actor = remote_class().options(**options).remote()
+            return remote_class().options(**self.actor_options()).remote()
         except ValueError as exc:
             raise ValueError(
-                f"{name} cannot be started as a Ray actor with these options: {_first_line(exc)}. Ray was "
+                f"{name} cannot be started as a Ray actor with these options: {first_line(exc)}. Ray was "
                 "initialized before the service started, and Ray uploads local directories (runtime_env "
                 "working_dir, py_modules) only from ray.init: pass that runtime_env to ray.init(...) yourself, "
                 "or let RayBackend connect (do not call ray.init first)."
             ) from None
+
+    def start(self, name: str, target: Callable[[Any], None], setup: Any) -> ActorProcess:
+        receivers, streams = _endpoints(setup)
+        taken = pool.take(self.key) if self._warm_for > 0 else None
+        if taken is not None:
+            actor, where = taken
+        else:
+            if pool.has_other_than(self.key):
+                pool.end_others(self.key)  # idle actors of other settings hold resources this one may need
+            actor = self.new_actor(name)
+            where = None
         for receiver in receivers:
             receiver._spec.host = actor  # its sender delivers to this actor
         self._place_streams(actor, streams)
-        where = actor.where.remote()
+        if where is None:
+            where = actor.where.remote()
         # The statistics table is shared memory of this host: the actor's lanes write one of
         # their own (``SegmentHost.run``), which ``refresh_stats`` copies here.
         rows: tuple[int, ...] = ()
@@ -283,6 +283,10 @@ class RayPlacement:
         # the service's timeout, not at once).
         if getattr(setup, "liveness", ()):
             setup = setup._replace(liveness=())
+        # A message over a stream (and through its landing process) costs both ends more
+        # than one through a local ring: a worker's small items travel more per message.
+        if hasattr(setup, "batch_items"):
+            setup = setup._replace(batch_items=BATCH_ITEMS)
         # Ray's cloudpickle carries the segments: the training script's own classes and
         # functions by value (as Ray's tasks and Ray Data take them), modules by reference.
         from ...runtime.segments import for_cloudpickle
@@ -295,7 +299,7 @@ class RayPlacement:
                 ray.kill(actor)
             raise TypeError(
                 f"{name} cannot be started as a Ray actor: its segment cannot be serialized "
-                f"({type(exc).__name__}: {_first_line(exc)}). Use module-level functions, and open files and "
+                f"({type(exc).__name__}: {first_line(exc)}). Use module-level functions, and open files and "
                 "connections inside __iter__ rather than in __init__."
             ) from None
         process = ActorProcess(name, actor, run, where)
@@ -421,6 +425,14 @@ class RayPlacement:
         deadline = time.monotonic() + _CLOSE_WAIT
         for process in processes:
             process.stop_watching()  # every watcher ends within one look, all together
+        if self._warm_for > 0 and pool.accepts():
+            # An actor whose child ended as asked waits for the next service (``warm.py``);
+            # the others (killed, failed, stuck) are killed below.
+            warm = [p for p in processes if p.reusable()]
+            for process in warm:
+                process.close()
+                pool.give(self.key, process.actor, process.started, self._warm_for)
+            processes = [p for p in processes if p not in warm]
         helpers = [_in_helper(functools.partial(_kill_and_wait, process, deadline)) for process in processes]
         for helper in helpers:
             helper.join(max(0.0, deadline - time.monotonic()))
@@ -437,12 +449,7 @@ class RayPlacement:
                     end.release()  # the connections of this process: none stays open
         if self._started_ray:
             self._started_ray = False
-            _ours.users -= 1
-            if _ours.users == 0:
-                # Disconnect: a Ray started here stops with it; a cluster attached to goes on.
-                _ours.started = False
-                with contextlib.suppress(Exception):
-                    ray.shutdown()  # here: it stops the processes of the Ray it started
+            connection.detach()  # the last user disconnects: a Ray started here stops with it
 
 
 def _kill(actor: Any) -> None:

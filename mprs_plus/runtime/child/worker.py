@@ -117,6 +117,7 @@ class WorkerSetup(NamedTuple):
     liveness: tuple[Any, ...] = ()  # a LaneLiveness per output lane (liveness.py)
     windows: tuple[Any, ...] = ()  # an ItemWindow per output lane, when the front end asks for one (window.py)
     record: Any = None  # a GeneratorRecord when dead workers are replaced (generators.py)
+    batch_items: int = 64  # at most this many small items per message (a backend may say more)
 
 
 def worker_main(setup: WorkerSetup) -> None:
@@ -155,7 +156,9 @@ def worker_main(setup: WorkerSetup) -> None:
     liveness = setup.liveness or (None,) * len(setup.data)
     windows = setup.windows or (None,) * len(setup.data)
     lanes = [
-        OutputLane(sender, locks[k], where, stats=stats[k], liveness=liveness[k], window=windows[k])
+        OutputLane(
+            sender, locks[k], where, setup.batch_items, stats=stats[k], liveness=liveness[k], window=windows[k]
+        )
         for k, sender in enumerate(setup.data)
     ]
     control = SegmentControl(segment_root(program.outputs), count, reset, where, setup=prepare, record=setup.record)
