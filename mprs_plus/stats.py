@@ -201,7 +201,7 @@ class Stats:
     epochs: int = 0
     # Dead workers replaced (``worker_restarts``), in order: each a record with ``worker``,
     # ``pid``, ``cause`` ("SIGKILL", "exit code 3"), ``epoch``, ``items``, ``rss_bytes``,
-    # ``out_of_memory`` and ``poison`` (docs/worker-restarts.md).
+    # ``out_of_memory``, ``poison`` and ``oom_kill`` (docs/worker-restarts.md).
     replacements: tuple[Any, ...] = ()
 
     @property
@@ -292,8 +292,10 @@ class Stats:
         if self.replacements:
             causes = ", ".join(f"{cause} x{count}" for cause, count in self.replacement_causes.items())
             poison = sum(1 for made in self.replacements if made.poison)
+            oom = sum(1 for made in self.replacements if getattr(made, "oom_kill", False))
             lines.append(
                 f"  dead workers replaced: {len(self.replacements)} ({causes})"
+                + (f"; {oom} killed by the out-of-memory killer" if oom else "")
                 + (f"; {poison} item{'s' if poison != 1 else ''} left out (killed two workers)" if poison else "")
             )
         return "\n".join(lines)
