@@ -5,7 +5,7 @@ processes, no I/O, no clock (the mechanism, ``dataloader/auto.py``, measures and
     (since the workers last changed):         (the count, and why, in words)
       the loop's wait for batches       -->     grow    the loop waits for busy workers:
       the workers' busy time and CPU                    as many more as its wait asks for,
-      the largest worker's private memory                at most 4x at once; past the cores
+      the largest worker's private memory                at most 8x at once; past the cores
       the memory still available                         only while the samples wait (little
                                                         CPU per busy second)
                                                 stay    the loop sets the pace, or what
@@ -40,7 +40,7 @@ WAITS = 0.1  # the loop waits this share of its time for batches or more: the wo
 IDLE = 0.5  # workers busy less than this share of their time are not what the loop waits for
 CPU_BOUND = 0.5  # CPU seconds per busy second at or above which a worker needs a core
 SHRINK_BUSY = 0.4  # the loop sets the pace and the workers are busy less than this: fewer do
-GROWTH = 4  # at most this many times the workers at once
+GROWTH = 8  # at most this many times the workers at once (each change is a start of the workers)
 HEADROOM = 1.5  # a new worker is expected to reach this many times the largest one's private memory
 RESERVE = 0.1  # of the memory still available, kept for everything else
 MIN_BATCHES = 8
@@ -113,13 +113,24 @@ class Window:
 
     @property
     def busy_fraction(self) -> float:
-        """Per worker, the share of the window it spent making batches."""
-        return self.busy_s / (self.workers * self.seconds) if self.workers and self.seconds > 0 else 0.0
+        """Per worker, the share of the window it spent making batches (at most 1: counts
+        published a moment before the window began can make it read more)."""
+        if not self.workers or self.seconds <= 0:
+            return 0.0
+        return min(1.0, self.busy_s / (self.workers * self.seconds))
+
+    @property
+    def cpu_fraction(self) -> float:
+        """Per worker, the share of the window it ran on a CPU (at most 1)."""
+        if not self.workers or self.seconds <= 0:
+            return 0.0
+        return min(1.0, self.cpu_s / (self.workers * self.seconds))
 
     @property
     def cpu_per_busy(self) -> float:
         """CPU seconds per busy second: ~1 for work on the CPU, ~0 for samples that wait."""
-        return min(1.0, self.cpu_s / self.busy_s) if self.busy_s > 0 else 1.0
+        busy = self.busy_fraction
+        return min(1.0, self.cpu_fraction / busy) if busy > 0 else 1.0
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,8 @@ class Stats:
     # workers' growth is judged, and the sentence naming copy-on-access ("" when none).
     main_memory_bytes: int = 0
     memory: str = ""
+    # num_workers="auto": the count chosen, how it got there and why ("" otherwise).
+    workers_chosen: str = ""
 
     def segment(self, name: str) -> SegmentStats | None:
         return next((s for s in self.segments if s.segment == name), None)
@@ -229,6 +231,8 @@ class Stats:
 
     def summary(self) -> str:
         lines = [self.bottleneck]
+        if self.workers_chosen:
+            lines.append(f"  {self.workers_chosen}")
         if self.segments:
             over = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}" if self.epochs else "every epoch so far"
             lines.append(f"  counts since the service started, over {over} (not per epoch):")

@@ -21,9 +21,9 @@ def test_waiting_samples_earn_workers_past_the_cores_up_to_the_cap():
     counts = [1]
     for _ in range(4):  # samples that sleep: busy all the time, almost no CPU
         counts.append(policy.decide(window(counts[-1], waits=0.9, busy=1.0, cpu=0.05)).workers)
-    assert counts == [1, 4, 16, 16, 16]
+    assert counts == [1, 8, 16, 16, 16]
     assert policy.decisions[-1].limit == "max_workers"
-    assert "held at max_workers=16" in policy.summary() and "(1 -> 4 -> 16)" in policy.summary()
+    assert "held at max_workers=16" in policy.summary() and "(1 -> 8 -> 16)" in policy.summary()
 
 
 def test_work_on_the_cpu_grows_to_the_cores_and_no_further():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -23,7 +24,7 @@ from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
 
 from ..errors import ServiceClosedError
 from . import state as loader_state
-from .epochs import EpochStart, deal, deal_epoch
+from .epochs import EpochStart, deal, deal_epoch, draw_batches
 from .errors import is_fatal, torch_error
 from .stage import (
     BatchFailure,
@@ -72,10 +73,11 @@ class LoaderKeep:
     persistent workers' runtime, the datasets' states they carry into the next epoch, and
     whether the dataset's failing ``state_dict()`` was reported."""
 
-    __slots__ = ("run", "carry", "state_warned")
+    __slots__ = ("run", "carry", "state_warned", "auto")
 
     def __init__(self) -> None:
         self.run: LoaderRun | None = None
+        self.auto: Any = None  # num_workers="auto": the loader's AutoWorkers (``auto.py``)
         self.carry: dict[int, tuple[int, Any]] = {}
         self.state_warned = False
 
@@ -137,6 +139,12 @@ class LoaderIterator:
         self._returned = self._handed
         self._ahead = 0
         self._feeding: Any = None
+        # num_workers="auto" (``auto.py``): the epoch's index batches, and each worker's places
+        # in it, so that what is left can be dealt anew over another count.
+        self._auto = keep.auto if settings.num_workers > 0 else None
+        self._every: list[Any] = []
+        self._positions: list[list[int]] = []
+        self._run_base = 0  # batches the loop had when the current run began (a resize's)
         self._in_order = settings.in_order
         self._kind = settings.kind
         # An iterable dataset whose len() the loop asked before this epoch: torch warns
@@ -170,8 +178,14 @@ class LoaderIterator:
         return self._length
 
     def __next__(self) -> Any:
+        auto = self._auto
         try:
-            item = next(self._items)
+            if auto is None:
+                item = next(self._items)
+            else:
+                began = time.perf_counter()
+                item = next(self._items)
+                auto.waited(time.perf_counter() - began, self._run)
         except StopIteration:
             self._finish()
             raise
@@ -197,6 +211,8 @@ class LoaderIterator:
         if type(item) is LostItem:  # a batch that killed two workers in turn (worker_restarts)
             raise item.error(self._batch_named(item.worker, item.position)) from None
         self._returned += 1
+        if auto is not None and auto.due():
+            self._maybe_resize(auto)
         if self._length_said is not None and self._returned > self._length_said:
             self._warn_past_length()
         if type(item) is WithState:
@@ -253,7 +269,11 @@ class LoaderIterator:
         shares: list[Any] = [None] * workers
         sampler = None
         if settings.kind == _DatasetKind.Map:
-            if has_len(settings.index_sampler):
+            if self._auto is not None:  # every batch kept here, with its place: a resize deals the rest anew
+                self._every = draw_batches(settings.index_sampler, indices)
+                self._positions = deal(list(range(len(self._every))), workers)
+                shares = [[self._every[p] for p in places] for places in self._positions]
+            elif has_len(settings.index_sampler):
                 shares = deal_epoch(settings.index_sampler, indices, workers)
             else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
                 sampler = (settings.index_sampler, torch.get_rng_state())
@@ -280,6 +300,8 @@ class LoaderIterator:
         self._run = run
         self._worker_handles = run.runtime.worker_processes()
         self._ahead = run.feeding.ahead if run.feeding is not None else 0
+        if self._auto is not None:
+            self._auto.begin()
         skips: tuple[int, ...] = ()
         next_worker = 0
         if self._restore is not None:
@@ -292,7 +314,72 @@ class LoaderIterator:
             if mapped is None:
                 raise
             raise mapped from None
+        if self._auto is not None:
+            self._auto.note_started(run)
         return iter(run.main)
+
+    # -- num_workers="auto" ------------------------------------------------------------
+
+    def _maybe_resize(self, auto: Any) -> None:
+        """The policy judged a window (``auto.py``): where it asks for another count, what
+        the loop has not received is dealt anew over that many new workers; the old ones
+        stop once the new ones started (their items in flight are made again by the new)."""
+        run = self._run
+        decision = auto.decide()
+        if decision is None or run is None:
+            return
+        left = self._left_to_make(run)
+        count = decision.workers
+        if left is None or len(left) < 2 * count:
+            return  # too near the epoch's end to be worth a start; the next epoch starts with it
+        positions = [left[w::count] for w in range(count)]
+        settings = self._settings
+        new = LoaderRun(
+            settings.options._replace(num_workers=count), settings.job, count, settings.family, settings.pin_memory_device
+        )
+        if not self._owns_run:  # persistent workers: the loader keeps the new ones
+            self._keep.run = new
+        self._run = new
+        self._positions = positions
+        shares = [[self._every[p] for p in places] for places in positions]
+        self._shares = shares
+        base_seed = self.start.base_seed or 0
+        parts = [
+            WorkerEpoch(w, count, base_seed, shares[w], None, 0, None, self._shared_seed, self._distributed)
+            for w in range(count)
+        ]
+        self._worker_handles = new.runtime.worker_processes()
+        self._ahead = new.feeding.ahead if new.feeding is not None else 0
+        self._run_base = self._handed  # the new run's cursor counts from here
+        auto.begin()
+        try:
+            # The new workers start (under fork, here) while the old ones are stopped next.
+            new.runtime.begin_epoch(None, EpochOrders(parts))
+        except Exception as exc:
+            run.stop()
+            mapped = torch_error(exc, self._timeout)
+            if mapped is None:
+                raise
+            raise mapped from None
+        run.stop()
+        auto.note_started(new)
+        self._items = iter(new.main)
+
+    def _left_to_make(self, run: LoaderRun) -> list[int] | None:
+        """The places of the epoch's batches the loop has not received, in order; None
+        where they cannot be told (batches on their way to the device, taken as ready)."""
+        cursor = run.runtime.read_cursor()
+        workers = len(self._positions)
+        consumed = list(cursor.consumed) if cursor is not None else [0] * workers
+        ahead = sum(consumed) - (self._handed - self._run_base)
+        if self._ahead and ahead > 0:
+            if not self._in_order:
+                return None
+            turn = cursor.next_worker if cursor is not None else 0
+            for _ in range(ahead):  # read, not yet received: the last reads, in turn backwards
+                turn = (turn - 1) % workers
+                consumed[turn] -= 1
+        return sorted(p for w, places in enumerate(self._positions) for p in places[consumed[w] :])
 
     def _batch_named(self, worker: int, position: int) -> str:
         """How a lost batch is named: its indices when this process dealt them."""
@@ -369,6 +456,8 @@ class LoaderIterator:
     # -- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        if self._auto is not None and self._run_base:
+            return self._resized_state()
         if self._ahead and self._handed < (self._yielded if self._num_workers == 0 else self._read()):
             return self._running(*self._handed_counts(), dict(self._worker_states))
         if self._num_workers == 0:
@@ -392,6 +481,21 @@ class LoaderIterator:
                 consumed, next_worker = list(cursor.consumed), cursor.next_worker
             states = dict(self._worker_states)
         return self._running(consumed, next_worker, states)
+
+    def _resized_state(self) -> dict[str, Any]:
+        """A state of an epoch whose count changed (num_workers="auto"): read in order, the
+        loop received exactly the epoch's first batches, which any count's deal restores
+        (batch i is worker i % N's): it is written for the count running now."""
+        if not self._in_order:
+            raise ValueError(
+                "state_dict() of a num_workers='auto' epoch whose worker count changed needs in_order=True (with "
+                "in_order=False the batches received are no first part of the epoch): take the state between "
+                "epochs, or pass in_order=True"
+            )
+        handed, workers = self._handed, len(self._positions)
+        state = self._running([len(range(w, handed, workers)) for w in range(workers)], handed % workers, {})
+        state["shape"]["num_workers"] = workers
+        return state
 
     def _state_failed(self, worker: int, failure: StateFailure) -> None:
         """A worker's ``state_dict()`` raised: its epoch is recorded as begun, and a restore

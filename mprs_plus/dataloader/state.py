@@ -44,7 +44,7 @@ def shape(loader: Any) -> dict[str, Any]:
         "dataset_length": length,
         "batch_size": loader.batch_size,
         "drop_last": loader.drop_last,
-        "num_workers": loader.num_workers,
+        "num_workers": getattr(loader, "_workers_now", loader.num_workers),  # "auto": the count it runs
     }
 
 

@@ -317,6 +317,9 @@ def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -
     return False
 
 
+PUBLISH_EVERY = 0.1  # seconds: the longest a lane's counts wait in it before the shared table sees them
+
+
 def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     """Produce ``lane``'s items until interrupted (False) or until its stream ends (True:
     END or ERROR sent)."""
@@ -333,6 +336,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     def interrupted() -> bool:
         return inbox.interrupt
 
+    published = clock()
     try:
         while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
             if window is not None and not window.take(lane.flush, interrupted):
@@ -371,7 +375,10 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             stats.busy += produced - started
             stats.wait_output += clock() - produced
             stats.items_out += 1
-            if not stats.items_out & 63:
+            # Every 64 items, or every PUBLISH_EVERY seconds for slow ones: num_workers="auto"
+            # judges windows of a fraction of a second by these counts.
+            if not stats.items_out & 63 or produced - published > PUBLISH_EVERY:
+                published = produced
                 stats.publish()
                 stats.sample_memory(due_only=True)
             elif stats.items_out == 1:
