@@ -32,13 +32,17 @@ class EpochStart(NamedTuple):
     samplers: tuple[Any, ...]  # ``state_dict()`` of the sampler and of the batch sampler (None: none)
     base_seed: int | None  # the epoch's base seed, once drawn or inherited
     draws_base_seed: bool  # False: persistent workers already have theirs
+    epoch: int = 0  # the loader's epoch number, counted from its first iter() (seeding="batch")
 
     def to_dict(self) -> dict[str, Any]:
         return self._asdict()
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> EpochStart:
-        return cls(list(state["generator_state"]), tuple(state["samplers"]), state["base_seed"], state["draws_base_seed"])
+        return cls(
+            list(state["generator_state"]), tuple(state["samplers"]), state["base_seed"], state["draws_base_seed"],
+            int(state.get("epoch", 0)),
+        )
 
 
 def samplers_of(loader: Any) -> tuple[Any, Any]:
@@ -69,7 +73,9 @@ def capture_start(loader: Any, base_seed: int | None, draws_base_seed: bool) -> 
     generator = loader.generator
     state = generator.get_state() if generator is not None else torch.get_rng_state()
     # Plain ints, once per epoch: a state is JSON as well as torch.save material.
-    return EpochStart(state.tolist(), tuple(_state_of(s) for s in samplers_of(loader)), base_seed, draws_base_seed)
+    return EpochStart(
+        state.tolist(), tuple(_state_of(s) for s in samplers_of(loader)), base_seed, draws_base_seed, getattr(loader, "_epoch", 0)
+    )
 
 
 def set_start(loader: Any, start: EpochStart) -> None:

@@ -24,6 +24,8 @@ from torch.utils.data.dataloader import _DatasetKind, _get_distributed_settings
 
 from ..errors import ServiceClosedError
 from . import state as loader_state
+from .batch_seeds import BatchSeeds, Kept
+from .elastic import Layout, Remainder
 from .epochs import EpochStart, deal, deal_epoch, draw_batches
 from .errors import is_fatal, torch_error
 from .stage import (
@@ -68,6 +70,16 @@ class EpochSettings(NamedTuple):
     dataset_type: str  # its class's name, for ours
 
 
+class EpochPlan(NamedTuple):
+    """Which of the epoch's batches are made, and how they are seeded (``seeding="batch"``,
+    a restore at another count or world size)."""
+
+    seeds: BatchSeeds | None = None  # seeding="batch": each batch seeded from its place
+    layout: Layout = Layout()  # the batches still to make (all of them in a fresh epoch)
+    batches: list[Any] | None = None  # the epoch's index batches, where not the sampler's (a Remainder's)
+    remainder: Remainder | None = None  # a DistributedSampler's epoch, as states record it
+
+
 class LoaderKeep:
     """What a loader keeps from one epoch to the next, which its epochs update: the
     persistent workers' runtime, the datasets' states they carry into the next epoch, and
@@ -104,8 +116,12 @@ class LoaderIterator:
         shared_seed: int | None = None,
         carried: dict[int, tuple[int, Any]] | None = None,
         send_carried: bool = False,
+        plan: EpochPlan = EpochPlan(),
     ) -> None:
         self._settings = settings
+        self._plan = plan
+        if plan.batches is not None:  # the epoch's batches, made here (a Remainder)
+            indices = iter(plan.batches)
         self._keep = keep
         self._shared_seed = shared_seed  # a DataPipe dataset's, as torch draws it
         self._distributed = _get_distributed_settings()
@@ -253,7 +269,14 @@ class LoaderIterator:
                     fetch(index)
         else:
             replay(stage.job, skipped)
-        return _Fetched(self, indices, fetch)
+        seeds = self._plan.seeds
+        if seeds is None:
+            return _Fetched(self, indices, fetch)
+        layout = self._plan.layout
+        numbered: Iterator[tuple[int, Any]] = enumerate(indices)
+        if not layout.fresh:
+            numbered = ((p, index) for p, index in numbered if layout.keeps(p))
+        return _SeededFetched(self, numbered, fetch, seeds, iterable)
 
     # -- in workers ----------------------------------------------------------------------
 
@@ -267,12 +290,16 @@ class LoaderIterator:
             raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
         base_seed = self.start.base_seed or 0
         shares: list[Any] = [None] * workers
+        positions: list[Any] = [None] * workers  # seeding="batch": each share's places in the epoch (None: i * N + w)
         sampler = None
+        plan = self._plan
         if settings.kind == _DatasetKind.Map:
-            if self._auto is not None:  # every batch kept here, with its place: a resize deals the rest anew
-                self._every = draw_batches(settings.index_sampler, indices)
-                self._positions = deal(list(range(len(self._every))), workers)
-                shares = [[self._every[p] for p in places] for places in self._positions]
+            if self._auto is not None or plan.batches is not None or not plan.layout.fresh:
+                # num_workers="auto" keeps every batch here, with its place: a resize deals the rest anew.
+                every = plan.batches if plan.batches is not None else draw_batches(settings.index_sampler, indices)
+                positions = plan.layout.deal(len(every), workers)
+                shares = [[every[p] for p in share] for share in positions]
+                self._every, self._positions = every, positions
             elif has_len(settings.index_sampler):
                 shares = deal_epoch(settings.index_sampler, indices, workers)
             else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
@@ -287,7 +314,8 @@ class LoaderIterator:
             count, dataset_state = self._worker_states.get(w, (0, None)) if self._send_states else (0, None)
             parts.append(
                 WorkerEpoch(
-                    w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed
+                    w, workers, base_seed, shares[w], dataset_state, count, sampler, self._shared_seed, self._distributed,
+                    plan.seeds, positions[w],
                 )
             )
         run = self._keep.run if settings.persistent else None
@@ -322,35 +350,45 @@ class LoaderIterator:
 
     def _maybe_resize(self, auto: Any) -> None:
         """The policy judged a window (``auto.py``): where it asks for another count, what
-        the loop has not received is dealt anew over that many new workers; the old ones
-        stop once the new ones started (their items in flight are made again by the new)."""
+        the loop has not received is dealt anew over that many new workers, exactly as a
+        state restores at another count (``elastic.Layout``: the layout folded with what
+        each worker handed out). The new workers start first; the old ones then stop, and
+        what they had made beyond the loop's batches is made again by the new ones."""
         run = self._run
         decision = auto.decide()
         if decision is None or run is None:
             return
-        left = self._left_to_make(run)
         count = decision.workers
-        if left is None or len(left) < 2 * count:
-            return  # too near the epoch's end to be worth a start; the next epoch starts with it
-        positions = [left[w::count] for w in range(count)]
+        layout = self._layout_left(run)
+        total = len(self._every)
+        if layout is None or sum(len(share) for share in layout.deal(total, 1)) < 2 * count:
+            return  # too near the epoch's end to be worth a start (or not to be told): the next epoch starts with it
+        positions = layout.deal(total, count)
         settings = self._settings
-        new = LoaderRun(
-            settings.options._replace(num_workers=count), settings.job, count, settings.family, settings.pin_memory_device
-        )
+        options = settings.options._replace(num_workers=count)
+        new = LoaderRun(options, settings.job, count, settings.family, settings.pin_memory_device)
         if not self._owns_run:  # persistent workers: the loader keeps the new ones
             self._keep.run = new
         self._run = new
+        # From here the epoch is this count's: its states say so, with what is left.
+        self._settings = settings._replace(num_workers=count, options=options, shape={**settings.shape, "num_workers": count})
+        self._num_workers = count
+        self._plan = self._plan._replace(layout=layout)
+        self._fixed_state = None
         self._positions = positions
-        shares = [[self._every[p] for p in places] for places in positions]
-        self._shares = shares
+        self._shares = [[self._every[p] for p in places] for places in positions]
         base_seed = self.start.base_seed or 0
         parts = [
-            WorkerEpoch(w, count, base_seed, shares[w], None, 0, None, self._shared_seed, self._distributed)
+            WorkerEpoch(
+                w, count, base_seed, self._shares[w], None, 0, None, self._shared_seed, self._distributed,
+                self._plan.seeds, positions[w],
+            )
             for w in range(count)
         ]
         self._worker_handles = new.runtime.worker_processes()
         self._ahead = new.feeding.ahead if new.feeding is not None else 0
         self._run_base = self._handed  # the new run's cursor counts from here
+        self._restore = None
         auto.begin()
         try:
             # The new workers start (under fork, here) while the old ones are stopped next.
@@ -365,9 +403,9 @@ class LoaderIterator:
         auto.note_started(new)
         self._items = iter(new.main)
 
-    def _left_to_make(self, run: LoaderRun) -> list[int] | None:
-        """The places of the epoch's batches the loop has not received, in order; None
-        where they cannot be told (batches on their way to the device, taken as ready)."""
+    def _layout_left(self, run: LoaderRun) -> Layout | None:
+        """What the loop has not received of the epoch, as a layout; None where it cannot
+        be told (batches on their way to the device, taken as they are ready)."""
         cursor = run.runtime.read_cursor()
         workers = len(self._positions)
         consumed = list(cursor.consumed) if cursor is not None else [0] * workers
@@ -379,7 +417,7 @@ class LoaderIterator:
             for _ in range(ahead):  # read, not yet received: the last reads, in turn backwards
                 turn = (turn - 1) % workers
                 consumed[turn] -= 1
-        return sorted(p for w, places in enumerate(self._positions) for p in places[consumed[w] :])
+        return self._plan.layout.fold(workers, consumed)
 
     def _batch_named(self, worker: int, position: int) -> str:
         """How a lost batch is named: its indices when this process dealt them."""
@@ -456,9 +494,7 @@ class LoaderIterator:
     # -- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        if self._auto is not None and self._run_base:
-            return self._resized_state()
-        if self._ahead and self._handed < (self._yielded if self._num_workers == 0 else self._read()):
+        if self._ahead and self._handed - self._run_base < (self._yielded if self._num_workers == 0 else self._read()):
             return self._running(*self._handed_counts(), dict(self._worker_states))
         if self._num_workers == 0:
             consumed, next_worker = [self._yielded], 0
@@ -482,21 +518,6 @@ class LoaderIterator:
             states = dict(self._worker_states)
         return self._running(consumed, next_worker, states)
 
-    def _resized_state(self) -> dict[str, Any]:
-        """A state of an epoch whose count changed (num_workers="auto"): read in order, the
-        loop received exactly the epoch's first batches, which any count's deal restores
-        (batch i is worker i % N's): it is written for the count running now."""
-        if not self._in_order:
-            raise ValueError(
-                "state_dict() of a num_workers='auto' epoch whose worker count changed needs in_order=True (with "
-                "in_order=False the batches received are no first part of the epoch): take the state between "
-                "epochs, or pass in_order=True"
-            )
-        handed, workers = self._handed, len(self._positions)
-        state = self._running([len(range(w, handed, workers)) for w in range(workers)], handed % workers, {})
-        state["shape"]["num_workers"] = workers
-        return state
-
     def _state_failed(self, worker: int, failure: StateFailure) -> None:
         """A worker's ``state_dict()`` raised: its epoch is recorded as begun, and a restore
         replays it (exact where the dataset reads the same samples again, as any dataset
@@ -515,7 +536,16 @@ class LoaderIterator:
         fixed = self._fixed_state
         if fixed is None:
             fixed = self._fixed_state = loader_state.running(self._settings.shape, self.start, [], 0, {})
-        return {**fixed, "shape": dict(fixed["shape"]), "start": dict(fixed["start"]), "consumed": consumed, "next_worker": next_worker, "worker_states": states}
+        if "layout" not in fixed:
+            plan = self._plan
+            fixed["layout"] = None if plan.layout.fresh else plan.layout.to_dict()
+            fixed["distributed"] = None if plan.remainder is None else plan.remainder.to_dict()
+        return {
+            **fixed, "shape": dict(fixed["shape"]), "start": dict(fixed["start"]), "consumed": consumed,
+            "next_worker": next_worker, "worker_states": states,
+            "layout": None if fixed["layout"] is None else dict(fixed["layout"], done=list(fixed["layout"]["done"])),
+            "distributed": None if fixed["distributed"] is None else dict(fixed["distributed"]),
+        }
 
     def _cursor(self) -> Any:
         """The runtime's read cursor of this epoch, None before its first read; a
@@ -544,7 +574,7 @@ class LoaderIterator:
                 "state_dict() while batches are on their way to the device (device=) needs a map-style dataset "
                 "read in order (in_order=True): take the state between epochs, or leave device=None"
             )
-        n, workers = self._handed, max(self._num_workers, 1)
+        n, workers = self._handed - self._run_base, max(self._num_workers, 1)  # of the current run (auto's resizes)
         return [len(range(w, n, workers)) for w in range(workers)], n % workers
 
 
@@ -587,3 +617,28 @@ class _Fetched:
         index = next(self._indices)
         self._owner._yielded += 1
         return self._fetch(index)  # an iterable dataset's end is its fetcher's StopIteration
+
+
+class _SeededFetched(_Fetched):
+    """``seeding="batch"`` in this process: each batch made with the seeds of its place in
+    the epoch, the trainer's own generators kept around it (captured before, loaded after)."""
+
+    def __init__(self, owner: LoaderIterator, numbered: Iterator[tuple[int, Any]], fetch: Any, seeds: BatchSeeds,
+                 iterable: bool) -> None:
+        super().__init__(owner, numbered, fetch)
+        self._seeds = seeds
+        self._iterable = iterable
+        self._kept = Kept()
+
+    def __next__(self) -> Any:
+        position, index = next(self._indices)
+        owner = self._owner
+        kept = self._kept
+        kept.keep()
+        try:
+            # An iterable dataset's batches are numbered in its stream, as a worker's are.
+            self._seeds.apply(owner._yielded, 0) if self._iterable else self._seeds.apply(position)
+            owner._yielded += 1
+            return self._fetch(index)
+        finally:
+            kept.give_back()

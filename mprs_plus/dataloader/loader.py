@@ -24,7 +24,9 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
-from .iterator import EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
+from .batch_seeds import BATCH, BatchSeeds, check_seeding, distributed_sampler, rank_of
+from .elastic import Layout, Remainder
+from .iterator import EpochPlan, EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
 from .auto import AUTO, AutoWorkers, check_max_workers
 
@@ -49,10 +51,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
         worker_restarts: dead worker processes replaced in the loader's life, all workers
             together (default 0: a dead worker is an error, as with torch). The loop gets
             the uninterrupted run's batches (docs/worker-restarts.md).
+        seeding: ``"worker"`` (default, torch's: worker k seeded once with base_seed + k)
+            or ``"batch"``: ``random``, numpy's and torch's global generators seeded before
+            each batch from the base seed, the epoch, the rank and the batch's place, so the
+            batches are the same for any ``num_workers`` and states restore at any count
+            (docs/elastic-workers.md).
         num_workers="auto": the count is chosen while the epochs run: it starts small and
             grows while the loop waits for busy workers (past the cores for samples that
             wait on storage), within ``max_workers`` (default 4x the cores) and the memory
-            available; ``stats()`` says the count and why (docs/elastic-workers.md).
+            available; ``stats()`` says the count and why. Implies ``seeding="batch"``
+            unless seeding is given (docs/elastic-workers.md).
         max_workers: the cap of ``num_workers="auto"``.
     """
 
@@ -81,6 +89,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         backend: Any = None,
         collect_stats: bool = True,
         worker_restarts: int = 0,
+        seeding: str | None = None,
         max_workers: int | None = None,
     ) -> None:
         from ..runtime.main.family import Family
@@ -94,6 +103,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._current: weakref.ref[LoaderIterator] | None = None
         self._restore: dict[str, Any] | None = None  # load_state_dict(): for the next __iter__
         self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
+        self._epoch = 0  # epochs begun (iter() calls): part of a batch's seeds with seeding="batch"
         self._family = Family.new()
         auto = _is_auto(num_workers)
         if auto:  # the policy and its count, which the epochs share (``auto.py``)
@@ -137,6 +147,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.backend = backend
         self.collect_stats = collect_stats
         self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
+        # "auto" changes the count inside an epoch: its batches must not depend on it.
+        self.seeding = check_seeding(("batch" if auto else "worker") if seeding is None else seeding)
         self.max_workers = max_workers
         if auto:
             self.num_workers = AUTO
@@ -149,6 +161,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         restore, self._restore = self._restore, None
         persistent = self.persistent_workers and self._workers_now > 0
         carried, send = dict(self._keep.carry) if persistent else {}, False
+        adapted = None
         if restore is not None:
             # What drew the recorded epoch (or, between epochs, what the next one draws
             # from), set back: the draws below repeat the uninterrupted run's.
@@ -160,18 +173,44 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 # Nothing of the epoch was handed out: it begins as any other, its workers
                 # loading the dataset states the recorded ones carried.
                 carried, send, restore = dict(restore["worker_states"]), True, None
+            else:
+                adapted = loader_state.adapt(self, restore)
+                restore = adapted.state
         else:
             start = capture_start(self, self._base_seed, not (persistent and self._base_seed is not None))
+        self._epoch = start.epoch + 1
         base_seed, shared_seed, indices = draw_epoch(self, start)
         start = start._replace(base_seed=base_seed)
+        plan = self._epoch_plan(start, adapted)
         if persistent:
             self._base_seed = base_seed
         previous = self._current() if self._current is not None else None
         if previous is not None and persistent:
             previous._abandon()  # its epoch ends: the workers move on to this one, as torch's reset does
-        iterator = LoaderIterator(self._epoch_settings(), self._keep, start, indices, restore, shared_seed, carried, send)
+        iterator = LoaderIterator(
+            self._epoch_settings(), self._keep, start, indices, restore, shared_seed, carried, send, plan
+        )
         self._current = weakref.ref(iterator)
         return iterator
+
+    def _epoch_plan(self, start: EpochStart, adapted: loader_state.Adapted | None) -> EpochPlan:
+        """Which batches the epoch makes (a restore's, folded) and, with seeding="batch", their seeds."""
+        sampler = distributed_sampler(self.sampler, self.batch_sampler)
+        if adapted is not None:
+            layout, batches, remainder = adapted.layout, adapted.batches, adapted.remainder
+        else:
+            layout, batches, remainder = Layout(), None, None
+        if remainder is None and sampler is not None:
+            remainder = Remainder.of(sampler)  # recorded: a state restores at another world size
+        seeds = None
+        if self.seeding == BATCH:
+            from torch.utils.data.dataloader import _get_distributed_settings
+
+            rank = rank_of(self.sampler, self.batch_sampler, _get_distributed_settings())
+            # The rest of an epoch split over another world size: seeds of its own.
+            extra = (remainder.done,) if remainder is not None and remainder.done else ()
+            seeds = BatchSeeds(start.base_seed or 0, start.epoch, rank, extra)
+        return EpochPlan(seeds, layout, batches, remainder)
 
     @property
     def _workers_now(self) -> int:

@@ -422,13 +422,17 @@ class LoaderStage(IterDataPipe):
         # A replacement of a dead worker: its generators were loaded as they stood after
         # that many batches (``runtime/generators.py``), with its dataset's state if it has one.
         done = max(done, generators.jump_to())
+        if epoch.seeds is not None and not has_state(self.job.dataset):
+            # seeding="batch": each batch seeds the generators itself, so nothing before it
+            # needs reading again (a dataset with a state of its own still does).
+            done = max(done, skip)
         if epoch.batches is not None:
             replay(self.job, _without(enumerate(epoch.batches[done:skip], done), lost))
-            return _map_batches(self, epoch.batches[skip:], skip, len(epoch.batches))
+            return _map_batches(self, epoch.batches[skip:], skip, len(epoch.batches), places(epoch, skip))
         if epoch.sampler is not None:
             share = own_share(epoch, *epoch.sampler)
             replay(self.job, _without(enumerate(itertools.islice(share, done, skip), done), lost))
-            return _map_batches(self, share, skip)
+            return _map_batches(self, share, skip, None, places(epoch, skip))
         return _iterable_batches(self, skip - epoch.state_count, epoch.state_count)
 
 
@@ -483,11 +487,25 @@ def own_share(epoch: WorkerEpoch, sampler: Any, rng_state: Any) -> Iterator[Any]
         number += 1
 
 
-def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, total: int | None = None) -> Iterator[Any]:
+def places(epoch: WorkerEpoch, skip: int = 0) -> Iterator[int] | None:
+    """``seeding="batch"``: the epoch positions of the worker's batches from its ``skip``-th
+    on (its own, or every num_workers-th from its id); None with torch's seeding."""
+    if epoch.seeds is None:
+        return None
+    if epoch.positions is not None:
+        return iter(epoch.positions[skip:])
+    return itertools.count(epoch.worker_id + skip * epoch.num_workers, epoch.num_workers)
+
+
+def _map_batches(
+    stage: LoaderStage, batches: Iterable[Any], count: int = 0, total: int | None = None, at: Iterator[int] | None = None
+) -> Iterator[Any]:
     """Fetch and collate each index batch; a dataset with ``state_dict()`` sends its state
     along every ``snapshot_every`` batches and with the worker's last one (its state at
-    the epoch's end, which persistent workers carry into the next)."""
+    the epoch's end, which persistent workers carry into the next). ``at``: each batch's
+    place in the epoch, whose seeds it is made with (``seeding="batch"``)."""
     job = stage.job
+    seeds = stage._epoch.seeds if stage._epoch is not None and at is not None else None
     fetch = make_fetcher(job).fetch
     stateful = has_state(job.dataset)
     every = job.snapshot_every
@@ -497,6 +515,8 @@ def _map_batches(stage: LoaderStage, batches: Iterable[Any], count: int = 0, tot
     position = count
     for indices in batches:
         position += 1
+        if seeds is not None:
+            seeds.apply(next(at))  # type: ignore[arg-type]
         try:
             batch = fetch(indices)
         except Exception as exc:  # user code: that batch's error, and the epoch goes on
@@ -528,7 +548,11 @@ def _iterable_batches(stage: LoaderStage, replay: int = 0, count: int = 0) -> It
     # With a state, a batch depends on it and the generators: a replacement starts from a record.
     note = generators.note if stateful else None
     recorded = _recorded(lambda: dataset_state(job.dataset, fetcher))
+    epoch = stage._epoch
+    seeds = epoch.seeds if epoch is not None else None
     while True:
+        if seeds is not None:  # a replica's batches are its own: numbered in its stream
+            seeds.apply(count, stage.worker_id)
         try:
             batch = fetcher.fetch(request)
         except StopIteration:
@@ -574,9 +598,9 @@ def _iterate_stage(stage: LoaderStage) -> Iterator[Any]:
     if epoch is None:
         raise RuntimeError("internal error: a loader stage iterated before its epoch began")
     if epoch.batches is not None:
-        return _map_batches(stage, epoch.batches, 0, len(epoch.batches))
+        return _map_batches(stage, epoch.batches, 0, len(epoch.batches), places(epoch))
     if epoch.sampler is not None:
-        return _map_batches(stage, own_share(epoch, *epoch.sampler))
+        return _map_batches(stage, own_share(epoch, *epoch.sampler), 0, None, places(epoch))
     return _iterable_batches(stage, 0, epoch.state_count)
 
 
@@ -590,7 +614,7 @@ class WorkerEpoch:
 
     __slots__ = (
         "worker_id", "num_workers", "base_seed", "batches", "dataset_state", "state_count", "sampler", "shared_seed",
-        "distributed",
+        "distributed", "seeds", "positions",
     )
 
     def __init__(
@@ -604,6 +628,8 @@ class WorkerEpoch:
         sampler: tuple[Any, Any] | None = None,
         shared_seed: int | None = None,
         distributed: tuple[int, int] = (1, 0),
+        seeds: Any = None,
+        positions: Sequence[int] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.num_workers = num_workers
@@ -616,6 +642,8 @@ class WorkerEpoch:
         self.sampler = sampler
         self.shared_seed = shared_seed  # a DataPipe dataset: seeds its random DataPipes, as torch does
         self.distributed = distributed  # (world size, rank) when the epoch began
+        self.seeds = seeds  # seeding="batch": a BatchSeeds, each batch seeded from its place
+        self.positions = positions  # ... its batches' places in the epoch (None: i * N + w)
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.__slots__)

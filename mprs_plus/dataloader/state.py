@@ -7,8 +7,13 @@
                     total with num_workers=0
     next_worker     whose turn is next (in order)
     worker_states   an iterable dataset's recorded states: worker -> (its batch count, state)
-    shape           dataset kind and length, batch size, drop_last, worker count: a state
-                    restores only into a loader built the same way (else ValueError)
+    shape           dataset kind and length, batch size, drop_last, worker count, seeding:
+                    a state restores only into a loader built the same way (else
+                    ValueError); with seeding="batch", the worker count may differ
+    layout          seeding="batch": the epoch's batches still to make when it began
+                    (``elastic.Layout``; absent: all of them), which ``consumed`` counts in
+    distributed     with a DistributedSampler: its epoch as one global order, the world
+                    size it is split over, and the samples made before (``elastic.Remainder``)
 
 Everything in it is plain data (ints, lists, dicts, and what the samplers' and datasets'
 own ``state_dict()`` return), so it goes through ``torch.save`` and, where those do, JSON.
@@ -16,15 +21,19 @@ own ``state_dict()`` return), so it goes through ``torch.save`` and, where those
 A restore draws the epoch again from ``start`` and has each worker skip its consumed
 batches (map-style: the index batches, unread), the runtime's restore mechanism
 (``runtime/main/restore.py``): exact, the same batches and worker seeds as the
-uninterrupted run.
+uninterrupted run. With ``seeding="batch"`` the counts are folded into positions of the
+epoch instead (``adapt``): what is left is dealt anew over any worker count, and over any
+world size of a ``DistributedSampler``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils.data.dataloader import _DatasetKind
 
+from .batch_seeds import BATCH, WORKER, distributed_sampler
+from .elastic import Layout, Remainder, batches_of
 from .epochs import EpochStart
 
 RUNNING = "running"
@@ -45,6 +54,7 @@ def shape(loader: Any) -> dict[str, Any]:
         "batch_size": loader.batch_size,
         "drop_last": loader.drop_last,
         "num_workers": getattr(loader, "_workers_now", loader.num_workers),  # "auto": the count it runs
+        "seeding": getattr(loader, "seeding", WORKER),
     }
 
 
@@ -99,17 +109,109 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
             "load_state_dict() expects a state from mprs_plus.DataLoader.state_dict(); this one is not "
             "(a state of another loader class cannot be resumed exactly)"
         )
-    expected, recorded = shape(loader), state["shape"]
+    expected, recorded = shape(loader), {"seeding": WORKER, **state["shape"]}
     differences = [
         f"{name} {recorded.get(name)!r} in the state, {value!r} here"
         for name, value in expected.items()
-        if recorded.get(name) != value
+        if recorded.get(name) != value and name != "num_workers"
     ]
     if differences:
         raise ValueError(
             "this state was taken of a loader built differently: "
             + "; ".join(differences)
-            + ". Restore it into a loader with the same dataset, batch size and workers."
+            + ". Restore it into a loader with the same dataset, batch size and seeding."
         )
     # A state that went through JSON has its worker numbers as strings, its pairs as lists.
-    return {**state, "worker_states": {int(w): tuple(v) for w, v in state["worker_states"].items()}}
+    state = {**state, "worker_states": {int(w): tuple(v) for w, v in state["worker_states"].items()}}
+    if recorded["num_workers"] != expected["num_workers"]:
+        _check_other_count(loader, state, recorded["num_workers"], expected["num_workers"])
+    return state
+
+
+def _check_other_count(loader: Any, state: dict[str, Any], recorded: int, workers: int) -> None:
+    """A state taken with another worker count: restorable with seeding="batch" only, and
+    only where nothing in it belongs to one worker."""
+    taken = f"this state was taken of a loader built differently: num_workers {recorded} in the state, {workers} here"
+    if getattr(loader, "seeding", WORKER) != BATCH:
+        raise ValueError(
+            f"{taken}: with seeding=\"worker\" (torch's: worker k seeded with base_seed + k) the batches depend "
+            "on the count. Restore with the same num_workers, or build both loaders with seeding=\"batch\", "
+            "whose states restore at any count (docs/elastic-workers.md)"
+        )
+    if state["worker_states"]:
+        raise ValueError(
+            f"{taken}: it holds each worker's own dataset state (the dataset's state_dict()), which cannot be "
+            "split over another count. Restore with the same num_workers"
+        )
+    if state["phase"] != RUNNING:
+        return
+    if loader._dataset_kind == _DatasetKind.Iterable:
+        raise ValueError(
+            f"{taken}: an iterable dataset shards itself by worker (get_worker_info()), so its position is each "
+            "worker's own. Restore mid-epoch with the same num_workers (a state between epochs restores at any count)"
+        )
+    from .iterator import has_len
+
+    if not has_len(loader._index_sampler):
+        raise ValueError(
+            f"{taken}: a sampler without len() is drawn in the workers, a worker's share at a time. Restore "
+            "mid-epoch with the same num_workers (a state between epochs restores at any count)"
+        )
+
+
+class Adapted(NamedTuple):
+    """A running state made ready for this loader's epoch (``adapt``)."""
+
+    state: dict[str, Any]  # with the counts over this loader's deal
+    layout: Layout  # the epoch's batches still to make
+    batches: list[Any] | None  # the epoch's index batches, where a Remainder makes them (else the sampler's)
+    remainder: Remainder | None  # the epoch of a DistributedSampler, as later states record it
+
+
+def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
+    """A running state (checked) made ready for ``loader``'s epoch.
+
+    - A ``DistributedSampler`` whose world size is not the state's (or whose epoch is
+      already a remainder): the rank's batches made are folded into the global order, and
+      what is left of it is split over this world (``Remainder``).
+    - ``seeding="batch"`` and no dataset state of a worker's own: the counts are folded
+      into a ``Layout`` (nothing needs replaying; any worker count deals what is left).
+    - Otherwise the state as it is: the workers skip their counts, as recorded."""
+    workers = max(getattr(loader, "_workers_now", loader.num_workers), 1)  # "auto": the count it runs
+    recorded = max(state["shape"]["num_workers"], 1)
+    layout = Layout.from_dict(state.get("layout"))
+    remainder = Remainder.from_dict(state.get("distributed"))
+    sampler = distributed_sampler(loader.sampler, loader.batch_sampler)
+    fresh = {**state, "consumed": [0] * workers, "next_worker": 0}
+    if remainder is not None and sampler is not None and (remainder.world != sampler.num_replicas or remainder.done):
+        if state["worker_states"]:
+            raise ValueError(
+                f"this state was taken at a world size of {remainder.world}, this rank's DistributedSampler has "
+                f"{sampler.num_replicas}: it holds the dataset's own state of each worker, which cannot be split over "
+                "other ranks. Restore at the same world size"
+            )
+        if loader.batch_size is None or loader.batch_sampler is None or getattr(loader.batch_sampler, "sampler", None) is not sampler:
+            raise ValueError(
+                "a state restores at another world size only for a DistributedSampler batched by the loader "
+                "(batch_size=...): restore at the same world size"
+            )
+        left = layout.fold(recorded, state["consumed"])
+        if left.done:
+            raise ValueError(
+                "this state's batches were handed out of order (in_order=False), so the ranks made different "
+                "samples: it restores at another world size only when taken in order. Restore at the same world size"
+            )
+        remainder = remainder.taken_over(left.start, loader.batch_size, int(sampler.num_replicas))
+        indices = remainder.indices(int(sampler.rank))
+        return Adapted(fresh, Layout(), batches_of(indices, loader.batch_size, loader.drop_last), remainder)
+    if getattr(loader, "seeding", WORKER) == BATCH and not state["worker_states"] and recorded_by_position(loader):
+        return Adapted(fresh, layout.fold(recorded, state["consumed"]), None, remainder)
+    return Adapted(state, layout, None, remainder)
+
+
+def recorded_by_position(loader: Any) -> bool:
+    """Whether the loader's epochs are dealt by positions here: a map-style dataset whose
+    sampler has a len()."""
+    from .iterator import has_len
+
+    return loader._dataset_kind == _DatasetKind.Map and has_len(loader._index_sampler)
