@@ -65,7 +65,7 @@ def test_memory_refuses_a_worker_that_would_not_fit():
     none = policy.decide(window(3, waits=0.9, cpu=0.1, worker_memory=2 * gib, available_memory=2 * gib))
     assert none.workers == 3 and none.limit == "memory"
     # Unknown memory (no worker measured yet): the cap alone.
-    assert policy.decide(window(1, waits=0.9, cpu=0.1, available_memory=gib)).workers == 4
+    assert policy.decide(window(1, waits=0.9, cpu=0.1, available_memory=gib)).workers == 8
 
 
 def test_the_first_count_is_small_and_within_memory():

@@ -39,6 +39,7 @@ SUBSET = [
     "tests/test_dataloader_in_place.py",
     "tests/test_worker_restarts.py",
     "tests/test_oom_kills.py",
+    "tests/test_auto_workers.py",
     # SharedList itself maps its block as the lend areas do on both transports; what the
     # transport carries is the list under our two loaders.
     "tests/test_shared_list.py::test_mprs_plus_dataloader_over_it",
