@@ -43,7 +43,7 @@ SHRINK_BUSY = 0.4  # the loop sets the pace and the workers are busy less than t
 GROWTH = 8  # at most this many times the workers at once (each change is a start of the workers)
 HEADROOM = 1.5  # a new worker is expected to reach this many times the largest one's private memory
 RESERVE = 0.1  # of the memory still available, kept for everything else
-MIN_BATCHES = 8
+MIN_BATCHES = 6
 MIN_SECONDS = 0.2
 
 
