@@ -181,7 +181,11 @@ def test_auto_implies_batch_seeding_unless_seeding_is_given():
 
     assert mprs_plus.DataLoader(Indices(4), num_workers="auto").seeding == "batch"
     assert mprs_plus.DataLoader(Indices(4), num_workers="auto", seeding="worker").seeding == "worker"
-    assert mprs_plus.DataLoader(Indices(4), num_workers="auto").num_workers == "auto"
+    loader = mprs_plus.DataLoader(Indices(4), num_workers="auto", max_workers=5)
+    # The attribute says "auto", and compares as its cap with a count (a trainer's warnings).
+    assert loader.num_workers == "auto" and str(loader.num_workers) == "auto" and loader.num_workers > 2
+    again = mprs_plus.DataLoader(Indices(4), num_workers=loader.num_workers)  # re-created from its attributes
+    assert again.num_workers == "auto" and again._keep.auto.policy.max_workers == 5
 
 
 def test_the_policy_is_judged_on_windows_that_begin_after_a_runs_first_batch():

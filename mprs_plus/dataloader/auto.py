@@ -30,6 +30,33 @@ from ..autoscale import AutoPolicy, Decision, Window, default_max_workers, usabl
 AUTO = "auto"
 
 
+class AutoCount(int):
+    """What ``loader.num_workers`` reads with ``num_workers="auto"``: ``"auto"`` where it is
+    printed or compared with ``"auto"``, and, as a number, its cap (``max_workers``). Code
+    that compares the attribute with a count (a trainer's warning about too few workers,
+    torch's own checks) keeps working, and a trainer that re-creates the loader from its
+    attributes passes it back, which asks for "auto" again."""
+
+    def __repr__(self) -> str:
+        return repr(AUTO)
+
+    def __str__(self) -> str:
+        return AUTO
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return other == AUTO
+        return int(self) == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = int.__hash__
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (AutoCount, (int(self),))
+
+
 def check_max_workers(max_workers: Any) -> int | None:
     if max_workers is None:
         return None

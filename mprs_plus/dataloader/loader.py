@@ -28,7 +28,7 @@ from .batch_seeds import BATCH, BatchSeeds, check_seeding, distributed_sampler, 
 from .elastic import Layout, Remainder
 from .iterator import EpochPlan, EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
-from .auto import AUTO, AutoWorkers, check_max_workers
+from .auto import AUTO, AutoCount, AutoWorkers, check_max_workers
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -107,6 +107,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._family = Family.new()
         auto = _is_auto(num_workers)
         if auto:  # the policy and its count, which the epochs share (``auto.py``)
+            if isinstance(num_workers, AutoCount) and max_workers is None:
+                max_workers = int(num_workers)  # a trainer re-creating the loader from its attributes
             self._keep.auto = AutoWorkers(check_max_workers(max_workers))
         elif max_workers is not None:
             raise ValueError("max_workers caps num_workers='auto'; with a fixed num_workers, leave it None")
@@ -151,7 +153,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.seeding = check_seeding(("batch" if auto else "worker") if seeding is None else seeding)
         self.max_workers = max_workers
         if auto:
-            self.num_workers = AUTO
+            self.num_workers = AutoCount(self._keep.auto.policy.max_workers)  # reads "auto"; as a number, the cap
             _check_auto_fits(self)
         self._options()  # checked now, as torch checks its own arguments
 
@@ -390,6 +392,8 @@ def _check_auto_fits(loader: DataLoader[Any]) -> None:
 
 
 def _is_auto(num_workers: Any) -> bool:
+    if isinstance(num_workers, AutoCount):
+        return True
     if isinstance(num_workers, str):
         if num_workers != AUTO:
             raise ValueError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
