@@ -21,7 +21,6 @@ from mprs_plus import autoscale
 from mprs_plus.autoscale import Window
 from mprs_plus.dataloader import auto as auto_module
 from mprs_plus.dataloader.auto import AutoWorkers
-from mprs_plus.dataloader.iterator import LoaderIterator
 
 GIB = 1 << 30
 
@@ -208,4 +207,3 @@ def test_the_policy_is_judged_on_windows_that_begin_after_a_runs_first_batch():
     for _ in range(3):
         auto.waited(0.1, Run)
     assert auto._window.batches == 3 and auto._window.wait == pytest.approx(0.3)
-    assert LoaderIterator._maybe_resize.__doc__  # the mechanism says how it resizes
