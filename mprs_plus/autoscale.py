@@ -40,6 +40,7 @@ WAITS = 0.1  # the loop waits this share of its time for batches or more: the wo
 IDLE = 0.5  # workers busy less than this share of their time are not what the loop waits for
 CPU_BOUND = 0.5  # CPU seconds per busy second at or above which a worker needs a core
 SHRINK_BUSY = 0.4  # the loop sets the pace and the workers are busy less than this: fewer do
+NEAR_CAP = 1.25  # a count this near max_workers goes to it at once
 GROWTH = 8  # at most this many times the workers at once (each change is a start of the workers)
 HEADROOM = 1.5  # a new worker is expected to reach this many times the largest one's private memory
 RESERVE = 0.1  # of the memory still available, kept for everything else
@@ -189,7 +190,7 @@ class AutoPolicy:
         # The loop waits for busy workers: as many more as removing its wait asks for.
         wanted = math.ceil(n / max(1 - waits, 1 / GROWTH) * 1.1)
         target, limit = min(wanted, n * GROWTH), ""
-        if target > self.max_workers:
+        if target * NEAR_CAP >= self.max_workers:  # a change costs a start: not one more for the last few
             target, limit = self.max_workers, "max_workers"
         cpu = window.cpu_per_busy
         if cpu >= CPU_BOUND:

@@ -86,3 +86,9 @@ def test_the_cap_and_the_cores():
     assert usable_cores() >= 1
     with pytest.raises(ValueError, match="max_workers must be >= 1"):
         AutoPolicy(0, 2)
+
+
+def test_a_count_near_the_cap_goes_to_the_cap_at_once():
+    """A change costs a start of the workers: 7 of 8 would be followed by one more change."""
+    decision = AutoPolicy(max_workers=8, cores=2).decide(window(1, waits=0.86, busy=1.0, cpu=0.05))
+    assert decision.workers == 8 and decision.limit == "max_workers"

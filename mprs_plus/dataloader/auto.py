@@ -25,6 +25,7 @@ import os
 import time
 from typing import Any
 
+from .. import autoscale
 from ..autoscale import AutoPolicy, Decision, Window, default_max_workers, usable_cores
 
 AUTO = "auto"
@@ -92,8 +93,9 @@ class AutoWorkers:
         window.wait += seconds
 
     def due(self) -> bool:
+        """Whether the window holds enough to judge (asked after every batch: cheap)."""
         window = self._window
-        if window is None:
+        if window is None or window.batches < autoscale.MIN_BATCHES:
             return False
         return self.policy.ready(window.peek())
 
