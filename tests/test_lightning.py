@@ -47,6 +47,49 @@ SCRIPT = textwrap.dedent(
 )
 
 
+ELASTIC = textwrap.dedent(
+    """
+    import torch
+    from lightning.fabric.utilities.data import _replace_dunder_methods, _update_dataloader
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data import DistributedSampler
+
+    import mprs_plus
+
+    dataset = [torch.tensor([i]) for i in range(20)]
+    with _replace_dunder_methods(TorchDataLoader, "dataset"):
+        loader = mprs_plus.DataLoader(dataset, 2, False, seeding="batch")
+
+    def rank(world, rank):  # what Lightning does for each rank: the loader re-created with its sampler
+        return _update_dataloader(loader, DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=3))
+
+    made = []
+    for r in range(2):
+        copy = rank(2, r)
+        assert copy.seeding == "batch"
+        batches = iter(copy)
+        made += [i for _ in range(3) for i in next(batches).flatten().tolist()]
+        state = copy.state_dict()
+    rest = []
+    for r in range(3):
+        copy = rank(3, r)
+        copy.load_state_dict(state)
+        rest += [i for batch in copy for i in batch.flatten().tolist()]
+    assert not set(made) & set(rest) and sorted(set(made) | set(rest)) == list(range(20)), (made, rest)
+    print("resumed")
+    """
+)
+
+
+@pytest.mark.timeout(300)  # importing Lightning alone takes a minute on a busy machine
+def test_lightnings_re_created_loaders_resume_at_another_world_size(tmp_path):
+    path = tmp_path / "elastic.py"
+    path.write_text(ELASTIC)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "resumed"
+
+
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_lightning_re_creates_the_loader_as_itself(order, tmp_path):
     path = tmp_path / "recreate.py"

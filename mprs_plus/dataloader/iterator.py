@@ -540,6 +540,7 @@ class LoaderIterator:
             plan = self._plan
             fixed["layout"] = None if plan.layout.fresh else plan.layout.to_dict()
             fixed["distributed"] = None if plan.remainder is None else plan.remainder.to_dict()
+            fixed["world_size"] = plan.remainder.world if plan.remainder is not None else self._distributed[0]
         return {
             **fixed, "shape": dict(fixed["shape"]), "start": dict(fixed["start"]), "consumed": consumed,
             "next_worker": next_worker, "worker_states": states,

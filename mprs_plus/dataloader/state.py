@@ -14,6 +14,8 @@
                     (``elastic.Layout``; absent: all of them), which ``consumed`` counts in
     distributed     with a DistributedSampler: its epoch as one global order, the world
                     size it is split over, and the samples made before (``elastic.Remainder``)
+    world_size      the world size the epoch was split over: a restore at another is
+                    refused unless ``distributed`` says how to split the rest
 
 Everything in it is plain data (ints, lists, dicts, and what the samplers' and datasets'
 own ``state_dict()`` return), so it goes through ``torch.save`` and, where those do, JSON.
@@ -204,6 +206,15 @@ def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
         remainder = remainder.taken_over(left.start, loader.batch_size, int(sampler.num_replicas))
         indices = remainder.indices(int(sampler.rank))
         return Adapted(fresh, Layout(), batches_of(indices, loader.batch_size, loader.drop_last), remainder)
+    from torch.utils.data.dataloader import _get_distributed_settings
+
+    world = int(sampler.num_replicas) if sampler is not None else _get_distributed_settings()[0]
+    if state.get("world_size") is not None and state["world_size"] != world:
+        raise ValueError(
+            f"this state was taken at a world size of {state['world_size']}, this process is one of {world}: another "
+            "world size is resumed for torch's DistributedSampler batched by the loader only (its epoch is one "
+            "global order; another sharding's is not known here). Restore at the same world size"
+        )
     if getattr(loader, "seeding", WORKER) == BATCH and not state["worker_states"] and recorded_by_position(loader):
         return Adapted(fresh, layout.fold(recorded, state["consumed"]), None, remainder)
     return Adapted(state, layout, None, remainder)
