@@ -13,7 +13,8 @@ processes, no I/O, no clock (the mechanism, ``dataloader/auto.py``, measures and
                                                         are idle: the transport, the main
                                                         process), or a limit is reached
                                                 shrink  the loop sets the pace and the
-                                                        workers idle more than half the time
+                                                        workers idle more than half the time;
+                                                        growth then stays below that count
 
 The limits, each named when it holds the count down:
 
@@ -149,6 +150,7 @@ class AutoPolicy:
     cores: int
     start: int = 1
     decisions: list[Decision] = field(default_factory=list)
+    retired_from: int | None = None  # the last count retired for idling behind the loop
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
@@ -175,6 +177,7 @@ class AutoPolicy:
             if busy < SHRINK_BUSY and n > 1:
                 target = max(1, math.ceil(n * busy / (1 - WAITS / 2)))  # enough to stay busy ~95%
                 if target <= n // 2:
+                    self.retired_from = n  # enough, and wasteful: growth stays below it from now on
                     return self._record(
                         Decision(target, f"{n} -> {target}: the loop sets the pace (it waits {waits:.0%} of the time) "
                                          f"and the workers are busy only {busy:.0%} of theirs")
@@ -192,6 +195,10 @@ class AutoPolicy:
         target, limit = min(wanted, n * GROWTH), ""
         if target * NEAR_CAP >= self.max_workers:  # a change costs a start: not one more for the last few
             target, limit = self.max_workers, "max_workers"
+        if self.retired_from is not None and target >= self.retired_from:
+            # That many kept up with workers mostly idle: between there and here, never back (no
+            # change back and forth, each a start of the workers).
+            target, limit = self.retired_from - 1, "retired"
         cpu = window.cpu_per_busy
         if cpu >= CPU_BOUND:
             main_share = min(0.9, window.main_cpu_s / window.seconds) if window.seconds > 0 else 0.0
@@ -209,6 +216,7 @@ class AutoPolicy:
             "max_workers": f"; held at max_workers={self.max_workers}",
             "cores": f"; held at the {self.cores} cores (workers on the CPU)",
             "memory": "; held by memory: another worker would not fit in what is available",
+            "retired": f"; held below {self.retired_from}, which kept up with its workers mostly idle",
             "": "",
         }[limit]
         if target <= n:

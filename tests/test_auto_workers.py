@@ -32,6 +32,7 @@ def figures(monkeypatch):
 
     class Forced:
         waits, busy, cpu, memory, available = 0.9, 1.0, 0.05, 0, None
+        at: dict = {}  # worker count -> figures of its own (a loop that changes its pace)
 
         def set(self, **kwargs):
             for name, value in kwargs.items():
@@ -41,9 +42,11 @@ def figures(monkeypatch):
 
     def close(window, workers):
         seconds = 1.0
+        f = {name: getattr(forced, name) for name in ("waits", "busy", "cpu", "memory", "available")}
+        f.update(forced.at.get(workers, {}))
         return Window(
-            workers, seconds, window.batches, forced.waits * seconds, forced.busy * workers * seconds,
-            forced.cpu * workers * seconds, 0.0, forced.memory, forced.available,
+            workers, seconds, window.batches, f["waits"] * seconds, f["busy"] * workers * seconds,
+            f["cpu"] * workers * seconds, 0.0, f["memory"], f["available"],
         )
 
     monkeypatch.setattr(auto_module._Open, "close", close)
@@ -83,6 +86,19 @@ def test_the_loop_that_sets_the_pace_keeps_one_worker(figures):
     assert epoch(loader) == fixed()
     assert loader._keep.auto.policy.history == [1] and len(loader._keep.auto.started) == 1
     assert "stays at 1: the loop sets the pace" in loader.stats().workers_chosen
+
+
+def test_workers_mostly_idle_behind_a_loop_that_sets_the_pace_are_retired(figures):
+    figures.set(waits=0.9, busy=1.0, cpu=0.05, at={4: {"waits": 0.01, "busy": 0.2, "cpu": 0.2}})
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Augmented(64), batch_size=2, num_workers="auto", max_workers=4)
+    assert epoch(loader) == fixed(n=64)
+    auto = loader._keep.auto
+    # At one worker the loop waits again: growth goes back, but below the count retired.
+    assert auto.policy.history == [1, 4, 1, 3]
+    assert len(auto.started) == 9  # 1, then 4, then 1, then 3
+    assert "4 -> 1: the loop sets the pace" in auto.policy.decisions[2].reason
+    assert "held below 4" in loader.stats().workers_chosen
 
 
 def test_memory_refuses_a_worker_it_cannot_hold(figures):
