@@ -186,10 +186,13 @@ def _wants_cpu(pid: int | None) -> float:
     the scheduler's statistics are not there; 0 where it is gone."""
     if pid is None:
         return 0.0
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            ran, queued = f.read().split()[:2]
-        return (int(ran) + int(queued)) / 1e9
+    try:  # every thread's: a worker's lanes and its listener are threads of their own
+        total = 0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                ran, queued = f.read().split()[:2]
+            total += int(ran) + int(queued)
+        return total / 1e9
     except (OSError, ValueError):
         pass
     try:
