@@ -112,23 +112,32 @@ def test_memory_refuses_a_worker_it_cannot_hold(figures):
     assert "held by memory" in loader.stats().summary()
 
 
-def test_a_worker_killed_under_auto_is_replaced_and_the_batches_are_the_uninterrupted_runs(tmp_path, figures):
-    from restart_datasets import Draws
+class KilledUnderThree(Augmented):
+    """Sample ``at`` kills its process the first time, in a worker of a run of 3 only (the
+    count auto chose, never the one it started with)."""
 
+    def __init__(self, n, at, marker):
+        super().__init__(n)
+        self.at, self.marker = at, marker
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        if i == self.at and info is not None and info.num_workers == 3:
+            from restart_datasets import die_once
+
+            die_once(self.marker)
+        return super().__getitem__(i)
+
+
+def test_a_worker_killed_under_auto_is_replaced_and_the_batches_are_the_uninterrupted_runs(tmp_path, figures):
     figures.set(waits=0.9, busy=1.0, cpu=0.05)
+    expected = fixed(n=64)
     torch.manual_seed(0)
-    expected = [b.tolist() for b in mprs_plus.DataLoader(Draws(n=200), batch_size=2, num_workers=2, seeding="batch")]
-    torch.manual_seed(0)
-    armed = tmp_path / "armed"  # the kill waits for the count auto chose: armed once it runs
-    dataset = Draws(n=200, kill_at=190, marker=str(tmp_path / "killed"), armed=str(armed))
+    dataset = KilledUnderThree(64, at=50, marker=str(tmp_path / "killed"))
     loader = mprs_plus.DataLoader(dataset, batch_size=2, num_workers="auto", max_workers=3, worker_restarts=1)
-    got = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for batch in loader:
-            got.append(batch.tolist())
-            if loader._keep.auto.count == 3 and not armed.exists():
-                armed.touch()
+        got = epoch(loader)
     assert (tmp_path / "killed").exists()  # the death happened, under the count auto chose
     assert got == expected
     assert loader._keep.auto.policy.history == [1, 3]
