@@ -203,12 +203,6 @@ class AutoPolicy:
         if cpu >= CPU_BOUND:
             main_share = min(0.9, window.main_cpu_s / window.seconds) if window.seconds > 0 else 0.0
             by_cores = max(1, round((self.cores - main_share) / cpu))
-            if n >= 2 * by_cores:  # more workers on the CPU than the cores can run: half or fewer do
-                self.retired_from = n
-                return self._record(
-                    Decision(by_cores, f"{n} -> {by_cores}: the workers are on the CPU and {n} are more than the "
-                                       f"{self.cores} cores run at once", "cores")
-                )
             if target > by_cores:
                 target, limit = max(n, by_cores), "cores"
         fits = self._memory_allows(n, window.worker_memory, window.available_memory)

@@ -93,8 +93,3 @@ def test_a_count_near_the_cap_goes_to_the_cap_at_once():
     decision = AutoPolicy(max_workers=8, cores=2).decide(window(1, waits=0.86, busy=1.0, cpu=0.05))
     assert decision.workers == 8 and decision.limit == "max_workers"
 
-
-def test_workers_on_the_cpu_beyond_twice_the_cores_are_cut_back():
-    policy = AutoPolicy(max_workers=16, cores=2)
-    decision = policy.decide(window(8, waits=0.8, busy=0.9, cpu=0.9))
-    assert decision.workers == 2 and decision.limit == "cores" and "more than the 2 cores" in decision.reason

@@ -29,6 +29,7 @@ from .. import autoscale
 from ..autoscale import AutoPolicy, Decision, Window, default_max_workers, usable_cores
 
 AUTO = "auto"
+MAX_CHANGES = 3  # changes of count within one epoch, at most (each costs a start of the workers)
 
 
 class AutoCount(int):
@@ -76,12 +77,16 @@ class AutoWorkers:
         self.policy = policy
         self.count = policy.first().workers
         self.resizes = 0  # counts changed within an epoch (each a start of the workers)
+        self.changes_this_epoch = 0
         self.started: list[int] = []  # every worker process started, by pid (tests count them)
         self._window: _Open | None = None
 
     def begin(self) -> None:
         """A run of the current count is about to hand out its first batch: no window yet."""
         self._window = None
+
+    def epoch_began(self) -> None:
+        self.changes_this_epoch = 0
 
     def waited(self, seconds: float, run: Any) -> None:
         """The loop got a batch after waiting ``seconds`` for it."""
@@ -108,8 +113,9 @@ class AutoWorkers:
         measured = window.close(self.count)
         decision = self.policy.decide(measured)
         self._window = _Open(window.run, self)
-        if decision.workers == self.count:
-            return None
+        if decision.workers == self.count or self.changes_this_epoch >= MAX_CHANGES:
+            return None  # at most MAX_CHANGES starts of the workers an epoch, whatever the figures say
+        self.changes_this_epoch += 1
         self.count = decision.workers
         self.resizes += 1
         return decision

@@ -329,6 +329,7 @@ class LoaderIterator:
         self._worker_handles = run.runtime.worker_processes()
         self._ahead = run.feeding.ahead if run.feeding is not None else 0
         if self._auto is not None:
+            self._auto.epoch_began()
             self._auto.begin()
         skips: tuple[int, ...] = ()
         next_worker = 0
