@@ -3,6 +3,7 @@ for any worker count; a state restored at another count or another world size. C
 the same run at a fixed count, and with torch's DataLoader (its sampler's order and base
 seed) where torch can make the run."""
 
+import itertools
 import json
 import random
 import warnings
@@ -57,6 +58,7 @@ def test_the_same_batches_for_0_1_and_3_workers_and_as_ready():
     assert expected[0] != expected[1]  # a new epoch draws anew
     for workers in (0, 1, 3):
         assert run(workers) == expected, f"num_workers={workers}"
+    assert 'seeding="batch"' in loader(2).explain()
     as_ready = run(3, in_order=False)
     assert [sorted(epoch) for epoch in as_ready] == [sorted(epoch) for epoch in expected]
 
@@ -181,10 +183,10 @@ def test_an_iterable_dataset_refuses_another_count_mid_epoch_not_between_epochs(
     assert sorted(i for batch in other for i in batch.tolist()) == list(range(12))
 
 
-def rank_loader(world, rank, workers, n=50, epoch=0):
+def rank_loader(world, rank, workers, n=50, epoch=0, seeding="batch"):
     sampler = DistributedSampler(Indices(n), num_replicas=world, rank=rank, shuffle=True, seed=7)
     sampler.set_epoch(epoch)
-    return mprs_plus.DataLoader(Indices(n), batch_size=3, sampler=sampler, num_workers=workers, seeding="batch")
+    return mprs_plus.DataLoader(Indices(n), batch_size=3, sampler=sampler, num_workers=workers, seeding=seeding)
 
 
 def test_a_world_size_of_4_resumed_at_3_makes_every_remaining_sample_once():
@@ -221,16 +223,17 @@ def test_a_world_size_of_4_resumed_at_3_makes_every_remaining_sample_once():
 
 
 def test_a_resumed_remainder_is_itself_resumed_at_another_world_size():
+    """torch's seeding too: another world size needs only positions of the sampler's order."""
     n = 50
     made = []
     for rank in range(4):
-        before = rank_loader(4, rank, workers=0)
+        before = rank_loader(4, rank, workers=0, seeding="worker")
         iterator = iter(before)
         made += [i for _ in range(2) for i in next(iterator).tolist()]
         state = before.state_dict()
     middle = []
     for rank in range(3):
-        resumed = rank_loader(3, rank, workers=0)
+        resumed = rank_loader(3, rank, workers=0, seeding="worker")
         resumed.load_state_dict(state)
         iterator = iter(resumed)
         middle += [i for _ in range(2) for i in next(iterator).tolist()]
@@ -238,7 +241,7 @@ def test_a_resumed_remainder_is_itself_resumed_at_another_world_size():
             state = resumed.state_dict()
     rest = []
     for rank in range(2):
-        last = rank_loader(2, rank, workers=1)
+        last = rank_loader(2, rank, workers=0, seeding="worker")
         last.load_state_dict(state)
         rest += [i for batch in last for i in batch.tolist()]
     assert not set(made) & set(middle) and not set(made + middle) & set(rest)
@@ -277,3 +280,89 @@ def test_a_poison_sample_leaves_every_other_batch_unchanged():
     assert [m.poison for m in made] == [False, True]
     assert got[7] is None
     assert got[:7] + got[8:] == expected[:7] + expected[8:]
+
+
+def test_another_world_size_without_a_distributed_sampler_is_refused():
+    made = mprs_plus.DataLoader(Indices(50), batch_size=3, num_workers=0, seeding="batch")
+    iterator = iter(made)
+    next(iterator)
+    state = made.state_dict()  # a world of 1: no DistributedSampler, no process group
+    with pytest.raises(ValueError, match="world size of 1, this process is one of 2"):
+        rank_loader(2, 0, workers=0).load_state_dict(state)
+
+
+def test_the_rank_of_an_initialised_process_group_is_part_of_the_seeds(monkeypatch):
+    """Without a DistributedSampler, the rank comes from torch.distributed (faked here: the
+    process group's own test is test_distributed.py's)."""
+    import torch.utils.data.dataloader as torch_loader
+
+    first = run(0, epochs=1, shuffle=False)[0]
+    monkeypatch.setattr(torch_loader, "_get_distributed_settings", lambda: (2, 1))
+    second = run(0, epochs=1, shuffle=False)[0]
+    assert [[row[0] for row in b] for b in first] == [[row[0] for row in b] for b in second]
+    assert not {row[1:] for b in first for row in b} & {row[1:] for b in second for row in b}
+
+
+def test_the_three_generators_draw_streams_of_their_own():
+    """random and numpy's legacy generator are both MT19937: seeded with the same words they
+    would draw the same numbers."""
+    batch = run(0, epochs=1, shuffle=False)[0][0]
+    python, numpy_, torch_ = zip(*(row[1:] for row in batch))
+    assert len(set(python) | set(numpy_) | set(torch_)) == 3 * len(batch)
+
+
+def test_a_layout_folds_any_deal_into_positions():
+    from mprs_plus.dataloader.elastic import Layout
+
+    fresh = Layout()
+    assert fresh.fold(2, [3, 2]) == Layout(5, ())  # in order: the first 5 batches
+    assert fresh.fold(2, [3, 1]) == Layout(3, (4,))  # as ready: worker 0 ran ahead
+    assert fresh.fold(0, [4]) == Layout(4, ())  # the loop's own process: one worker
+    left = Layout(3, (4,))
+    assert left.deal(10, 3) == [[3, 7], [5, 8], [6, 9]]
+    assert left.fold(3, [1, 1, 0]) == Layout(6, ())  # 3 and 5 made: 6 is next
+    assert left.fold(3, [0, 1, 1]) == Layout(3, (4, 5, 6))
+    assert list(itertools.islice(Layout(3, (4, 6)).remaining(), 3)) == [3, 5, 7]
+
+
+class CountsOn(IterableDataset):
+    """An iterable dataset with a state of its own: where it is in its shard, and a draw."""
+
+    def __init__(self):
+        self.next = 0
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        step, start = (1, 0) if info is None else (info.num_workers, info.id)
+        while self.next * step + start < 20:
+            i = self.next * step + start
+            self.next += 1
+            yield torch.tensor([float(i), float(torch.rand(()))])
+        self.next = 0
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+
+@pytest.mark.parametrize("before, after", [(0, 1), (1, 0)])
+def test_an_iterable_datasets_state_moves_between_0_and_1_worker(before, after):
+    """One replica either way: the loop's own process is worker 0 of 1."""
+    def make(workers):
+        return mprs_plus.DataLoader(CountsOn(), batch_size=3, num_workers=workers, seeding="batch")
+
+    torch.manual_seed(0)
+    expected = [b.tolist() for b in make(before)]
+    torch.manual_seed(0)
+    made = make(before)
+    iterator = iter(made)
+    head = [next(iterator).tolist() for _ in range(3)]
+    state = json.loads(json.dumps(made.state_dict()))
+    del iterator
+    restored = make(after)
+    restored.load_state_dict(state)
+    assert head + [b.tolist() for b in restored] == expected

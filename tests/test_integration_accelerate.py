@@ -481,3 +481,32 @@ def test_trainer_resumes_a_checkpoint_exactly(tmp_path, enabled, step):
     assert resumed.seen == uninterrupted.seen[step:]
     assert torch.equal(resumed.linear.weight, uninterrupted.linear.weight)
     assert torch.equal(resumed.linear.bias, uninterrupted.linear.bias)
+
+
+def test_a_state_restores_at_another_number_of_processes():
+    """Accelerate deals whole batches to its processes (BatchSamplerShard): a state of one
+    of 4 processes, 1 batch each in, restores each of 3 (seeding="batch"): every remaining
+    sample once (Accelerate's padding to whole rounds aside), none made before again."""
+    integration.enable(seeding="batch")
+
+    def process(count, index):
+        torch.manual_seed(0)  # every process seeded alike: they draw the same order
+        prepared = prepare_data_loader(_loader(num_workers=0), num_processes=count, process_index=index)
+        return prepared.base_dataloader
+
+    made = []
+    for index in range(4):
+        loader = process(4, index)
+        assert loader.seeding == "batch"
+        batches = iter(loader)
+        made += [int(row[0]) for row in next(batches).tolist()]
+        state = loader.state_dict()
+        del batches
+    rest = []
+    for index in range(3):
+        loader = process(3, index)
+        loader.load_state_dict(state)
+        rest += [int(row[0]) for batch in loader for row in batch.tolist()]
+    assert len(set(made)) == 12 and not set(made) & set(rest)
+    assert sorted(set(made) | set(rest)) == list(range(LENGTH))
+    assert len(rest) - len(set(rest)) <= 2 * 3  # two batches repeated to fill the last round

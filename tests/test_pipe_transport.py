@@ -40,6 +40,11 @@ SUBSET = [
     "tests/test_worker_restarts.py",
     "tests/test_oom_kills.py",
     "tests/test_auto_workers.py",
+    # seeding="batch" over the workers' channels: the same batches, a restore at another
+    # count, a poison sample (the rest of that file runs in one process, or once is enough).
+    "tests/test_elastic.py::test_the_same_batches_for_0_1_and_3_workers_and_as_ready",
+    "tests/test_elastic.py::test_a_state_taken_at_2_workers_restores_at_3_0_and_1",
+    "tests/test_elastic.py::test_a_poison_sample_leaves_every_other_batch_unchanged",
     # SharedList itself maps its block as the lend areas do on both transports; what the
     # transport carries is the list under our two loaders.
     "tests/test_shared_list.py::test_mprs_plus_dataloader_over_it",

@@ -65,11 +65,13 @@ class BatchSeeds(NamedTuple):
         """Seed this process's global generators for batch ``position``."""
         import numpy as np
 
-        words = np.random.SeedSequence(self.base_seed, spawn_key=self.key(position, worker)).generate_state(4)
-        low, high = int(words[0]), int(words[1])
-        random.seed(low | high << 32 | int(words[2]) << 64 | int(words[3]) << 96)
-        torch.default_generator.manual_seed(low | high << 32)
-        np.random.seed(words)
+        # Words of their own for each generator: ``random`` and numpy's legacy generator are
+        # both MT19937 seeded by init_by_array, so the same words would give one stream twice.
+        words = np.random.SeedSequence(self.base_seed, spawn_key=self.key(position, worker)).generate_state(10)
+        np.random.seed(words[:4])
+        python = [int(word) for word in words[4:8]]
+        random.seed(python[0] | python[1] << 32 | python[2] << 64 | python[3] << 96)
+        torch.default_generator.manual_seed(int(words[8]) | int(words[9]) << 32)
 
 
 class Kept:
@@ -100,13 +102,29 @@ class Kept:
             sys.modules["numpy.random"].set_state(numpy_state)
 
 
+def batch_shard(batch_sampler: Any) -> Any:
+    """Accelerate's ``BatchSamplerShard`` dealing whole batches (``split_batches=False``),
+    where the loader's batch sampler is one, else None (read by its attributes: Accelerate
+    is not imported for it)."""
+    if type(batch_sampler).__name__ != "BatchSamplerShard":
+        return None
+    names = ("batch_sampler", "num_processes", "process_index", "split_batches", "even_batches", "drop_last")
+    if not all(hasattr(batch_sampler, name) for name in names) or batch_sampler.split_batches:
+        return None
+    return batch_sampler
+
+
 def rank_of(sampler: Any, batch_sampler: Any, distributed: tuple[int, int]) -> int:
     """The data-parallel rank a loader's batches belong to: its ``DistributedSampler``'s
-    (also within a batch sampler), else ``torch.distributed``'s when initialised (the
+    (also within a batch sampler), its ``BatchSamplerShard``'s process index (Accelerate),
+    else ``torch.distributed``'s when initialised (the
     ``(world size, rank)`` taken as the epoch began), else 0."""
     found = distributed_sampler(sampler, batch_sampler)
     if found is not None:
         return int(found.rank)
+    shard = batch_shard(batch_sampler)
+    if shard is not None:
+        return int(shard.process_index)
     return int(distributed[1])
 
 

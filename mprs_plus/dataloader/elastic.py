@@ -9,9 +9,10 @@ count and of the world size. Pure: no processes, no I/O.
                           nothing is done yet)
     fold                  a state's per-worker counts over that deal -> the Layout of what
                           is left: the same for any count, so M workers (0 included) take over
-    Remainder             a ``DistributedSampler`` epoch as one global order (the sampler's
-                          own, for num_replicas=1) of which the first ``done`` samples were
-                          made by some world size: the rest split over this world's ranks
+    Remainder             a sharded epoch as one global order (a ``DistributedSampler``'s
+                          own for num_replicas=1; the batches Accelerate's
+                          ``BatchSamplerShard`` deals) of which the first ``done`` were made
+                          by some world size: the rest split over this world's ranks
 
 Why positions are enough: with ``seeding="batch"`` a batch is a function of its indices
 and its position (``batch_seeds.py``), so nothing a worker drew before matters, and a
@@ -25,6 +26,10 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
+
+
+SAMPLES = "samples"
+BATCHES = "batches"
 
 
 class Layout(NamedTuple):
@@ -81,20 +86,30 @@ class Layout(NamedTuple):
 
 
 class Remainder(NamedTuple):
-    """An epoch of a ``DistributedSampler``, as any world size can take it over."""
+    """An epoch of a sharded loader, as any world size can take it over: one global order
+    (``unit``: the samples of a ``DistributedSampler``, or the batches of the batch sampler
+    that Accelerate's ``BatchSamplerShard`` deals), of which the first ``done`` were made;
+    the rest split over ``world`` ranks as the sharding splits an epoch."""
 
-    size: int  # len(dataset)
-    shuffle: bool
-    seed: int
-    epoch: int  # the sampler's epoch (set_epoch)
-    drop_last: bool  # the sampler's
+    size: int  # len(dataset) (samples)
+    shuffle: bool  # the sampler's (samples)
+    seed: int  # the sampler's (samples)
+    epoch: int  # the sampler's epoch, set_epoch() (samples)
+    drop_last: bool  # cut the rest to a multiple of the world size
     world: int  # the world size this epoch's rest is split over
-    done: int = 0  # samples of the global order made before (by another world size)
+    done: int = 0  # units of the global order made before (by another world size)
+    unit: str = SAMPLES
+    pad: bool = True  # not drop_last: pad the rest to a multiple of the world size (else uneven ranks)
 
     @classmethod
     def of(cls, sampler: Any) -> Remainder:
         return cls(len(sampler.dataset), bool(sampler.shuffle), int(sampler.seed), int(sampler.epoch),
                    bool(sampler.drop_last), int(sampler.num_replicas))
+
+    @classmethod
+    def of_shard(cls, shard: Any) -> Remainder:
+        return cls(0, False, 0, 0, bool(shard.drop_last), int(shard.num_processes), unit=BATCHES,
+                   pad=bool(shard.even_batches))
 
     @classmethod
     def from_dict(cls, state: Any) -> Remainder | None:
@@ -104,32 +119,40 @@ class Remainder(NamedTuple):
         return self._asdict()
 
     def order(self) -> list[int]:
-        """The epoch's global order: the sampler's own for a single replica (its permutation,
-        by torch's code), unpadded."""
+        """A ``DistributedSampler`` epoch's global order: the sampler's own for a single
+        replica (its permutation, by torch's code), unpadded."""
         from torch.utils.data import DistributedSampler
 
         sampler = DistributedSampler(range(self.size), num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
         sampler.set_epoch(self.epoch)
         return list(sampler)
 
-    def indices(self, rank: int) -> list[int]:
-        """Rank ``rank``'s samples of what is left, split as ``DistributedSampler`` splits
-        an epoch: padded by repeating its start to a multiple of the world size (or cut to
-        one with ``drop_last``), every world-th from ``rank`` on. With nothing done yet,
-        exactly the sampler's own indices."""
-        rest = self.order()[self.done :]
+    def split(self, order: list[Any], rank: int) -> list[Any]:
+        """Rank ``rank``'s part of what is left of ``order``, split as the sharding splits
+        an epoch: cut to a multiple of the world size (``drop_last``), or padded to one by
+        repeating its start (``pad``), then every world-th from ``rank`` on. With nothing
+        done yet, exactly the sharding's own part (a ``BatchSamplerShard``'s aside from the
+        samples it adds to complete a short last batch)."""
+        rest = list(order[self.done :])
         world = self.world
         if self.drop_last:
             rest = rest[: len(rest) // world * world]
-        elif rest and len(rest) % world:
+        elif self.pad and rest and len(rest) % world:
             padding = world - len(rest) % world
             rest += (rest * math.ceil(padding / len(rest)))[:padding]
         return rest[rank::world]
 
+    def indices(self, rank: int) -> list[int]:
+        """A ``DistributedSampler``'s: rank ``rank``'s samples of what is left."""
+        return self.split(self.order(), rank)
+
     def taken_over(self, batches_made: int, batch_size: int, world: int) -> Remainder:
         """What is left once every rank made its first ``batches_made`` batches of this
         split (data-parallel ranks step together), to be split over ``world`` ranks."""
-        done = min(self.size, self.done + batches_made * batch_size * self.world)
+        made = batches_made * self.world * (batch_size if self.unit == SAMPLES else 1)
+        done = self.done + made
+        if self.unit == SAMPLES:
+            done = min(self.size, done)
         return self._replace(world=world, done=done)
 
 

@@ -192,6 +192,14 @@ class IndexBatches(Sequence):  # type: ignore[type-arg]
             yield flat[start : start + size].tolist()
 
 
+def has_len(sampler: Any) -> bool:
+    try:
+        len(sampler)
+    except TypeError:
+        return False
+    return True
+
+
 def deal(batches: list[Any], workers: int) -> list[list[Any]]:
     """Index batch i to worker i % workers, as torch's round-robin does."""
     return [batches[w::workers] for w in range(workers)]

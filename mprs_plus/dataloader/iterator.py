@@ -26,7 +26,7 @@ from ..errors import ServiceClosedError
 from . import state as loader_state
 from .batch_seeds import BatchSeeds, Kept
 from .elastic import Layout, Remainder
-from .epochs import EpochStart, deal, deal_epoch, draw_batches
+from .epochs import EpochStart, deal, deal_epoch, draw_batches, has_len
 from .errors import is_fatal, torch_error
 from .stage import (
     BatchFailure,
@@ -77,7 +77,7 @@ class EpochPlan(NamedTuple):
     seeds: BatchSeeds | None = None  # seeding="batch": each batch seeded from its place
     layout: Layout = Layout()  # the batches still to make (all of them in a fresh epoch)
     batches: list[Any] | None = None  # the epoch's index batches, where not the sampler's (a Remainder's)
-    remainder: Remainder | None = None  # a DistributedSampler's epoch, as states record it
+    remainder: Remainder | None = None  # a sharded epoch (DistributedSampler, BatchSamplerShard), as states record it
 
 
 class LoaderKeep:
@@ -592,14 +592,6 @@ def warn_state_failed(keep: LoaderKeep, dataset_type: str, error: str) -> None:
         "DataLoader's states now restore that dataset by replaying its epoch from the start, as for a "
         "dataset without state_dict() (exact where it reads the same samples again)"
     )
-
-
-def has_len(sampler: Any) -> bool:
-    try:
-        len(sampler)
-    except TypeError:
-        return False
-    return True
 
 
 class _Fetched:

@@ -24,7 +24,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import state as loader_state
 from .epochs import EpochStart, capture_start, draw_epoch, set_start
-from .batch_seeds import BATCH, BatchSeeds, check_seeding, distributed_sampler, rank_of
+from .batch_seeds import BATCH, BatchSeeds, batch_shard, check_seeding, distributed_sampler, rank_of
 from .elastic import Layout, Remainder
 from .iterator import EpochPlan, EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
@@ -198,12 +198,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _epoch_plan(self, start: EpochStart, adapted: loader_state.Adapted | None) -> EpochPlan:
         """Which batches the epoch makes (a restore's, folded) and, with seeding="batch", their seeds."""
         sampler = distributed_sampler(self.sampler, self.batch_sampler)
+        shard = batch_shard(self.batch_sampler)
         if adapted is not None:
-            layout, batches, remainder = adapted.layout, adapted.batches, adapted.remainder
+            layout, remainder = adapted.layout, adapted.remainder
+            batches = adapted.batches() if adapted.batches is not None else None
         else:
             layout, batches, remainder = Layout(), None, None
         if remainder is None and sampler is not None:
             remainder = Remainder.of(sampler)  # recorded: a state restores at another world size
+        elif remainder is None and shard is not None:
+            remainder = Remainder.of_shard(shard)
         seeds = None
         if self.seeding == BATCH:
             from torch.utils.data.dataloader import _get_distributed_settings
@@ -330,6 +334,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 f"A dead worker is replaced, {self.worker_restarts} times at most (worker_restarts); "
                 f"replaced so far: {len(made)}{f' ({causes})' if made else ''}.\n"
             )
+        if self.seeding == BATCH:
+            header += (
+                "Each batch seeds random, numpy and torch from (base seed, epoch, rank, its place) (seeding=\"batch\"): "
+                "the same batches for any num_workers.\n"
+            )
         text = header + plan(LoaderStage(self._job()), workers).explain()
         memory = self._family.stats().memory  # what its workers did so far: "" before they ran
         return f"{text}\nmemory: {memory}\n" if memory else text
@@ -359,8 +368,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume ``state_dict`` (from ``state_dict()`` of a loader built the same way) with
-        the next ``iter()``. A state of another dataset length, batch size, worker count or
-        dataset kind is a ``ValueError``."""
+        the next ``iter()``. A state of another dataset length, batch size, seeding or
+        dataset kind is a ``ValueError``, and so is one of another worker count unless both
+        loaders use ``seeding="batch"`` (docs/elastic-workers.md). A state of one rank of a
+        ``DistributedSampler`` (or Accelerate's ``BatchSamplerShard``) run restores each rank
+        of a run at another world size."""
         auto = self._keep.auto
         if auto is not None and isinstance(state_dict, dict):
             recorded = state_dict.get("shape", {}).get("num_workers")

@@ -18,6 +18,9 @@ Seeding, as torch's worker loop does it: ``random`` and ``torch`` with ``base_se
 numpy's global generator with ``_generate_state(base_seed, w)``, then
 ``get_worker_info()`` is set and ``worker_init_fn(w)`` runs; a process is seeded once, so
 persistent workers carry their generators' states across epochs, as torch's do.
+With ``seeding="batch"`` (``WorkerEpoch.seeds``) each batch is also seeded, just before it is
+made, from its place in the epoch (``batch_seeds.py``), so nothing a worker drew before
+matters: a restore or a replacement skips what the loop has without reading it again.
 
 The stage keeps everything heavy (the dataset, the collate function) in a plain holder
 (``_Job``): graph walks (ours, and torch's ``traverse_dps``, which pickles what it walks)

@@ -30,13 +30,14 @@ world size of a ``DistributedSampler``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch.utils.data.dataloader import _DatasetKind
 
-from .batch_seeds import BATCH, WORKER, distributed_sampler
-from .elastic import Layout, Remainder, batches_of
-from .epochs import EpochStart
+from .batch_seeds import BATCH, WORKER, batch_shard, distributed_sampler
+from .elastic import SAMPLES, Layout, Remainder, batches_of
+from .epochs import EpochStart, has_len
 
 RUNNING = "running"
 BETWEEN = "between_epochs"
@@ -127,6 +128,8 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
     state = {**state, "worker_states": {int(w): tuple(v) for w, v in state["worker_states"].items()}}
     if recorded["num_workers"] != expected["num_workers"]:
         _check_other_count(loader, state, recorded["num_workers"], expected["num_workers"])
+    if state["phase"] == RUNNING:
+        check_world(loader, state)
     return state
 
 
@@ -140,6 +143,10 @@ def _check_other_count(loader: Any, state: dict[str, Any], recorded: int, worker
             "on the count. Restore with the same num_workers, or build both loaders with seeding=\"batch\", "
             "whose states restore at any count (docs/elastic-workers.md)"
         )
+    if max(recorded, workers) <= 1:
+        # One replica either way: the loop's own process is worker 0 of 1 (the same shard, the
+        # same dataset state, the same seeds), so a state of each restores at the other.
+        return
     if state["worker_states"]:
         raise ValueError(
             f"{taken}: it holds each worker's own dataset state (the dataset's state_dict()), which cannot be "
@@ -152,8 +159,6 @@ def _check_other_count(loader: Any, state: dict[str, Any], recorded: int, worker
             f"{taken}: an iterable dataset shards itself by worker (get_worker_info()), so its position is each "
             "worker's own. Restore mid-epoch with the same num_workers (a state between epochs restores at any count)"
         )
-    from .iterator import has_len
-
     if not has_len(loader._index_sampler):
         raise ValueError(
             f"{taken}: a sampler without len() is drawn in the workers, a worker's share at a time. Restore "
@@ -166,16 +171,17 @@ class Adapted(NamedTuple):
 
     state: dict[str, Any]  # with the counts over this loader's deal
     layout: Layout  # the epoch's batches still to make
-    batches: list[Any] | None  # the epoch's index batches, where a Remainder makes them (else the sampler's)
-    remainder: Remainder | None  # the epoch of a DistributedSampler, as later states record it
+    batches: Callable[[], list[Any]] | None  # the epoch's index batches, where a Remainder makes them (else the sampler's)
+    remainder: Remainder | None  # a sharded epoch, as later states record it
 
 
 def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
     """A running state (checked) made ready for ``loader``'s epoch.
 
-    - A ``DistributedSampler`` whose world size is not the state's (or whose epoch is
-      already a remainder): the rank's batches made are folded into the global order, and
-      what is left of it is split over this world (``Remainder``).
+    - A sharding (``DistributedSampler``, Accelerate's ``BatchSamplerShard``) whose world
+      size is not the state's (or whose epoch is already a remainder): the rank's batches
+      made are folded into the global order, and what is left of it is split over this
+      world (``Remainder``).
     - ``seeding="batch"`` and no dataset state of a worker's own: the counts are folded
       into a ``Layout`` (nothing needs replaying; any worker count deals what is left).
     - Otherwise the state as it is: the workers skip their counts, as recorded."""
@@ -183,19 +189,15 @@ def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
     recorded = max(state["shape"]["num_workers"], 1)
     layout = Layout.from_dict(state.get("layout"))
     remainder = Remainder.from_dict(state.get("distributed"))
-    sampler = distributed_sampler(loader.sampler, loader.batch_sampler)
     fresh = {**state, "consumed": [0] * workers, "next_worker": 0}
-    if remainder is not None and sampler is not None and (remainder.world != sampler.num_replicas or remainder.done):
+    sharding = splitter(loader, remainder)
+    if remainder is not None and sharding is not None and (remainder.world != sharding[0] or remainder.done):
+        world, rank, order = sharding
         if state["worker_states"]:
             raise ValueError(
-                f"this state was taken at a world size of {remainder.world}, this rank's DistributedSampler has "
-                f"{sampler.num_replicas}: it holds the dataset's own state of each worker, which cannot be split over "
-                "other ranks. Restore at the same world size"
-            )
-        if loader.batch_size is None or loader.batch_sampler is None or getattr(loader.batch_sampler, "sampler", None) is not sampler:
-            raise ValueError(
-                "a state restores at another world size only for a DistributedSampler batched by the loader "
-                "(batch_size=...): restore at the same world size"
+                f"this state was taken at a world size of {remainder.world}, this rank's loader has {world}: it "
+                "holds the dataset's own state of each worker, which cannot be split over other ranks. Restore at "
+                "the same world size"
             )
         left = layout.fold(recorded, state["consumed"])
         if left.done:
@@ -203,26 +205,68 @@ def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
                 "this state's batches were handed out of order (in_order=False), so the ranks made different "
                 "samples: it restores at another world size only when taken in order. Restore at the same world size"
             )
-        remainder = remainder.taken_over(left.start, loader.batch_size, int(sampler.num_replicas))
-        indices = remainder.indices(int(sampler.rank))
-        return Adapted(fresh, Layout(), batches_of(indices, loader.batch_size, loader.drop_last), remainder)
-    from torch.utils.data.dataloader import _get_distributed_settings
+        remainder = remainder.taken_over(left.start, loader.batch_size or 1, world)
+        if remainder.unit == SAMPLES:
+            size, drop_last, taken = loader.batch_size, loader.drop_last, remainder
 
-    world = int(sampler.num_replicas) if sampler is not None else _get_distributed_settings()[0]
-    if state.get("world_size") is not None and state["world_size"] != world:
-        raise ValueError(
-            f"this state was taken at a world size of {state['world_size']}, this process is one of {world}: another "
-            "world size is resumed for torch's DistributedSampler batched by the loader only (its epoch is one "
-            "global order; another sharding's is not known here). Restore at the same world size"
-        )
+            def batches() -> list[Any]:
+                return batches_of(taken.indices(rank), size, drop_last)
+        else:
+            taken = remainder
+
+            def batches() -> list[Any]:  # drawn after the epoch's base seed, as the sampler's own draws are
+                return taken.split(order(), rank)
+
+        return Adapted(fresh, Layout(), batches, remainder)
+    check_world(loader, state)
     if getattr(loader, "seeding", WORKER) == BATCH and not state["worker_states"] and recorded_by_position(loader):
         return Adapted(fresh, layout.fold(recorded, state["consumed"]), None, remainder)
     return Adapted(state, layout, None, remainder)
 
 
+def splitter(loader: Any, remainder: Remainder | None) -> tuple[int, int, Callable[[], list[Any]]] | None:
+    """(world size, rank, the epoch's global order) of the loader's sharding where it can
+    split ``remainder``'s kind: a ``DistributedSampler`` batched by the loader, or
+    Accelerate's ``BatchSamplerShard`` of whole batches; else None."""
+    if remainder is None:
+        return None
+    if remainder.unit == SAMPLES:
+        sampler = distributed_sampler(loader.sampler, loader.batch_sampler)
+        if sampler is None or loader.batch_size is None or getattr(loader.batch_sampler, "sampler", None) is not sampler:
+            return None
+        return int(sampler.num_replicas), int(sampler.rank), remainder.order
+    shard = batch_shard(loader.batch_sampler)
+    if shard is None:
+        return None
+    inner = shard.batch_sampler
+    return int(shard.num_processes), int(shard.process_index), lambda: list(inner)
+
+
+def check_world(loader: Any, state: dict[str, Any]) -> None:
+    """A running state of another world size restores only by its ``Remainder`` (a
+    ``DistributedSampler`` then and now); else a ValueError."""
+    from torch.utils.data.dataloader import _get_distributed_settings
+
+    sampler = distributed_sampler(loader.sampler, loader.batch_sampler)
+    if splitter(loader, Remainder.from_dict(state.get("distributed"))) is not None:
+        return  # adapt() splits the rest over this world
+    shard = batch_shard(loader.batch_sampler)
+    if sampler is not None:
+        world = int(sampler.num_replicas)
+    elif shard is not None:
+        world = int(shard.num_processes)
+    else:
+        world = _get_distributed_settings()[0]
+    if state.get("world_size") is not None and state["world_size"] != world:
+        raise ValueError(
+            f"this state was taken at a world size of {state['world_size']}, this process is one of {world}: another "
+            "world size is resumed for torch's DistributedSampler batched by the loader, and for Accelerate's "
+            "BatchSamplerShard of whole batches, only (their epoch is one global order; another sharding's is not "
+            "known here). Restore at the same world size"
+        )
+
+
 def recorded_by_position(loader: Any) -> bool:
     """Whether the loader's epochs are dealt by positions here: a map-style dataset whose
     sampler has a len()."""
-    from .iterator import has_len
-
     return loader._dataset_kind == _DatasetKind.Map and has_len(loader._index_sampler)

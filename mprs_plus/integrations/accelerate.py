@@ -71,7 +71,7 @@ _originals: dict[str, Any] | None = None  # what enable() replaced, for disable(
 # This class's own arguments, which torch's loader has not: a loader built from torch's
 # (Transformers' Trainer makes one) takes those given to enable(); one built from this
 # class takes that loader's.
-_OWN = ("device", "backend", "collect_stats", "snapshot_every_n_steps", "worker_restarts")
+_OWN = ("device", "backend", "collect_stats", "snapshot_every_n_steps", "worker_restarts", "seeding")
 _options: dict[str, Any] = {}  # given to enable()
 _built: list[weakref.ref[DataLoader]] = []  # the loaders built here, newest last
 
@@ -83,7 +83,7 @@ def enable(**options: Any) -> None:
     Call it once, before your loaders are prepared (with ``Trainer``: before
     ``trainer.train()``); a second call only sets the options it names. ``options``:
     arguments of ``mprs_plus.DataLoader`` that torch's has not (``worker_restarts``,
-    ``device``, ``backend``, ``collect_stats``, ``snapshot_every_n_steps``), for the
+    ``device``, ``backend``, ``collect_stats``, ``snapshot_every_n_steps``, ``seeding``), for the
     loaders built from torch's, such as the one ``Trainer`` makes; a loader of this class
     keeps its own. Raises ``TypeError`` for another name, ``ImportError`` without
     Accelerate, and ``RuntimeError`` for a release outside ``SUPPORTED``, whose internals
