@@ -99,6 +99,12 @@ class Options(_Fields):
             if self.items_ahead == 0:
                 raise ValueError("items_ahead must be >= 1 (items a worker may produce ahead), or None")
         _non_negative_int("worker_restarts", self.worker_restarts)
+        if self.num_workers == "auto":
+            raise ValueError(
+                "num_workers='auto' is mprs_plus.DataLoader's: the reading service's workers each run a replica of "
+                "the DataPipe graph, which shards by the worker count (sharding_filter), so the count cannot change "
+                "while an epoch runs. Pass an int here, or use mprs_plus.DataLoader over a map-style dataset"
+            )
         _non_negative_int("num_workers", self.num_workers)
         _non_negative_int("worker_prefetch_cnt", self.worker_prefetch_cnt)
         _non_negative_int("main_prefetch_cnt", self.main_prefetch_cnt)

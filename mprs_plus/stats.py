@@ -293,7 +293,7 @@ class Stats:
     epochs: int = 0
     # Dead workers replaced (``worker_restarts``), in order: each a record with ``worker``,
     # ``pid``, ``cause`` ("SIGKILL", "exit code 3"), ``epoch``, ``items``, ``rss_bytes``,
-    # ``out_of_memory`` and ``poison`` (docs/worker-restarts.md).
+    # ``out_of_memory``, ``poison`` and ``oom_kill`` (docs/worker-restarts.md).
     replacements: tuple[Any, ...] = ()
 
     @property
@@ -307,6 +307,9 @@ class Stats:
     # workers' growth is judged, and the sentence naming copy-on-access ("" when none).
     main_memory_bytes: int = 0
     memory: str = ""
+    # num_workers="auto": the count chosen, how it got there and why ("" otherwise).
+    workers_chosen: str = ""
+
     # The timeline's rings, when one is recorded (``timeline=True``): read by ``timeline()``.
     trace: Any = field(default=None, repr=False, compare=False)
 
@@ -364,6 +367,8 @@ class Stats:
 
     def summary(self) -> str:
         lines = [self.bottleneck]
+        if self.workers_chosen:
+            lines.append(f"  {self.workers_chosen}")
         if self.segments:
             over = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}" if self.epochs else "every epoch so far"
             lines.append(f"  counts since the service started, over {over} (not per epoch):")
@@ -427,8 +432,10 @@ class Stats:
         if self.replacements:
             causes = ", ".join(f"{cause} x{count}" for cause, count in self.replacement_causes.items())
             poison = sum(1 for made in self.replacements if made.poison)
+            oom = sum(1 for made in self.replacements if getattr(made, "oom_kill", False))
             lines.append(
                 f"  dead workers replaced: {len(self.replacements)} ({causes})"
+                + (f"; {oom} killed by the out-of-memory killer" if oom else "")
                 + (f"; {poison} item{'s' if poison != 1 else ''} left out (killed two workers)" if poison else "")
             )
         return "\n".join(lines)

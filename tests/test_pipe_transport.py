@@ -38,6 +38,8 @@ SUBSET = [
     "tests/test_pause.py",
     "tests/test_dataloader_in_place.py",
     "tests/test_worker_restarts.py",
+    "tests/test_oom_kills.py",
+    "tests/test_auto_workers.py",
     # seeding="batch" over the workers' channels: the same batches, a restore at another
     # count, a poison sample (the rest of that file runs in one process, or once is enough).
     "tests/test_elastic.py::test_the_same_batches_for_0_1_and_3_workers_and_as_ready",

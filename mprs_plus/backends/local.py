@@ -28,7 +28,10 @@ class LocalPlacement:
     on_this_host = True
 
     def __init__(self, ctx: Any) -> None:
+        from ..runtime.main.oom import OomKills
+
         self._ctx = ctx
+        self.oom_kills = OomKills()  # the cgroup's OOM kills counted from here on (``runtime/main/oom.py``)
 
     def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Any, Any]:
         del control  # one kind of channel serves both here
@@ -53,7 +56,7 @@ class LocalPlacement:
     def death_error(self, processes: Sequence[Any]) -> Exception:
         from ..runtime.main.lifecycle import death_error
 
-        return death_error(processes)
+        return death_error(processes, self.oom_kills.rose)
 
     def node_of(self, process: Any) -> str | None:
         return None  # this host

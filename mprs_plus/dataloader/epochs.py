@@ -104,7 +104,7 @@ def draw_epoch(loader: Any, start: EpochStart) -> tuple[int, int | None, Iterato
     indices = iter(loader._index_sampler)
     if start.draws_base_seed:
         base_seed = _draw(loader.generator)
-        if datapipe and loader.num_workers > 0:
+        if datapipe and getattr(loader, "_workers_now", loader.num_workers) > 0:
             _draw(loader.generator)
     else:
         base_seed = start.base_seed  # type: ignore[assignment]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -86,10 +87,11 @@ class LoaderKeep:
     persistent workers' runtime, the datasets' states they carry into the next epoch, and
     whether the dataset's failing ``state_dict()`` was reported."""
 
-    __slots__ = ("run", "carry", "state_warned")
+    __slots__ = ("run", "carry", "state_warned", "auto")
 
     def __init__(self) -> None:
         self.run: LoaderRun | None = None
+        self.auto: Any = None  # num_workers="auto": the loader's AutoWorkers (``auto.py``)
         self.carry: dict[int, tuple[int, Any]] = {}
         self.state_warned = False
 
@@ -155,6 +157,12 @@ class LoaderIterator:
         self._returned = self._handed
         self._ahead = 0
         self._feeding: Any = None
+        # num_workers="auto" (``auto.py``): the epoch's index batches, and each worker's places
+        # in it, so that what is left can be dealt anew over another count.
+        self._auto = keep.auto if settings.num_workers > 0 else None
+        self._every: list[Any] = []
+        self._positions: list[list[int]] = []
+        self._run_base = 0  # batches the loop had when the current run began (a resize's)
         self._in_order = settings.in_order
         self._kind = settings.kind
         # An iterable dataset whose len() the loop asked before this epoch: torch warns
@@ -197,8 +205,14 @@ class LoaderIterator:
         return self._next()
 
     def _next(self) -> Any:
+        auto = self._auto
         try:
-            item = next(self._items)
+            if auto is None:
+                item = next(self._items)
+            else:
+                began = time.perf_counter()
+                item = next(self._items)
+                auto.waited(time.perf_counter() - began, self._run)
         except StopIteration:
             self._finish()
             raise
@@ -224,6 +238,8 @@ class LoaderIterator:
         if type(item) is LostItem:  # a batch that killed two workers in turn (worker_restarts)
             raise item.error(self._batch_named(item.worker, item.position)) from None
         self._returned += 1
+        if auto is not None and auto.due():
+            self._maybe_resize(auto)
         if self._length_said is not None and self._returned > self._length_said:
             self._warn_past_length()
         if type(item) is WithState:
@@ -289,10 +305,12 @@ class LoaderIterator:
         sampler = None
         plan = self._plan
         if settings.kind == _DatasetKind.Map:
-            if plan.batches is not None or not plan.layout.fresh:
+            if self._auto is not None or plan.batches is not None or not plan.layout.fresh:
+                # num_workers="auto" keeps every batch here, with its place: a resize deals the rest anew.
                 every = plan.batches if plan.batches is not None else draw_batches(settings.index_sampler, indices)
                 positions = plan.layout.deal(len(every), workers)
                 shares = [[every[p] for p in share] for share in positions]
+                self._every, self._positions = every, positions
             elif has_len(settings.index_sampler):
                 shares = deal_epoch(settings.index_sampler, indices, workers)
             else:  # drawn in the workers, a batch at a time (an infinite sampler has no list)
@@ -321,6 +339,9 @@ class LoaderIterator:
         self._run = run
         self._worker_handles = run.runtime.worker_processes()
         self._ahead = run.feeding.ahead if run.feeding is not None else 0
+        if self._auto is not None:
+            self._auto.epoch_began()
+            self._auto.begin()
         skips: tuple[int, ...] = ()
         next_worker = 0
         if self._restore is not None:
@@ -333,7 +354,82 @@ class LoaderIterator:
             if mapped is None:
                 raise
             raise mapped from None
+        if self._auto is not None:
+            self._auto.note_started(run)
         return iter(run.main)
+
+    # -- num_workers="auto" ------------------------------------------------------------
+
+    def _maybe_resize(self, auto: Any) -> None:
+        """The policy judged a window (``auto.py``): where it asks for another count, what
+        the loop has not received is dealt anew over that many new workers, exactly as a
+        state restores at another count (``elastic.Layout``: the layout folded with what
+        each worker handed out). The new workers start first; the old ones then stop, and
+        what they had made beyond the loop's batches is made again by the new ones."""
+        run = self._run
+        decision = auto.decide()
+        if decision is None or run is None:
+            return
+        count = decision.workers
+        layout = self._layout_left(run)
+        total = len(self._every)
+        if layout is None or sum(len(share) for share in layout.deal(total, 1)) < 2 * count:
+            return  # too near the epoch's end to be worth a start (or not to be told): the next epoch starts with it
+        positions = layout.deal(total, count)
+        settings = self._settings
+        options = settings.options._replace(num_workers=count)
+        new = LoaderRun(options, settings.job, count, settings.family, settings.pin_memory_device)
+        if not self._owns_run:  # persistent workers: the loader keeps the new ones
+            self._keep.run = new
+        self._run = new
+        # From here the epoch is this count's: its states say so, with what is left.
+        self._settings = settings._replace(num_workers=count, options=options, shape={**settings.shape, "num_workers": count})
+        self._num_workers = count
+        self._plan = self._plan._replace(layout=layout)
+        self._fixed_state = None
+        self._positions = positions
+        self._shares = [[self._every[p] for p in places] for places in positions]
+        base_seed = self.start.base_seed or 0
+        parts = [
+            WorkerEpoch(
+                w, count, base_seed, self._shares[w], None, 0, None, self._shared_seed, self._distributed,
+                self._plan.seeds, positions[w],
+            )
+            for w in range(count)
+        ]
+        self._worker_handles = new.runtime.worker_processes()
+        self._ahead = new.feeding.ahead if new.feeding is not None else 0
+        self._run_base = self._handed  # the new run's cursor counts from here
+        self._restore = None
+        auto.begin()
+        try:
+            # The new workers start (under fork, here) while the old ones are stopped next.
+            new.runtime.begin_epoch(None, EpochOrders(parts))
+        except Exception as exc:
+            run.stop()
+            mapped = torch_error(exc, self._timeout)
+            if mapped is None:
+                raise
+            raise mapped from None
+        run.stop()
+        auto.note_started(new)
+        self._items = iter(new.main)
+
+    def _layout_left(self, run: LoaderRun) -> Layout | None:
+        """What the loop has not received of the epoch, as a layout; None where it cannot
+        be told (batches on their way to the device, taken as they are ready)."""
+        cursor = run.runtime.read_cursor()
+        workers = len(self._positions)
+        consumed = list(cursor.consumed) if cursor is not None else [0] * workers
+        ahead = sum(consumed) - (self._handed - self._run_base)
+        if self._ahead and ahead > 0:
+            if not self._in_order:
+                return None
+            turn = cursor.next_worker if cursor is not None else 0
+            for _ in range(ahead):  # read, not yet received: the last reads, in turn backwards
+                turn = (turn - 1) % workers
+                consumed[turn] -= 1
+        return self._plan.layout.fold(workers, consumed)
 
     def _batch_named(self, worker: int, position: int) -> str:
         """How a lost batch is named: its indices when this process dealt them."""
@@ -410,7 +506,7 @@ class LoaderIterator:
     # -- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        if self._ahead and self._handed < (self._yielded if self._num_workers == 0 else self._read()):
+        if self._ahead and self._handed - self._run_base < (self._yielded if self._num_workers == 0 else self._read()):
             return self._running(*self._handed_counts(), dict(self._worker_states))
         if self._num_workers == 0:
             consumed, next_worker = [self._yielded], 0
@@ -491,7 +587,7 @@ class LoaderIterator:
                 "state_dict() while batches are on their way to the device (device=) needs a map-style dataset "
                 "read in order (in_order=True): take the state between epochs, or leave device=None"
             )
-        n, workers = self._handed, max(self._num_workers, 1)
+        n, workers = self._handed - self._run_base, max(self._num_workers, 1)  # of the current run (auto's resizes)
         return [len(range(w, n, workers)) for w in range(workers)], n % workers
 
 

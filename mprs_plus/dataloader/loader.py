@@ -30,6 +30,7 @@ from .elastic import Layout, Remainder
 from .iterator import EpochPlan, EpochSettings, LoaderIterator, LoaderKeep, warn_state_failed
 from .stage import LoaderStage, StateFailure, _Job, has_state, snapshot
 from ..runtime.timeline import Span
+from .auto import AUTO, AutoCount, AutoWorkers, check_max_workers
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -86,6 +87,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         timeline: record a timeline of every worker and of the loop, for
             ``stats().write_timeline(path)``: True, False (default), or the spans kept per
             process (the documentation's page "Profiling a run").
+        max_workers: the cap of ``num_workers="auto"``, with which the count is chosen while
+            the epochs run: it starts small and grows while the loop waits for busy workers
+            (past the cores for samples that wait on storage), within ``max_workers``
+            (default 4x the cores) and the memory available; ``stats()`` says the count and
+            why. ``"auto"`` implies ``seeding="batch"`` unless seeding is given (the
+            documentation's page "Elastic workers").
     """
 
     def __init__(
@@ -95,7 +102,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         shuffle: bool | None = None,
         sampler: Any = None,
         batch_sampler: Any = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Any = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -115,6 +122,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         worker_restarts: int = 0,
         seeding: str | None = None,
         timeline: bool | int = False,
+        max_workers: int | None = None,
     ) -> None:
         from ..runtime.main.family import Family
 
@@ -129,6 +137,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._base_seed: int | None = None  # persistent workers: drawn with their first epoch
         self._epoch = 0  # epochs begun (iter() calls): part of a batch's seeds with seeding="batch"
         self._family = Family.new()
+        auto = _is_auto(num_workers)
+        if auto:  # the policy and its count, which the epochs share (``auto.py``)
+            if isinstance(num_workers, AutoCount) and max_workers is None:
+                max_workers = int(num_workers)  # a trainer re-creating the loader from its attributes
+            self._keep.auto = AutoWorkers(check_max_workers(max_workers))
+        elif max_workers is not None:
+            raise ValueError("max_workers caps num_workers='auto'; with a fixed num_workers, leave it None")
         # By keyword: a trainer that records this call to re-create the loader (Lightning,
         # when this class was made after it wrapped torch's __init__) reads each argument
         # by its name, whatever its position.
@@ -138,7 +153,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
-            num_workers=num_workers,
+            # torch's checks see a count (one worker: "auto" starts small); the attribute
+            # reads "auto" once torch's __init__ is done.
+            num_workers=1 if auto else num_workers,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
             drop_last=drop_last,
@@ -164,15 +181,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.backend = backend
         self.collect_stats = collect_stats
         self.worker_restarts = worker_restarts  # dead workers replaced in the loader's life (docs/worker-restarts.md)
-        self.seeding = check_seeding("worker" if seeding is None else seeding)
         self.timeline = timeline  # record a timeline of every process (see docs/profiling.md)
+        # "auto" changes the count inside an epoch: its batches must not depend on it.
+        self.seeding = check_seeding(("batch" if auto else "worker") if seeding is None else seeding)
+        self.max_workers = max_workers
+        if auto:
+            self.num_workers = AutoCount(self._keep.auto.policy.max_workers)  # reads "auto"; as a number, the cap
+            _check_auto_fits(self)
         self._options()  # checked now, as torch checks its own arguments
 
     # -- iterating ---------------------------------------------------------------------
 
     def __iter__(self) -> LoaderIterator:  # type: ignore[override]
         restore, self._restore = self._restore, None
-        persistent = self.persistent_workers and self.num_workers > 0
+        persistent = self.persistent_workers and self._workers_now > 0
         carried, send = dict(self._keep.carry) if persistent else {}, False
         adapted = None
         if restore is not None:
@@ -230,14 +252,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return EpochPlan(seeds, layout, batches, remainder)
 
     @property
+    def _workers_now(self) -> int:
+        """The worker count of the next epoch: the one ``num_workers="auto"`` chose last."""
+        auto = self._keep.auto
+        return auto.count if auto is not None else self.num_workers
+
+    @property
     def _run(self) -> Any:
         """Persistent workers' runtime, kept across epochs (None without)."""
         return self._keep.run
 
     def _epoch_settings(self) -> EpochSettings:
         return EpochSettings(
-            num_workers=self.num_workers,
-            persistent=bool(self.persistent_workers and self.num_workers > 0),
+            num_workers=self._workers_now,
+            persistent=bool(self.persistent_workers and self._workers_now > 0),
             prefetch_factor=self.prefetch_factor,
             timeout=self.timeout,
             in_order=self.in_order,
@@ -262,8 +290,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         context = self.multiprocessing_context
         if context is not None and not isinstance(context, str):
             context = context.get_start_method()
+        workers = self._workers_now
         return Options(
-            num_workers=self.num_workers,
+            num_workers=workers,
             multiprocessing_context=context,
             worker_prefetch_cnt=self.prefetch_factor or 0,
             main_prefetch_cnt=0,
@@ -273,10 +302,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
             # their channels let them (bounded in bytes and items): a bound of 2 would keep
             # every worker waiting on the loop after each small batch, at a third of the rate
             # (ints in batches of 64: 1.2M samples/s against 3.9M on 2 cores).
-            items_ahead=(self._prefetch_asked or None) if self.num_workers > 0 else None,
+            items_ahead=(self._prefetch_asked or None) if workers > 0 else None,
             in_order=self.in_order,
             timeout=self.timeout or None,
-            collect_stats=self.collect_stats,
+            collect_stats=self.collect_stats or self._keep.auto is not None,  # "auto" decides on them
             backend=self.backend,
             pin_memory=bool(self.pin_memory),
             device=self.device,
@@ -301,13 +330,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def stats(self) -> Any:
         """A snapshot of what every worker has done, with a sentence naming the bottleneck
         (``stats().summary()``); empty before the first epoch or without workers."""
-        return self._family.stats()
+        stats = self._family.stats()
+        auto = self._keep.auto
+        if auto is None:
+            return stats
+        from dataclasses import replace
+
+        return replace(stats, workers_chosen=auto.summary())
 
     def explain(self) -> str:
         """The loader's plan as text: what runs in the workers and in this process."""
         from ..plan import plan
 
-        if self.num_workers == 0:
+        workers = self._workers_now
+        if workers == 0:
             work = f"this process draws, fetches from {type(self.dataset).__name__} and collates every batch"
         elif self._dataset_kind == _DatasetKind.Iterable:
             work = f"each worker iterates its own replica of {type(self.dataset).__name__} and collates its batches"
@@ -315,10 +351,17 @@ class DataLoader(_TorchDataLoader[_T_co]):
             sampler = type(self.batch_sampler if self.batch_sampler is not None else self.sampler).__name__
             work = (
                 f"the main process draws index batches from {sampler}; each worker fetches its share "
-                f"(batch i goes to worker i % {self.num_workers}) from {type(self.dataset).__name__} and collates it"
+                f"(batch i goes to worker i % {workers}) from {type(self.dataset).__name__} and collates it"
             )
         header = f"mprs_plus.DataLoader: {work}; LoaderStage is that work.\n"
-        if self.worker_restarts and self.num_workers > 0:
+        auto = self._keep.auto
+        if auto is not None:
+            chosen = auto.summary() if auto.policy.decisions[1:] else f"num_workers='auto': starts with {workers}"
+            header += (
+                f"{chosen}. The count is chosen while the epochs run, up to max_workers={auto.policy.max_workers} "
+                f"({auto.policy.cores} cores usable), within the memory available.\n"
+            )
+        if self.worker_restarts and workers > 0:
             made = self.stats().replacements
             causes = ", ".join(f"{cause} x{count}" for cause, count in self.stats().replacement_causes.items())
             header += (
@@ -330,7 +373,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 "Each batch seeds random, numpy and torch from (base seed, epoch, rank, its place) (seeding=\"batch\"): "
                 "the same batches for any num_workers.\n"
             )
-        text = header + plan(LoaderStage(self._job()), self.num_workers).explain()
+        text = header + plan(LoaderStage(self._job()), workers).explain()
         memory = self._family.stats().memory  # what its workers did so far: "" before they ran
         return f"{text}\nmemory: {memory}\n" if memory else text
 
@@ -351,7 +394,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             return dict(self._restore)
         start = capture_start(self, self._base_seed, not (self.persistent_workers and self._base_seed is not None))
         carried = self._keep.carry if self.persistent_workers else None
-        if self.num_workers == 0 and has_state(self.dataset):
+        if self._workers_now == 0 and has_state(self.dataset):
             # Without workers the dataset itself goes from epoch to epoch, as a persistent
             # worker's replica does: its state now (after the last epoch's end) starts the next.
             state = snapshot(self.dataset)
@@ -369,12 +412,44 @@ class DataLoader(_TorchDataLoader[_T_co]):
         loaders use ``seeding="batch"`` (docs/elastic-workers.md). A state of one rank of a
         ``DistributedSampler`` (or Accelerate's ``BatchSamplerShard``) run restores each rank
         of a run at another world size."""
+        auto = self._keep.auto
+        if auto is not None and isinstance(state_dict, dict):
+            recorded = state_dict.get("shape", {}).get("num_workers")
+            if isinstance(recorded, int) and recorded >= 1:
+                auto.count = recorded  # resumed at the count it was taken with; "auto" goes on from there
         self._restore = loader_state.check(self, state_dict)
         self._current = None  # state_dict() now reports the loaded state, until the next iter()
         run, self._keep.run = self._keep.run, None
         if run is not None:  # persistent workers seeded for another run: the restore starts its own
             run.stop()
             self._base_seed = None
+
+
+def _check_auto_fits(loader: DataLoader[Any]) -> None:
+    """num_workers="auto" changes the count inside an epoch by dealing what is left of it
+    anew: the epoch must be a list of index batches drawn here."""
+    from .iterator import has_len
+
+    if loader._dataset_kind == _DatasetKind.Iterable:
+        raise ValueError(
+            "num_workers='auto' needs a map-style dataset: an iterable dataset shards itself by the worker "
+            "count (get_worker_info()), so its workers cannot change inside an epoch. Pass a fixed num_workers"
+        )
+    if not has_len(loader._index_sampler):
+        raise ValueError(
+            "num_workers='auto' needs a sampler with len(): the epoch's batches are dealt anew when the count "
+            "changes, and a sampler without an end has no list of them. Pass a fixed num_workers"
+        )
+
+
+def _is_auto(num_workers: Any) -> bool:
+    if isinstance(num_workers, AutoCount):
+        return True
+    if isinstance(num_workers, str):
+        if num_workers != AUTO:
+            raise ValueError(f"num_workers must be an int >= 0 or 'auto', got {num_workers!r}")
+        return True
+    return False
 
 
 def _length_or_none(loader: DataLoader[Any]) -> int | None:

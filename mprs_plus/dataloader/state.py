@@ -56,7 +56,7 @@ def shape(loader: Any) -> dict[str, Any]:
         "dataset_length": length,
         "batch_size": loader.batch_size,
         "drop_last": loader.drop_last,
-        "num_workers": loader.num_workers,
+        "num_workers": getattr(loader, "_workers_now", loader.num_workers),  # "auto": the count it runs
         "seeding": getattr(loader, "seeding", WORKER),
     }
 
@@ -185,7 +185,7 @@ def adapt(loader: Any, state: dict[str, Any]) -> Adapted:
     - ``seeding="batch"`` and no dataset state of a worker's own: the counts are folded
       into a ``Layout`` (nothing needs replaying; any worker count deals what is left).
     - Otherwise the state as it is: the workers skip their counts, as recorded."""
-    workers = max(loader.num_workers, 1)
+    workers = max(getattr(loader, "_workers_now", loader.num_workers), 1)  # "auto": the count it runs
     recorded = max(state["shape"]["num_workers"], 1)
     layout = Layout.from_dict(state.get("layout"))
     remainder = Remainder.from_dict(state.get("distributed"))

@@ -19,6 +19,7 @@ Rooms by process: a module's folder says where its code runs.
       diagnose.py    what in a segment cannot be pickled
       feeding.py     pin_memory / device=: page-locked lend areas, copies ahead on a side stream
       replacement.py worker_restarts: the budget, the poison rule, what a replacement says
+      oom.py         the cgroup's count of out-of-memory kills, read around a death
     child/     a dispatch or worker process only
       worker.py      the worker process: one replica of the worker segment
       dispatch.py    the dispatch process: deals items round-robin to the workers

@@ -327,6 +327,9 @@ def skip_items(lane: Lane, inbox: Inbox, where: str, skips: list[int], k: int) -
     return False
 
 
+PUBLISH_EVERY = 0.1  # seconds: the longest a lane's counts wait in it before the shared table sees them
+
+
 def _take_traced(window: Any, lane: Lane, interrupted: Callable[[], bool], trace: Any) -> bool:
     """``window.take``, its wait on the timeline: the lane is ahead of the loop by its window."""
     began = time.perf_counter()
@@ -352,6 +355,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
     def interrupted() -> bool:
         return inbox.interrupt
 
+    published = clock()
     try:
         while not inbox.interrupt:  # unlocked read, once per item: see the module docstring
             if window is not None and not (
@@ -395,7 +399,10 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
             stats.items_out += 1
             if trace is not None:
                 trace.item(started, produced, sent, Span.SENDING)
-            if not stats.items_out & 63:
+            # Every 64 items, or every PUBLISH_EVERY seconds for slow ones: num_workers="auto"
+            # judges windows of a fraction of a second by these counts.
+            if not stats.items_out & 63 or produced - published > PUBLISH_EVERY:
+                published = produced
                 stats.publish()
                 stats.sample_memory(due_only=True)
             elif stats.items_out == 1:

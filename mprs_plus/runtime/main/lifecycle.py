@@ -90,17 +90,24 @@ def stop_processes(processes: Sequence[Any], drain: Callable[[float], None] | No
         process.join(_KILL_WAIT)
 
 
-def death_error(processes: Sequence[Any]) -> Exception:
+def death_error(processes: Sequence[Any], out_of_memory: Callable[[], str | None] | None = None) -> Exception:
     """The error for a child that is gone without being asked: which one, and how it ended.
 
     The channel can break a moment before the process has exited: give it that moment,
-    then reap the ones whose sentinel fired (they are gone or going)."""
+    then reap the ones whose sentinel fired (they are gone or going). ``out_of_memory()``:
+    whether the kernel's OOM killer killed since it was last asked (``oom.py``), which
+    names a SIGKILL as its kill."""
     ready = wait([p.sentinel for p in processes], DEATH_GRACE)
     dead = []
     for process in processes:
         process.join(None if process.sentinel in ready else 0)
         if process.exitcode is not None:
-            dead.append(f"{process.name} (pid {process.pid}) {exit_description(process)}")
+            how = exit_description(process)
+            if process.exitcode == -signal.SIGKILL and out_of_memory is not None:
+                killer = out_of_memory()
+                if killer is not None:
+                    how += f" ({killer})"
+            dead.append(f"{process.name} (pid {process.pid}) {how}")
     if not dead:
         return ProcessDiedError("a child process of the reading service closed its channel unexpectedly")
     return ProcessDiedError(

@@ -28,7 +28,9 @@ same set.
 Memory: a killed process cannot be asked for its memory, so while replacements are
 allowed a thread samples each worker's resident memory, and the machine's and cgroup's
 use, twice a second (``MemoryWatch``): the warning names the last sample, and says
-"likely the out-of-memory killer" for a SIGKILL with memory near a limit then. A Ray
+"likely the out-of-memory killer" for a SIGKILL with memory near a limit then. A sample
+can miss a spike; the kernel's own count of OOM kills cannot (``oom.py``): a SIGKILL
+with the cgroup's count risen since the last death is "killed by the out-of-memory killer". A Ray
 actor (``backends/ray``) is not sampled: its memory is another node's; its records reach
 the main process on its data channel (``generators.SentRecord``).
 """
@@ -41,6 +43,7 @@ from typing import Any, NamedTuple
 
 from ...errors import ProcessDiedError
 from ...user_frame import warn
+from .oom import OomKills
 
 _SAMPLE_SECONDS = 0.5
 _NEAR_LIMIT = 0.9  # memory in use, as a fraction of the limit, that reads as "near the limit"
@@ -55,8 +58,9 @@ class Replacement(NamedTuple):
     epoch: int
     items: int  # items of the epoch the main process had received from it
     rss_bytes: int | None  # its last resident memory sampled, None if never sampled
-    out_of_memory: bool  # killed with memory near the machine's or the cgroup's limit
+    out_of_memory: bool  # killed by the OOM killer (its cgroup counted a kill), or with memory near a limit
     poison: bool  # it died at the same item as the worker before it: that item was left out
+    oom_kill: bool = False  # the cgroup's count of OOM kills rose with this death (``oom.py``): known, not likely
 
 
 class LostItem(NamedTuple):
@@ -137,12 +141,15 @@ def _cgroup_used() -> float:
 class Replacements:
     """The service's budget of replacements and their record (see the module docstring)."""
 
-    def __init__(self, budget: int, skips_lost: bool, used_before: int = 0) -> None:
+    def __init__(self, budget: int, skips_lost: bool, used_before: int = 0, oom: OomKills | None = None) -> None:
         self.budget = budget
         self.used_before = used_before  # by earlier runtimes of the same loader (one per epoch, not persistent)
         self.skips_lost = skips_lost  # the worker stream can leave an item out (``LoaderStage``)
         self.made: list[Replacement] = []
         self.memory = MemoryWatch()
+        # The cgroup's OOM kills, counted from the service's start: the placement's, which its
+        # death errors read too (one baseline for both); none for children of other nodes.
+        self.oom = oom if oom is not None else OomKills(files=[])
         self._last_death: dict[int, tuple[int, tuple[int, ...]]] = {}  # worker -> (epoch, item it was making)
 
     def on_death(
@@ -179,8 +186,17 @@ class Replacements:
             raise _unskippable(death_error(), worker, at or received)
         poison = same and at == received
         rss = self.memory.rss.get(pid)
+        oom_kill = cause == "SIGKILL" and self.oom.rose() is not None
         made = Replacement(
-            worker, pid, cause, epoch, sum(received), rss, cause == "SIGKILL" and self.memory.near_limit, poison
+            worker,
+            pid,
+            cause,
+            epoch,
+            sum(received),
+            rss,
+            oom_kill or (cause == "SIGKILL" and self.memory.near_limit),
+            poison,
+            oom_kill,
         )
         self.made.append(made)
         if poison:
@@ -193,7 +209,10 @@ class Replacements:
 
 def _warn(made: Replacement, count: int, budget: int) -> None:
     memory = f"{made.rss_bytes / (1 << 20):.0f} MiB" if made.rss_bytes is not None else "unknown"
-    likely = "; likely the out-of-memory killer" if made.out_of_memory else ""
+    if made.oom_kill:
+        likely = " from the out-of-memory killer (its cgroup's count of OOM kills rose)"
+    else:
+        likely = "; likely the out-of-memory killer" if made.out_of_memory else ""
     how = f"was killed by {made.cause}" if made.cause.startswith("SIG") else f"ended ({made.cause})"
     what = (
         f"item {made.items} of its epoch killed it and the worker before it: that item is left out"

@@ -222,7 +222,12 @@ class ServiceRuntime:
                 )
             outputs = [self.plan.graph.datapipes[index] for index in self.plan.worker_outputs]
             skips_lost = len(outputs) == 1 and bool(getattr(outputs[0], "skips_lost", False))
-            self._replacements = Replacements(self.options.worker_restarts, skips_lost, self.options.restarts_used)
+            self._replacements = Replacements(
+                self.options.worker_restarts,
+                skips_lost,
+                self.options.restarts_used,
+                getattr(supervisor.placement, "oom_kills", None),
+            )
             self.figures.replacements = self._replacements.made
             replace = pinning_as_now(_weak_method(self, ServiceRuntime._replace_worker))  # its channels pinned as ours
             if not supervisor.placement.on_this_host:
