@@ -21,17 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy  # noqa: E402,F401  (loaded as in a training script: its generator is seeded and kept too)
 
 import mprs_plus  # noqa: E402
-
-
-class Ints:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
+from benchmarks.workloads._shared import Ints  # noqa: E402
 
 
 def seconds_per_batch(seeding: str, workers: int, batches: int, batch_size: int) -> float:

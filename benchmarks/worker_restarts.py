@@ -39,6 +39,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 import mprs_plus  # noqa: E402
 from mprs_plus.runtime import generators  # noqa: E402
+from benchmarks.workloads._shared import Ints  # noqa: E402
 
 
 class Slow(Dataset):
@@ -57,17 +58,6 @@ class Slow(Dataset):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.002)
         return torch.tensor([i, float(torch.rand(()))])
-
-
-class Tiny(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def death_to_next_batch(samples: int, at: float, workers: int, record_seconds: float) -> tuple[float, float]:
@@ -101,7 +91,7 @@ def tiny_rate(batches: int, workers: int, restarts: int) -> tuple[float, float]:
     import psutil
 
     loader = mprs_plus.DataLoader(
-        Tiny(batches * 4), batch_size=4, num_workers=workers, worker_restarts=restarts, multiprocessing_context="fork",
+        Ints(batches * 4), batch_size=4, num_workers=workers, worker_restarts=restarts, multiprocessing_context="fork",
         persistent_workers=True,
     )
     list(loader)  # a first epoch: the workers started and warm

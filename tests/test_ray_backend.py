@@ -32,6 +32,7 @@ from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
 
 import mprs_plus  # noqa: E402
 import pipelines  # noqa: E402
+from ray_actors import alive_actors  # noqa: E402
 from conftest import unstopped_services  # noqa: E402
 from mprs_plus import MultiProcessingReadingService, ProcessDiedError, RayBackend  # noqa: E402
 
@@ -77,25 +78,10 @@ def cluster():
         cluster.shutdown()
 
 
-def _alive_actors() -> list[str]:
-    """The actors Ray does not report dead, asked in a helper thread: the control store's
-    client waits in native code, where pytest-timeout's signal cannot end a wait."""
-    from ray._private.state import actors
-
-    answer: list[list[str]] = []
-    helper = threading.Thread(
-        target=lambda: answer.append([a for a, info in actors().items() if info["State"] != "DEAD"]), daemon=True
-    )
-    helper.start()
-    helper.join(60.0)
-    assert answer, "Ray's control store did not list the actors within 60 s"
-    return answer[0]
-
-
 def _wait_until_no_actor() -> None:
     """Until Ray reports every actor dead, or ``DEATH_BOUND`` has passed."""
     deadline = time.monotonic() + DEATH_BOUND
-    while _alive_actors() and time.monotonic() < deadline:
+    while alive_actors() and time.monotonic() < deadline:
         time.sleep(0.2)  # polling Ray's state: nothing to be woken by
 
 
@@ -111,7 +97,7 @@ def no_actor_left(request):
 
     warm.pool.close()
     # close() waits until Ray reports each killed actor dead: nothing to wait for here.
-    assert _alive_actors() == [], f"actors left behind{unstopped_services()}"
+    assert alive_actors() == [], f"actors left behind{unstopped_services()}"
 
 
 # Local workers of a process connected to Ray start from a forkserver: Ray does not
@@ -365,7 +351,7 @@ def test_a_driver_killed_by_sigkill_leaves_no_actor_and_no_landing_process(clust
         said, *pids = driver.stdout.readline().split()
         assert said == "running" and len(pids) == 2
         landings = [psutil.Process(int(pid)) for pid in pids]
-        assert _alive_actors(), "the driver's actors should be running"
+        assert alive_actors(), "the driver's actors should be running"
         driver.kill()
         driver.wait(30)
     finally:
@@ -378,7 +364,7 @@ def test_a_driver_killed_by_sigkill_leaves_no_actor_and_no_landing_process(clust
         process.kill()
     assert alive == [], "landing processes outlived their training process"
     _wait_until_no_actor()
-    assert _alive_actors() == []
+    assert alive_actors() == []
 
 
 @pytest.fixture
@@ -1192,7 +1178,7 @@ def test_a_persistent_actor_killed_in_epoch_two_is_replaced_with_that_epochs_gen
             got, loader = killed_in_epoch_two(marker, armed, _plain_batch, backend=backend)
             stats = loader.stats()
             del loader
-        assert _alive_actors() == [], f"actors left behind{unstopped_services()}"
+        assert alive_actors() == [], f"actors left behind{unstopped_services()}"
     finally:
         gc.enable()
     assert os.path.exists(marker)
@@ -1275,9 +1261,9 @@ def test_a_replacement_is_killed_at_shutdown_while_the_dead_actors_kill_waits_on
         runtime.stop()
         took = time.monotonic() - start
         deadline = time.monotonic() + DEATH_BOUND
-        while live & set(_alive_actors()) and time.monotonic() < deadline:
+        while live & set(alive_actors()) and time.monotonic() < deadline:
             time.sleep(0.2)  # polling Ray's state: nothing to be woken by
-        assert not live & set(_alive_actors()), "an actor outlived the stop"
+        assert not live & set(alive_actors()), "an actor outlived the stop"
     finally:
         answering.set()
         for helper in [t for t in threading.enumerate() if t.name == ray_placement.RAY_CALL_THREAD]:

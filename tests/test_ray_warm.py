@@ -24,6 +24,7 @@ from torchdata.dataloader2 import DataLoader2  # noqa: E402
 from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
 
 import mprs_plus  # noqa: E402
+from ray_actors import alive_actors  # noqa: E402
 from mprs_plus import MultiProcessingReadingService, RayBackend  # noqa: E402
 from mprs_plus.backends.ray import warm  # noqa: E402
 
@@ -49,21 +50,6 @@ def cluster():
         cluster.shutdown()
 
 
-def _alive_actors() -> list[str]:
-    """The actors Ray does not report dead, asked in a helper thread (the control store's
-    client waits in native code, where pytest-timeout's signal cannot end a wait)."""
-    from ray._private.state import actors
-
-    answer: list[list[str]] = []
-    helper = threading.Thread(
-        target=lambda: answer.append([a for a, info in actors().items() if info["State"] != "DEAD"]), daemon=True
-    )
-    helper.start()
-    helper.join(60.0)
-    assert answer, "Ray's control store did not list the actors within 60 s"
-    return answer[0]
-
-
 @pytest.fixture(autouse=True)
 def nothing_left(request):
     if "cluster" not in request.fixturenames:
@@ -72,7 +58,7 @@ def nothing_left(request):
     yield
     warm.pool.close()  # what RayBackend.close() does, for every setting at once
     assert warm.pool.idle() == 0
-    assert _alive_actors() == [], "actors left behind"
+    assert alive_actors() == [], "actors left behind"
 
 
 @pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), True, "60"])
@@ -200,7 +186,7 @@ def test_an_idle_actor_that_died_is_not_handed_out_and_close_leaves_none(cluster
     assert len(now & first) == 1  # the one alive was taken
     assert warm.pool.idle() == 2
     backend.close()
-    assert warm.pool.idle() == 0 and _alive_actors() == []
+    assert warm.pool.idle() == 0 and alive_actors() == []
 
 
 def test_prestarted_actors_are_the_ones_the_loader_takes(cluster):
@@ -215,7 +201,7 @@ def test_prestarted_actors_are_the_ones_the_loader_takes(cluster):
     finally:
         loader.shutdown()
     backend.close()
-    assert _alive_actors() == []
+    assert alive_actors() == []
 
 
 def test_idle_actors_end_after_warm_for(cluster):
@@ -224,9 +210,9 @@ def test_idle_actors_end_after_warm_for(cluster):
     assert list(loader) == list(range(8))
     loader.shutdown()
     deadline = time.monotonic() + DEATH_BOUND
-    while (warm.pool.idle() or _alive_actors()) and time.monotonic() < deadline:
+    while (warm.pool.idle() or alive_actors()) and time.monotonic() < deadline:
         time.sleep(0.2)  # polling Ray's state: nothing to be woken by
-    assert warm.pool.idle() == 0 and _alive_actors() == []
+    assert warm.pool.idle() == 0 and alive_actors() == []
 
 
 DRIVER = textwrap.dedent(
@@ -259,7 +245,7 @@ def test_a_driver_killed_by_sigkill_leaves_no_warm_actor(cluster):
         reader.start()
         reader.join(DRIVER_TIMEOUT)
         assert line and line[0].split() == ["idle", "2"], line
-        assert len(_alive_actors()) == 2  # the driver's idle actors
+        assert len(alive_actors()) == 2  # the driver's idle actors
         driver.kill()
         driver.wait(30)
     finally:
@@ -267,9 +253,9 @@ def test_a_driver_killed_by_sigkill_leaves_no_warm_actor(cluster):
             driver.kill()
             driver.wait(30)
     deadline = time.monotonic() + DEATH_BOUND
-    while _alive_actors() and time.monotonic() < deadline:
+    while alive_actors() and time.monotonic() < deadline:
         time.sleep(0.2)  # polling Ray's state: nothing to be woken by
-    assert _alive_actors() == []
+    assert alive_actors() == []
 
 
 def test_a_warm_actor_killed_in_epoch_two_is_replaced_and_the_batches_are_torchs(cluster, tmp_path):

@@ -60,6 +60,19 @@ def calibrate_loops(seconds: float = 0.002, trials: int = 11) -> int:
     return max(1, round(probe * seconds / best))
 
 
+class Ints(torch.utils.data.Dataset):
+    """Sample ``i`` is the int ``i``: nothing to compute or copy, only the loader's overhead."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
 class ShardedRange(torch.utils.data.IterableDataset):
     """``fn(i)`` for ``i`` in ``range(n)``, split across torch DataLoader workers by
     ``i % num_workers``: the same items and work per item as the DataPipe equivalents."""

@@ -42,7 +42,7 @@ import torch
 import torch.utils.data
 
 from .. import harness
-from ._shared import burn, torch_tensor
+from ._shared import Ints, burn, torch_tensor
 
 MPRS_PLUS = "mprs_plus"
 TORCH = "DataLoader"
@@ -93,19 +93,6 @@ def our_loader(stand_in: bool = False) -> OurLoader:
 
 
 # -- datasets ----------------------------------------------------------------------------------
-
-
-class Ints(torch.utils.data.Dataset):
-    """Sample ``i`` is the int ``i``: nothing to compute or copy, only the loader's overhead."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 class Made(torch.utils.data.Dataset):

@@ -26,9 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils.data import Dataset
-
 from .. import harness
+from ._shared import Ints
 from .ray_cluster import OTHER_NODE, LocalCluster
 
 ITEMS = 2_000
@@ -40,19 +39,6 @@ TITLES = {
     "two_epochs": "two epochs, persistent_workers=False",
     "five_loaders": "five loaders one after another",
 }
-
-
-class Ints(Dataset):
-    """Sample i is i (a map-style dataset: torch's sampler deals its indices)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def _epoch(batches: Any, started: float) -> tuple[float, float, int]:
