@@ -162,7 +162,7 @@ def is_datapipe(obj: Any) -> bool:
     # A look at the class's MRO rather than isinstance: the DataPipe classes are ABCs, and
     # an ABC answers its first "no" for each other type by walking every subclass torch and
     # torchdata define (over a thousand): a process's first plan waited for that walk
-    # (figures in docs/benchmarks.md, Cold start).
+    # (figures in docs/benchmarks-history.md, Cold start).
     # DataPipes subclass these two; none is registered as a virtual subclass.
     mro = type(obj).__mro__
     return IterDataPipe in mro or MapDataPipe in mro

@@ -25,7 +25,7 @@ and a thread that comes to want a channel outside the running pump's set interru
 pump with ``wake`` (as ``advance`` does), so that it is waited on at once. An in-order
 reader then sleeps until *its* worker's item arrives, instead of waking for every other
 worker's item in between: fewer sleeps and less main-process CPU per large item (figures
-in docs/benchmarks.md, Design figures). A mux without ``wake`` waits on every idle channel.
+in docs/benchmarks-history.md, Design figures). A mux without ``wake`` waits on every idle channel.
 """
 
 from __future__ import annotations

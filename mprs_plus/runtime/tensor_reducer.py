@@ -12,7 +12,7 @@ pays, and between two items its caches are cold (the workers' copies sweep them)
 torch call there is a trip through its dispatcher, dear with cold caches, so the usual
 tensor (contiguous, filling its storage) is rebuilt with one numpy array and one
 ``from_numpy``, about half the cost of an ``UntypedStorage`` and ``set_`` (figures in
-docs/benchmarks.md, Design figures). dtypes numpy lacks (bfloat16, the float8s) take
+docs/benchmarks-history.md, Design figures). dtypes numpy lacks (bfloat16, the float8s) take
 that older path.
 
 A tensor whose elements fill the storage span they cover (contiguous, transposed,

@@ -161,7 +161,7 @@ T = TypeVar("T")
 
 # Bytes; smaller buffers are copied through the ring. Below this size lending saved the
 # receiver nothing and copying went faster; from it on, lending saves the receiver CPU,
-# more the larger the buffer (figures in docs/benchmarks.md, Design figures).
+# more the larger the buffer (figures in docs/benchmarks-history.md, Design figures).
 LEND_MIN = 128 << 10
 HOLD_FACTOR = 2  # a receiver lends its user up to this many times the ring at a time
 LEND_FACTOR = 4  # the lend area is this many times the ring: in flight, held, and slack

@@ -9,7 +9,7 @@ Why memfd and not ``multiprocessing.shared_memory``
     every process that *attaches* one registers it with the resource tracker too, which
     then warns about, or unlinks, a segment it does not own. Both kinds are shmem pages
     and cost the same to use; a memfd was also the quicker to create, map and first
-    write (figures in docs/benchmarks.md, Design figures).
+    write (figures in docs/benchmarks-history.md, Design figures).
 
 Where there is no memfd
     ``anonymous_file`` makes the next best thing with no name either: a POSIX
@@ -33,7 +33,7 @@ Committing memory
     at rest holds what its largest burst touched, not its capacity. Prefaulting each ring
     at creation made the first child wait for every channel's pages, and kept them
     committed at rest, for a saving below the noise of steady-state throughput (figures
-    in docs/benchmarks.md, Start-up).
+    in docs/benchmarks-history.md, Start-up).
 """
 
 from __future__ import annotations

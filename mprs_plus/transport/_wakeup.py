@@ -52,14 +52,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 # Spin for about as long as a sleep/wake round trip through a pipe costs before blocking
-# (figures in docs/benchmarks.md, Design figures). The spin yields the CPU at every turn: on a machine
-# with more runnable processes than cores, that lets the peer (or anyone) run instead of
-# burning the time slice, and it cut sleeps (and their system calls) to almost none in the
-# one-int-per-message benchmark on a busy machine.
+# (figures in docs/benchmarks-history.md, Design figures). The spin yields the CPU at every
+# turn: on a machine with more runnable processes than cores, that lets the peer (or
+# anyone) run instead of burning the time slice, and it cut sleeps (and their system calls)
+# to almost none in the one-int-per-message benchmark on a busy machine.
 SPIN_SECONDS = 20e-6
 # A spin that fails costs its CPU for nothing: that was most of what a process waiting
 # for each large item spent, so spinning stops after a few misses in a row (figures in
-# docs/benchmarks.md, Design figures). See Sleeper.wait.
+# docs/benchmarks-history.md, Design figures). See Sleeper.wait.
 SPIN_MISSES = 4
 SPIN_PROBE = 16
 

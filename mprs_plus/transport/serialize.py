@@ -16,7 +16,7 @@ rebuild from either through the buffer protocol.
 transport itself knows no array library: numpy's reducer below is registered lazily once
 numpy is imported, and the runtime registers one for torch tensors. Both exist because
 the defaults are slow: numpy pickles every array's dtype the long way, torch copies a
-tensor's storage into the stream (figures in docs/benchmarks.md, Design figures).
+tensor's storage into the stream (figures in docs/benchmarks-history.md, Design figures).
 """
 
 from __future__ import annotations
