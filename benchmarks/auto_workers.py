@@ -36,8 +36,10 @@ SIZES = {"sleep": (3200, 8), "cpu": (3200, 8), "tiny": (400_000, 64), "pace": (9
 
 
 def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    # On this thread's CPU clock, not the wall clock: a worker descheduled mid-spin must
+    # still spend the whole CPU time, or more workers than cores would seem to do more work.
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
