@@ -174,7 +174,10 @@ def test_an_idle_actor_that_died_is_not_handed_out_and_close_leaves_none(cluster
             socket.create_connection(address, timeout=30).close()
     victim = next(entry.actor for entries in warm.pool._idle.values() for entry in entries)
     ray.kill(victim, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError):  # Ray has it dead now: the pool does not know
+    # Ray has it dead now (a call sent right after the kill may still be answered: probed
+    # until one fails); the pool does not know
+    assert warm.wait_dead(victim, time.monotonic() + DEATH_BOUND)
+    with pytest.raises(ray.exceptions.RayActorError):
         ray.get(victim.where.remote(), timeout=60)
     loader = _dataloader2(backend)
     try:

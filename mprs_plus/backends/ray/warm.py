@@ -214,11 +214,34 @@ def _kill_soon(actors: list[Any]) -> None:
 
 
 def _kill_and_wait(actor: Any, deadline: float) -> None:
-    """Kill ``actor``, then wait until a call to it fails (Ray has it dead), at most until
-    ``deadline``."""
+    """Kill ``actor``, then wait until Ray has it dead, at most until ``deadline``."""
     _kill(actor)
-    probe = actor.where.remote()
-    ray.wait([probe], timeout=max(0.0, deadline - time.monotonic()))
+    wait_dead(actor, deadline)
+
+
+_PROBE_EVERY = 0.05  # seconds between probes of an actor being killed
+
+
+def wait_dead(actor: Any, deadline: float) -> bool:
+    """Whether a call to ``actor`` failed (Ray has it dead) before ``deadline``.
+
+    A kill travels through the control store while a call goes straight to the actor: a
+    call sent after ``ray.kill`` may still be answered. So one answered probe proves
+    nothing; probes are sent until one fails, ``_PROBE_EVERY`` s apart, up to the deadline.
+    """
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        probe = actor.where.remote()
+        answered, _ = ray.wait([probe], timeout=left)
+        if not answered:
+            return False
+        try:
+            get_without_cycle(probe, timeout=0)
+        except Exception:
+            return True
+        time.sleep(min(_PROBE_EVERY, max(0.0, deadline - time.monotonic())))  # Ray tells no one
 
 
 def _in_helper(call: Any) -> threading.Thread:
