@@ -101,9 +101,11 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
         if 2 * span * itemsize >= nbytes:
             offset = tensor.storage_offset()
             if _numpy_dtype(dtype) is not None and nbytes % itemsize == 0:
+                whole = None
                 if offset == 0 and span * itemsize == nbytes and tensor.is_contiguous():
                     strides = None
-                return _rebuild_on_bytes, (_storage_bytes(storage), dtype, shape, strides, offset)
+                    whole = tensor  # its bytes are its storage's
+                return _rebuild_on_bytes, (_storage_bytes(storage, whole), dtype, shape, strides, offset)
             return _rebuild_on_storage, (storage, dtype, shape, strides, offset)
         # Dense (or overlapping, as when expanded): the bytes it covers are all useful.
         flat = tensor.as_strided((span,), (1,), tensor.storage_offset())
@@ -118,14 +120,20 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
     return _rebuild_tensor, (raw, dtype, shape, strides)
 
 
-def _storage_bytes(storage: torch.UntypedStorage) -> tuple[pickle.PickleBuffer]:
+def _storage_bytes(storage: torch.UntypedStorage, whole: torch.Tensor | None = None) -> tuple[pickle.PickleBuffer]:
     """The bytes of ``storage`` as one out-of-band buffer, held in a tuple that is the same
     object for every tensor and storage of this message that uses it: pickle memoizes the
-    tuple (never a buffer), so the bytes travel once and arrive as one buffer."""
+    tuple (never a buffer), so the bytes travel once and arrive as one buffer. ``whole``: a
+    contiguous tensor that covers the storage exactly (a collated batch, as a rule), whose
+    own numpy view is its bytes: about a quarter of the cost of a new tensor set onto the
+    storage, which took a fifth of a worker's time on batches of 64 ints."""
     memo = message_memo()
     entry = memo.get(id(storage))  # the memo keeps the storage alive: its id stays its own
     if entry is None:
-        raw = torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()  # a view: no copy
+        if whole is not None:
+            raw = whole.numpy()  # a view: no copy; a PickleBuffer's raw() is its bytes
+        else:
+            raw = torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()  # a view: no copy
         entry = memo[id(storage)] = (storage, (pickle.PickleBuffer(raw),))
     return entry[1]
 
