@@ -129,6 +129,33 @@ class Jpegs(torch.utils.data.Dataset):
             return torch.from_numpy(np.array(image.convert("RGB")))
 
 
+class Rows(torch.utils.data.Dataset):
+    """``rows`` rows of ``features`` random float32 values held in memory; sample ``i`` is
+    ``self.data[i]``, a view of row ``i``: the cheapest sample a map-style dataset has."""
+
+    def __init__(self, rows: int, features: int = 256) -> None:
+        self.data = torch.randn(rows, features)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+
+class FullTensors(torch.utils.data.Dataset):
+    """Sample ``i`` is a fresh 1 MiB float32 tensor, ``torch.full((1 << 18,), float(i))``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((1 << 18,), float(index))
+
+
 def make_jpegs(folder: Path, count: int, size: int = 256, seed: int = 0) -> list[str]:
     """``count`` JPEGs of ``size`` x ``size`` in ``folder``: smooth gradients with noise, so that
     they compress and decode as photographs do rather than as flat colour or pure noise."""
