@@ -65,6 +65,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -240,36 +241,58 @@ def _children_cpu() -> float:
 def run_one(
     workload: str, contender: str, workers: int, context: str, quick: bool, timeout: float
 ) -> dict[str, Any]:
-    """``measure`` in a fresh interpreter, bounded by ``timeout``, in a process group of its own:
-    whatever of the group is left when it ends is killed and reported. Returns its figures,
-    or ``error``; with the load average before it and the cores other processes took meanwhile."""
+    """``measure`` in a fresh interpreter (``bounded``). Returns its figures, or ``error``; with
+    the load average before it and the cores other processes took meanwhile."""
     command = [sys.executable, "-m", "benchmarks.cheap_samples", "--measure", workload, contender]
     command += ["--workers", str(workers), "--context", context] + (["--quick"] if quick else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     record: dict[str, Any] = {"workload": workload, "contender": contender, "load_before": list(os.getloadavg())}
     busy, ours, own, wall = _busy_cpu(), _children_cpu(), time.process_time(), time.perf_counter()
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(process.pid, grace_s=0)
-        out, err = process.communicate(timeout=30)
-        record["error"] = f"took longer than {timeout:g} s; killed"
+    done = bounded(command, timeout)
     wall = time.perf_counter() - wall
     others = _busy_cpu() - busy - (_children_cpu() - ours) - (time.process_time() - own)
     record["wall_s"] = wall
     record["others_cores"] = max(others, 0.0) / wall
-    left = _kill_group(process.pid)
-    if left:
-        record["left_running"] = left
-    if "error" not in record:
-        if process.returncode != 0:
-            record["error"] = f"exit status {process.returncode}: {err.strip()[-2000:]}"
-        else:
-            record.update(json.loads(out.strip().splitlines()[-1]))
+    if done.left_running:
+        record["left_running"] = done.left_running
+    if done.timed_out:
+        record["error"] = f"took longer than {timeout:g} s; killed"
+    elif done.returncode != 0:
+        record["error"] = f"exit status {done.returncode}: {done.stderr.strip()[-2000:]}"
+    else:
+        record.update(json.loads(done.stdout.strip().splitlines()[-1]))
     return record
+
+
+@dataclass(frozen=True)
+class Bounded:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    left_running: list[int]  # processes of its group still running after it ended: killed
+
+
+def bounded(command: list[str], timeout: float) -> Bounded:
+    """``command`` from the repository's root, with the repository first on the module path,
+    bounded by ``timeout`` and in a process group of its own: the whole group is killed when
+    it runs past ``timeout``, and whatever of the group is left when it ends (a worker it did
+    not stop) is killed and reported."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # Files, not pipes: a process it leaves behind holds its copy of them open, and reading
+    # a pipe to its end would wait for that process too.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        timed_out = False
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(process.pid, grace_s=0)
+            process.wait(timeout=30)
+        left = _kill_group(process.pid)
+        out.seek(0)
+        err.seek(0)
+        return Bounded(process.returncode, out.read(), err.read(), timed_out, left)
 
 
 def _kill_group(group: int, grace_s: float = 2.0) -> list[int]:
