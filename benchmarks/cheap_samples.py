@@ -3,6 +3,7 @@
     python benchmarks/loader_compare.py --cheap-samples              5 runs (default)
     python benchmarks/loader_compare.py --cheap-samples --runs 9     9 runs
     python benchmarks/loader_compare.py --cheap-samples --quick      small epochs, 1 run (a smoke test)
+    python benchmarks/loader_compare.py --cheap-samples --only rows  one workload (rows, ints, tensors)
 
 Torch's documentation tells a user with in-memory data to load it in the training process
 (``num_workers=0``): a worker's hand-over costs more than it saves. Workers are worth their
@@ -28,7 +29,7 @@ How one measurement runs (``measure``; the driver starts ``python -m benchmarks.
 Over t1..t2, the CPU seconds per sample of the main process (``time.process_time``) and of each
 of its child processes alive at t1 (psutil's ``cpu_times``; multiprocessing's resource tracker
 is no worker and is left out), read every ``LOOK_S`` so that a worker that ends before the
-epoch does is counted to its end. A worker's figure is per sample delivered: a worker that
+epoch does (its share made) is counted to within ``LOOK_S`` of its end. A worker's figure is per sample delivered: a worker that
 makes half the samples spends twice it per sample it makes; the workers' sum compares with
 the main process's figure under ``num_workers=0``.
 
@@ -78,6 +79,15 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # the suite imports from the repository root, however it is started
+    sys.path.insert(0, str(ROOT))
+# torchdata announces its deprecation on import; once is enough.
+warnings.filterwarnings("ignore", message=r"\s*#+\s*WARNING!")
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.workloads import loaders  # noqa: E402
+from benchmarks.workloads._shared import Ints  # noqa: E402
+from benchmarks.workloads.loaders import FullTensors, Rows  # noqa: E402
 
 QUIET = 0.5  # load average, or cores taken by other processes, above which a run was not quiet
 LOOK_S = 0.02  # how often the workers' CPU times are read during the epoch
@@ -115,33 +125,41 @@ class Workload:
         return "GB/s" if self.sample_bytes else "samples/s"
 
 
-def _rows(n: int) -> Any:
-    from benchmarks.workloads.loaders import Rows
-
-    return Rows(n)
-
-
-def _ints(n: int) -> Any:
-    from benchmarks.workloads._shared import Ints
-
-    return Ints(n)
-
-
-def _tensors(n: int) -> Any:
-    from benchmarks.workloads.loaders import FullTensors
-
-    return FullTensors(n)
-
-
 WORKLOADS = {
     w.name: w
     for w in (
         Workload(
-            "rows", "rows: randn({n:_}, 256), data[i], batch 128, shuffled", 128, True, 600_000, 60_000, _rows, 0, 1.5
+            "rows",
+            "rows: randn({n:_}, 256), data[i], batch 128, shuffled",
+            batch_size=128,
+            shuffle=True,
+            samples=600_000,
+            quick_samples=60_000,
+            make=Rows,
+            sample_bytes=0,
+            goal=1.5,
         ),
-        Workload("ints", "ints: i, {n:,} samples, batch 64", 64, False, 3_000_000, 300_000, _ints, 0, 1.3),
         Workload(
-            "tensors", "{n:,} x 1 MiB tensors: full((1 << 18,), float(i)), batch 8", 8, False, 16_384, 1_600, _tensors, 1 << 20, 0.6
+            "ints",
+            "ints: i, {n:,} samples, batch 64",
+            batch_size=64,
+            shuffle=False,
+            samples=3_000_000,
+            quick_samples=300_000,
+            make=Ints,
+            sample_bytes=0,
+            goal=1.3,
+        ),
+        Workload(
+            "tensors",
+            "{n:,} x 1 MiB tensors: full((1 << 18,), float(i)), batch 8",
+            batch_size=8,
+            shuffle=False,
+            samples=16_384,  # about a second at the rates of a 2-core machine: start-up a few %
+            quick_samples=1_600,
+            make=FullTensors,
+            sample_bytes=1 << 20,
+            goal=0.6,
         ),
     )
 }
@@ -152,10 +170,6 @@ WORKLOADS = {
 
 def measure(workload: str, contender: str, workers: int, context: str, quick: bool) -> dict[str, Any]:
     """One whole epoch of ``contender`` on ``workload`` in this process (see the module's doc)."""
-    warnings.filterwarnings("ignore", message=r"\s*#+\s*WARNING!")
-    from benchmarks import harness
-    from benchmarks.workloads import loaders
-
     spec = WORKLOADS[workload]
     dataset = spec.make(spec.size(quick))
     samples = len(dataset)
@@ -451,15 +465,9 @@ def headline(records: list[dict[str, Any]], runs: int, workers: int, context: st
     other = f", other processes {max(others):.2f} cores at most" if others else ""
     return (
         f"cheap samples: mprs_plus with {workers} workers against num_workers=0, {context}, "
-        f"{'quick, ' if quick else ''}{runs} fresh process(es) each; {_cpu_model()}, "
+        f"{'quick, ' if quick else ''}{runs} fresh process(es) each; {harness._cpu_model()}, "
         f"{len(os.sched_getaffinity(0))} usable cores{load}{other}"
     )
-
-
-def _cpu_model() -> str:
-    from benchmarks import harness
-
-    return harness._cpu_model()
 
 
 def write(data: dict[str, Any], text: str, out: Path, quick: bool) -> dict[str, Path]:
@@ -483,8 +491,6 @@ def main(
     progress: bool = True,
 ) -> int:
     """The whole mode: compile, run interleaved, print the tables, write JSON and Markdown."""
-    from benchmarks import harness
-
     names = only or list(WORKLOADS)
     contenders = (MPRS_PLUS, NO_WORKERS, *((TORCH,) if torch_workers else ()))
     compileall.compile_dir(ROOT / "mprs_plus", quiet=1)  # as an installed package's modules are

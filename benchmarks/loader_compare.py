@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start method of every loader (default fork)",
     )
     parser.add_argument(
-        "--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)}"
+        "--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)} (with --cheap-samples: rows, ints, tensors)"
     )
     parser.add_argument(
         "--stand-in",

@@ -22,7 +22,8 @@ A contender that refuses a workload's arguments (SPDL refuses iterable datasets,
 comparison records it as n/a with the loader's own reason, not as a failure.
 
 Datasets are module-level classes, so that they pickle by reference under every start
-method and SPDL can copy them into its workers.
+method and SPDL can copy them into its workers. ``Rows`` and ``FullTensors`` are the cheap
+samples' datasets (``cheap_samples.py``, ``loader_compare.py --cheap-samples``).
 """
 
 from __future__ import annotations
