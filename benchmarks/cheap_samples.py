@@ -48,6 +48,9 @@ machine's busy time less the run's and the driver's, in cores); the output warns
 load average before the first run, or what other processes took during any run, was above
 ``QUIET``. The load average before later runs is recorded too, but the benchmark's own earlier
 runs raise it (a 1-minute average decays over minutes): it says nothing of other processes.
+Under ``num_workers=0`` the main process keeps torch's intra-op threads, as a user's does
+(``torch_threads``); when another process holds a core they wait for each other, and
+``torch.full`` of 1 MiB then costs milliseconds instead of tens of microseconds.
 
 Modules are compiled first (``compileall``), as an installed package's are, so that a machine
 that sets ``PYTHONDONTWRITEBYTECODE`` does not charge compiling to the start-up.
@@ -77,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -222,6 +226,7 @@ def measure(workload: str, contender: str, workers: int, context: str, quick: bo
         "main_cpu_per_sample": (cpu_end - cpu_start) / timed,
         "workers_cpu_per_sample": [(last[pid] - at_start[pid]) / timed for pid in sorted(at_start)],
         "workers_alive_at_end": sum(pid in alive_at_end for pid in at_start),
+        "torch_threads": torch.get_num_threads(),  # the main process's intra-op threads
         "problem": problem,
         "killed_pids": killed,
     }
