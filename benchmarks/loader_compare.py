@@ -4,6 +4,9 @@
     python benchmarks/loader_compare.py             5 repetitions, a few minutes on 2 cores
     python benchmarks/loader_compare.py --quick     each measurement once, with few samples (~1 min)
     python benchmarks/loader_compare.py --stand-in  a dry run: StatefulDataLoader plays mprs_plus
+    python benchmarks/loader_compare.py --cheap-samples [--runs N] [--quick]
+                                                    cheap samples against num_workers=0, whole
+                                                    epochs in fresh processes (cheap_samples.py)
 
 ``mprs_plus.DataLoader`` against torch's ``DataLoader``, torchdata's ``StatefulDataLoader``
 and SPDL's ``get_pytorch_dataloader``, each given the same map-style dataset and the same
@@ -21,6 +24,13 @@ Prints one line per target: the medians, the reference the ratio is taken agains
 Markdown to benchmarks/results/ or --out DIR. A contender that cannot run (mprs_plus.DataLoader
 missing, spdl not installed, a loader that refuses the arguments) is n/a with the reason.
 Speed is reported, never asserted: the exit status is non-zero only when the run breaks.
+
+``--cheap-samples`` is a mode of its own (``cheap_samples.py``): mprs_plus.DataLoader against
+torch's DataLoader with ``num_workers=0`` on in-memory rows, ints and 1 MiB tensors, each
+measurement a whole long epoch in a fresh Python process, min/median/max over ``--runs``
+runs with the CPU per sample of the main process and of each worker. It takes ``--runs``,
+``--quick``, ``--only`` (rows, ints, tensors), ``--torch-workers``, ``--workers``,
+``--context``, ``--out`` and ``--no-progress``.
 """
 
 from __future__ import annotations
@@ -82,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start method of every loader (default fork)",
     )
     parser.add_argument(
-        "--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)}"
+        "--only", default=None, metavar="NAMES", help=f"comma-separated workloads, from: {', '.join(names)} (with --cheap-samples: rows, ints, tensors)"
     )
     parser.add_argument(
         "--stand-in",
@@ -94,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=HERE / "results", help="output folder (default benchmarks/results)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cheap = parser.add_argument_group("cheap samples against num_workers=0 (see cheap_samples.py)")
+    cheap.add_argument(
+        "--cheap-samples",
+        action="store_true",
+        help="whole epochs of rows, ints and 1 MiB tensors, each in a fresh process, against num_workers=0",
+    )
+    cheap.add_argument(
+        "--runs", type=int, default=None, help="fresh processes per workload and contender (default 5; 1 with --quick)"
+    )
+    cheap.add_argument("--torch-workers", action="store_true", help="torch's DataLoader with the workers too (slow here)")
     parser.set_defaults(names=names)
     return parser
 
@@ -103,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.cheap_samples:
+        return _cheap_samples(parser, args)
+    if args.runs is not None or args.torch_workers:
+        parser.error("--runs and --torch-workers go with --cheap-samples (the comparison takes --repetitions)")
     wanted = args.names
     if args.only:
         wanted = tuple(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
@@ -142,6 +166,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind:>8}: {path}")
     print(f"    wall: {results.wall_s:.0f} s")
     return 0
+
+
+def _cheap_samples(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The ``--cheap-samples`` mode, with the options that apply to it."""
+    from benchmarks import cheap_samples
+
+    for given, option in ((args.repetitions, "--repetitions"), (args.budget, "--budget"), (args.stand_in, "--stand-in")):
+        if given:
+            parser.error(f"{option} does not go with --cheap-samples (a whole epoch per fresh process; --runs)")
+    if args.runs is not None and args.runs < 1:
+        parser.error("--runs must be at least 1")
+    only = None
+    if args.only:
+        only = list(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
+        unknown = sorted(set(only) - set(cheap_samples.WORKLOADS))
+        if unknown or not only:
+            parser.error(f"unknown workload(s) {unknown}; with --cheap-samples choose from {list(cheap_samples.WORKLOADS)}")
+    return cheap_samples.main(
+        runs=args.runs or (1 if args.quick else 5),
+        workers=args.workers,
+        context=args.context,
+        quick=args.quick,
+        out=args.out,
+        only=only,
+        torch_workers=args.torch_workers,
+        progress=not args.no_progress,
+    )
 
 
 # -- measuring --------------------------------------------------------------------------------

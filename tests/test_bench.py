@@ -580,6 +580,141 @@ def test_loader_comparison_takes_each_ratio_against_its_reference() -> None:
     assert "best: StatefulDataLoader 1k" in text and "| failed |" in text and "SPDL: RuntimeError: broke" in text
 
 
+CHEAP_WORKLOADS = {"rows": 1.5, "ints": 1.3, "tensors": 0.6}  # with the goal of each
+
+
+@pytest.mark.timeout(150)
+def test_cheap_samples_quick_run_prints_its_table_and_leaves_no_process(tmp_path: Path) -> None:
+    """``loader_compare.py --cheap-samples --quick`` measures each workload and contender once,
+    each in a fresh process, and prints the ratio of mprs_plus over ``num_workers=0`` with its
+    verdict (no figure is checked). Every process of the run carries a marker in its
+    environment: none may outlive it."""
+    marker = f"cheap-samples-{os.getpid()}-{tmp_path.name}"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/loader_compare.py", "--cheap-samples", "--quick", "--no-progress", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env={**_env(), "LOADER_COMPARE_RUN": marker},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    left = [p for p in psutil.process_iter() if _environment_of(p).get("LOADER_COMPARE_RUN") == marker]
+    for process in left:
+        process.kill()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not left, f"processes outlived the run: {[p.pid for p in left]}"
+
+    assert "| workload | `num_workers=0` | `mprs_plus.DataLoader` | ratio of medians | goal | verdict |" in done.stdout
+    assert "| workload | contender | rate | start-up ms | main CPU µs | worker CPU µs (each) | workers' sum µs |" in done.stdout
+    [result_file] = tmp_path.glob("cheap-samples-*-quick.json")
+    assert list(tmp_path.glob("cheap-samples-*-quick.md"))
+    result = json.loads(result_file.read_text())
+    assert {name: w["goal"] for name, w in result["workloads"].items()} == CHEAP_WORKLOADS
+    for name, workload in result["workloads"].items():
+        assert workload["verdict"] in ("PASS", "MISS"), (name, workload)
+        assert workload["ratio"] > 0
+        for contender in ("mprs_plus", "no_workers"):
+            cell = workload["contenders"][contender]
+            assert not cell["errors"] and len(cell["rate"]) == 1 and cell["rate"][0] > 0, (name, contender, cell)
+    runs = result["runs"]
+    assert sorted((r["workload"], r["contender"]) for r in runs) == sorted(
+        (w, c) for w in CHEAP_WORKLOADS for c in ("mprs_plus", "no_workers")
+    )
+    for r in runs:
+        assert len(r["load_before"]) == 3 and r["others_cores"] >= 0, r
+        assert not r.get("left_running") and not r["killed_pids"] and not r["problem"], r
+        assert r["first_batch_s"] > 0 and r["samples_timed"] == r["samples"] - {"rows": 128, "ints": 64, "tensors": 8}[r["workload"]]
+        if r["contender"] == "no_workers":
+            assert r["workers_cpu_per_sample"] == [] and r["main_cpu_per_sample"] > 0, r
+        else:  # the workers made the samples: each one's CPU, the resource tracker not among them
+            assert len(r["workers_cpu_per_sample"]) == result["settings"]["workers"], r
+    [rows] = [r for r in runs if r["workload"] == "rows" and r["contender"] == "mprs_plus"]
+    assert sum(rows["workers_cpu_per_sample"]) > 0
+
+
+def test_cheap_samples_alternate_the_contenders_order_from_run_to_run(monkeypatch) -> None:
+    """Interleaved: every run measures every contender once per workload, the first one
+    alternating, so that a machine's drift hits them alike."""
+    from benchmarks import cheap_samples
+
+    seen = []
+
+    def fake(workload, contender, workers, context, quick, timeout):
+        seen.append((workload, contender))
+        return {"workload": workload, "contender": contender, "error": "not run"}
+
+    monkeypatch.setattr(cheap_samples, "run_one", fake)
+    contenders = ("mprs_plus", "no_workers")
+    records = cheap_samples.run(["rows", "ints"], contenders, 2, 2, "fork", True, progress=False)
+    first, second = ("mprs_plus", "no_workers"), ("no_workers", "mprs_plus")
+    assert [c for _, c in seen] == [*first, *first, *second, *second]
+    assert [w for w, _ in seen] == ["rows", "rows", "ints", "ints"] * 2
+    assert [r["run"] for r in records] == [0] * 4 + [1] * 4
+
+
+def _record(workload: str, contender: str, rate: float, load: float = 0.1, others: float = 0.0) -> dict:
+    return {
+        "run": 0,
+        "workload": workload,
+        "contender": contender,
+        "load_before": [load, load, load],
+        "others_cores": others,
+        "rate": rate,
+        "first_batch_s": 0.03,
+        "main_cpu_per_sample": 1e-6,
+        "workers_cpu_per_sample": [2e-6, 2e-6] if contender == "mprs_plus" else [],
+        "killed_pids": [],
+        "problem": None,
+    }
+
+
+def test_cheap_samples_take_the_ratio_of_medians_and_warn_when_the_machine_was_busy() -> None:
+    """Pure: the ratio is of the medians over runs; a failed run is left out of them and
+    reported; a busy machine (load before the first run, or other processes during a run)
+    is warned of."""
+    from benchmarks import cheap_samples
+
+    quiet = [_record("rows", "mprs_plus", r) for r in (900.0, 1000.0, 1100.0)]
+    quiet += [_record("rows", "no_workers", r) for r in (600.0, 650.0)]
+    quiet.append({**_record("rows", "no_workers", 0.0), "error": "exit status 1: boom"})
+    summary = cheap_samples.summarize(quiet, ["rows"], ("mprs_plus", "no_workers"), quick=False)
+    assert summary["rows"]["ratio"] == pytest.approx(1000.0 / 625.0) and summary["rows"]["verdict"] == "PASS"
+    assert summary["rows"]["contenders"]["mprs_plus"]["workers_total_cpu_per_sample"] == pytest.approx([4e-6] * 3)
+    assert summary["rows"]["contenders"]["no_workers"]["errors"] == ["exit status 1: boom"]
+    assert cheap_samples.warnings_of(quiet) == ["run 1 rows / no_workers: exit status 1: boom"]
+
+    loaded = [_record("rows", "mprs_plus", 1000.0, load=0.9), _record("rows", "no_workers", 900.0, others=0.8)]
+    summary = cheap_samples.summarize(loaded, ["rows"], ("mprs_plus", "no_workers"), quick=False)
+    assert summary["rows"]["verdict"] == "MISS"  # 1.11x against a goal of 1.5x
+    text = cheap_samples.table(summary, loaded, "a headline")
+    assert "| MISS |" in text
+    warned = cheap_samples.warnings_of(loaded)
+    assert len(warned) == 2 and all("not quiet" in w for w in warned)
+    assert "0.90" in warned[0] and "0.80" in warned[1]
+
+
+GRANDCHILD = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(p.pid, flush=True)"
+
+
+@pytest.mark.parametrize("hangs", [False, True], ids=["exits", "runs-past-its-timeout"])
+def test_cheap_samples_measurement_leaves_no_process_behind(hangs: bool) -> None:
+    """A measurement that leaves a process running when it exits, or runs past its timeout,
+    is ended with its whole process group: nothing of it survives, and what had to be killed
+    is reported."""
+    from benchmarks import cheap_samples
+
+    command = [sys.executable, "-c", GRANDCHILD + ("; time.sleep(600)" if hangs else "")]
+    done = cheap_samples.bounded(command, timeout=3 if hangs else 60)
+    assert done.timed_out == hangs
+    if not hangs:
+        [grandchild] = [int(line) for line in done.stdout.split()]
+        assert done.returncode == 0 and done.left_running == [grandchild]
+    pids = [int(line) for line in done.stdout.split()]
+    assert pids or hangs  # when it hangs it may have been killed before it printed
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
 @pytest.mark.timeout(200)
 def test_shared_list_benchmark_quick_run_reports_every_figure() -> None:
     """``benchmarks/shared_list.py --quick`` runs every case end to end (spawned workers

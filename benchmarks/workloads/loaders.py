@@ -22,7 +22,8 @@ A contender that refuses a workload's arguments (SPDL refuses iterable datasets,
 comparison records it as n/a with the loader's own reason, not as a failure.
 
 Datasets are module-level classes, so that they pickle by reference under every start
-method and SPDL can copy them into its workers.
+method and SPDL can copy them into its workers. ``Rows`` and ``FullTensors`` are the cheap
+samples' datasets (``cheap_samples.py``, ``loader_compare.py --cheap-samples``).
 """
 
 from __future__ import annotations
@@ -127,6 +128,33 @@ class Jpegs(torch.utils.data.Dataset):
 
         with Image.open(self.paths[index % len(self.paths)]) as image:
             return torch.from_numpy(np.array(image.convert("RGB")))
+
+
+class Rows(torch.utils.data.Dataset):
+    """``rows`` rows of ``features`` random float32 values held in memory; sample ``i`` is
+    ``self.data[i]``, a view of row ``i``: the cheapest sample a map-style dataset has."""
+
+    def __init__(self, rows: int, features: int = 256) -> None:
+        self.data = torch.randn(rows, features)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+
+class FullTensors(torch.utils.data.Dataset):
+    """Sample ``i`` is a fresh 1 MiB float32 tensor, ``torch.full((1 << 18,), float(i))``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((1 << 18,), float(index))
 
 
 def make_jpegs(folder: Path, count: int, size: int = 256, seed: int = 0) -> list[str]:
