@@ -27,8 +27,10 @@ The limits, each named when it holds the count down:
                   memory measured so far, and ``RESERVE`` of it left to everything else
 
 A window decides nothing until it holds ``MIN_BATCHES`` batches and ``MIN_SECONDS``
-seconds: a resize costs a start of the workers, so the policy grows geometrically and
-never on the noise of a few batches.
+seconds (``QUICK_BATCHES`` where the loop waited ``QUICK_WAITS`` of it or more): a resize
+costs a start of the workers, so the policy grows geometrically and never on the noise of
+a few batches. For the same reason growth waits for the next epoch where the rest of this
+one is too short to win a start back (``start_pays``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ HEADROOM = 1.5  # a new worker is expected to reach this many times the largest 
 RESERVE = 0.1  # of the memory still available, kept for everything else
 MIN_BATCHES = 6
 MIN_SECONDS = 0.2
+# A loop that does nothing but wait is judged sooner: its answer is plain after a few
+# batches, and every batch of that window is made at the slowest count the run will see
+# (samples that wait 10 ms, batches of 8: the 6th batch at one worker came at 0.5 s).
+QUICK_BATCHES = 3
+QUICK_WAITS = 0.8
 
 
 def default_max_workers(cores: int) -> int:
@@ -167,7 +174,9 @@ class AutoPolicy:
 
     def ready(self, window: Window) -> bool:
         """Whether ``window`` holds enough to decide on."""
-        return window.batches >= MIN_BATCHES and window.seconds >= MIN_SECONDS
+        if window.seconds < MIN_SECONDS:
+            return False
+        return window.batches >= MIN_BATCHES or (window.batches >= QUICK_BATCHES and window.wait_fraction >= QUICK_WAITS)
 
     def decide(self, window: Window) -> Decision:
         """The count for what comes next, and why; ``window.workers`` when nothing changes."""
@@ -234,6 +243,17 @@ class AutoPolicy:
         self.decisions.append(decision)
         return decision
 
+    def defer(self, decision: Decision, batches_left: int) -> None:
+        """``decision`` (the last one made) takes effect at the next epoch's start: the
+        rest of this epoch is too short to win a start of the workers back."""
+        if self.decisions and self.decisions[-1] is decision:
+            self.decisions[-1] = Decision(
+                decision.workers,
+                f"{decision.reason}; from the next epoch on: the {batches_left} batches left of this one "
+                "would not win a start of the workers back",
+                decision.limit,
+            )
+
     @property
     def history(self) -> list[int]:
         """The counts chosen, in order, each once (1 -> 4 -> 8)."""
@@ -250,3 +270,16 @@ class AutoPolicy:
         path = " -> ".join(str(c) for c in self.history)
         last = self.decisions[-1]
         return f"num_workers='auto': {last.workers} worker{'s' if last.workers != 1 else ''} ({path}); {last.reason}"
+
+
+def start_pays(window: Window, target: int, batches_left: int, start_s: float) -> bool:
+    """Whether starting ``target`` workers now ends the epoch's last ``batches_left``
+    batches sooner than the ``window.workers`` running would, the start (``start_s``
+    seconds, as the last one took) included. At best the new count takes the loop's whole
+    wait away, or speeds the batches up as the count grows, whichever is less: an estimate
+    on the generous side, so a start that pays is never refused."""
+    if window.batches <= 0 or window.seconds <= 0 or target <= window.workers:
+        return True
+    rate = window.batches / window.seconds
+    speedup = min(target / window.workers, 1 / max(1 - window.wait_fraction, 1 / GROWTH))
+    return start_s + batches_left / (rate * speedup) < batches_left / rate

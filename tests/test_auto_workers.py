@@ -232,3 +232,21 @@ def test_the_policy_is_judged_on_windows_that_begin_after_a_runs_first_batch():
     for _ in range(3):
         auto.waited(0.1, Run)
     assert auto._window.batches == 3 and auto._window.wait == pytest.approx(0.3)
+
+
+def test_more_workers_that_would_not_win_their_start_back_are_the_next_epochs(figures, monkeypatch):
+    """Forced: no start pays. The epoch ends on the worker it began with, and the next one
+    begins with the count decided, the batches a fixed count's throughout."""
+    figures.set(waits=0.9, busy=1.0, cpu=0.05)
+    monkeypatch.setattr(autoscale, "start_pays", lambda *args: False)
+    torch.manual_seed(0)
+    loader = mprs_plus.DataLoader(Augmented(48), batch_size=2, num_workers="auto", max_workers=3)
+    first = epoch(loader)
+    auto = loader._keep.auto
+    assert len(auto.started) == 1 and auto.count == 3 and auto.resizes == 0
+    assert "from the next epoch on: the" in loader.stats().workers_chosen
+    second = epoch(loader)
+    assert len(auto.started) == 4  # the second epoch's three
+    torch.manual_seed(0)
+    reference = mprs_plus.DataLoader(Augmented(48), batch_size=2, num_workers=2, seeding="batch")
+    assert [first, second] == [epoch(reference), epoch(reference)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mprs_plus.autoscale import AutoPolicy, Window, default_max_workers, usable_cores
+from mprs_plus.autoscale import AutoPolicy, Window, default_max_workers, start_pays, usable_cores
 
 
 def window(workers, waits=0.0, busy=1.0, cpu=1.0, seconds=1.0, **kwargs):
@@ -77,8 +77,28 @@ def test_the_first_count_is_small_and_within_memory():
 def test_a_window_too_short_decides_nothing():
     policy = AutoPolicy(16, 2)
     assert not policy.ready(Window(1, 0.05, 100, 0.04, 0.05, 0.05))
-    assert not policy.ready(Window(1, 5.0, 3, 4.0, 5.0, 5.0))
+    assert not policy.ready(Window(1, 5.0, 3, 3.0, 5.0, 5.0))  # 3 batches, the loop waiting 60%
+    assert not policy.ready(Window(1, 5.0, 2, 5.0, 5.0, 5.0))
     assert policy.ready(Window(1, 1.0, 10, 0.5, 1.0, 1.0))
+
+
+def test_a_loop_that_does_nothing_but_wait_is_judged_after_three_batches():
+    policy = AutoPolicy(16, 2)
+    assert policy.ready(Window(1, 0.24, 3, 0.23, 0.24, 0.01))  # 10 ms samples in batches of 8, one worker
+    assert not policy.ready(Window(1, 0.12, 3, 0.11, 0.12, 0.01))  # still under MIN_SECONDS
+
+
+def test_more_workers_start_now_only_where_the_rest_of_the_epoch_wins_the_start_back():
+    # 10 batches a second at one worker, the loop waiting 90%: up to 8x with 8 workers.
+    waiting = window(1, waits=0.9, cpu=0.05, seconds=10.0)
+    assert waiting.batches / waiting.seconds == 10
+    assert start_pays(waiting, 8, batches_left=100, start_s=0.5)  # 10 s now, 0.5 + 1.25 s then
+    assert not start_pays(waiting, 8, batches_left=3, start_s=0.5)  # 0.3 s now, 0.5 + 0.04 then
+    # The loop waiting 20%: at most 1.25x, whatever the count.
+    busy_loop = window(1, waits=0.2, cpu=0.05, seconds=10.0)
+    assert not start_pays(busy_loop, 8, batches_left=20, start_s=0.5)  # 2 s now, 0.5 + 1.6 then
+    assert start_pays(busy_loop, 8, batches_left=40, start_s=0.5)  # 4 s now, 0.5 + 3.2 then
+    assert start_pays(waiting, 1, batches_left=1, start_s=10.0)  # not growth: not this rule's
 
 
 def test_the_cap_and_the_cores():

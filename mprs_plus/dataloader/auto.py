@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import autoscale
@@ -79,19 +80,26 @@ class AutoWorkers:
         self.resizes = 0  # counts changed within an epoch (each a start of the workers)
         self.changes_this_epoch = 0
         self.started: list[int] = []  # every worker process started, by pid (tests count them)
+        self.start_s = 0.0  # seconds the last start of the workers took, to its first batch
         self._window: _Open | None = None
+        self._begun = time.monotonic()
+        self._deferred = False  # a count decided for the next epoch: this one judges no more
 
     def begin(self) -> None:
-        """A run of the current count is about to hand out its first batch: no window yet."""
+        """A run of the current count is about to start, then hand out its first batch: no
+        window yet."""
         self._window = None
+        self._begun = time.monotonic()
 
     def epoch_began(self) -> None:
         self.changes_this_epoch = 0
+        self._deferred = False
 
     def waited(self, seconds: float, run: Any) -> None:
         """The loop got a batch after waiting ``seconds`` for it."""
         window = self._window
         if window is None:  # the run's first batch: the window begins after it
+            self.start_s = time.monotonic() - self._begun
             self._window = _Open(run, self)
             return
         window.batches += 1
@@ -100,13 +108,15 @@ class AutoWorkers:
     def due(self) -> bool:
         """Whether the window holds enough to judge (asked after every batch: cheap)."""
         window = self._window
-        if window is None or window.batches < autoscale.MIN_BATCHES:
+        if window is None or window.batches < autoscale.QUICK_BATCHES or self._deferred:
             return False
         return self.policy.ready(window.peek())
 
-    def decide(self) -> Decision | None:
-        """Judge the window that is due; a Decision when the count changes, else None (a
-        new window begins either way)."""
+    def decide(self, batches_left: Callable[[], int | None] = lambda: None) -> Decision | None:
+        """Judge the window that is due; a Decision when the count changes now, else None
+        (a new window begins either way). More workers than the rest of the epoch
+        (``batches_left()``, None where unknown) would win a start back are the next
+        epoch's count, not a start now (``autoscale.start_pays``)."""
         window, self._window = self._window, None
         if window is None:
             return None
@@ -115,6 +125,13 @@ class AutoWorkers:
         self._window = _Open(window.run, self)
         if decision.workers == self.count or self.changes_this_epoch >= MAX_CHANGES:
             return None  # at most MAX_CHANGES starts of the workers an epoch, whatever the figures say
+        if decision.workers > self.count:
+            left = batches_left()
+            if left is not None and not autoscale.start_pays(measured, decision.workers, left, self.start_s):
+                self.count = decision.workers
+                self.policy.defer(decision, left)
+                self._deferred = True  # the workers running are not self.count: no window until the next epoch
+                return None
         self.changes_this_epoch += 1
         self.count = decision.workers
         self.resizes += 1

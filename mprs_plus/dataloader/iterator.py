@@ -367,7 +367,7 @@ class LoaderIterator:
         each worker handed out). The new workers start first; the old ones then stop, and
         what they had made beyond the loop's batches is made again by the new ones."""
         run = self._run
-        decision = auto.decide()
+        decision = auto.decide(lambda: self._batches_left(run))
         if decision is None or run is None:
             return
         count = decision.workers
@@ -414,6 +414,13 @@ class LoaderIterator:
         run.stop()
         auto.note_started(new)
         self._items = iter(new.main)
+
+    def _batches_left(self, run: LoaderRun | None) -> int | None:
+        """Batches of the epoch the loop has not received; None where it cannot be told."""
+        layout = self._layout_left(run) if run is not None else None
+        if layout is None:
+            return None
+        return sum(len(share) for share in layout.deal(len(self._every), 1))
 
     def _layout_left(self, run: LoaderRun) -> Layout | None:
         """What the loop has not received of the epoch, as a layout; None where it cannot
