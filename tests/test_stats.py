@@ -528,3 +528,28 @@ def test_workers_copying_a_list_of_dicts_are_warned_about_at_the_users_line(monk
     assert all(p.copied_bytes > 0 for p in workers), workers
     assert "memory: workers are copying the dataset" in loader.explain()
     del loader
+
+
+def _array_of(item):
+    """An item that travels in a message of its own (an array of ``LARGE_ITEM`` bytes or more)."""
+    import numpy as np
+
+    return np.full(1 << 16, item, dtype=np.int64)
+
+
+def test_the_figures_kept_at_a_stop_mid_epoch_hold_the_workers_last_counts():
+    """Frozen once the workers closed their channels, after each published its last
+    counts: every item a worker sent is counted, though a worker publishes its counts on
+    its own only every 64 items or 0.1 s. Large items travel one to a message and a
+    channel holds one, so a worker is a few items ahead of the loop's 10 reads at most."""
+    pipe = IterableWrapper(range(1000)).sharding_filter().map(_array_of)
+    loader = DataLoader2(pipe, reading_service=MultiProcessingReadingService(2, worker_prefetch_cnt=1))
+    iterator = iter(loader)
+    got = [int(next(iterator)[0]) for _ in range(10)]
+    loader.shutdown()
+    final = loader.reading_service.stats()
+    assert got == list(range(10)) and final.segment("main").items_in == 10
+    workers = [p for p in final.processes if p.role == "worker"]
+    assert len(workers) == 2
+    for worker in workers:
+        assert 5 <= worker.items_out < 64 and worker.items_out == worker.messages_out

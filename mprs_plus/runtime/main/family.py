@@ -104,7 +104,7 @@ class Figures:
             warn(memory[0].upper() + memory[1:], RuntimeWarning)
 
     def freeze(self) -> None:
-        """The first step of the stop, while the children still run."""
+        """What stats() reads from the stop on, taken in the stop while the main ends are open."""
         if self._final is None:
             self._final = self.snapshot()
             self._view = self._reader = None

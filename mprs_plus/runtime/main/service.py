@@ -179,7 +179,14 @@ class ServiceRuntime:
         self._handovers: _Handovers | None = None  # Redeals sent to the dispatch process
         self._service_trace: ServiceTrace | None = None  # the timeline's service events, when recorded
         self.figures = Figures()
-        self._supervisor.at_stop(self.figures.freeze)  # the figures as they stand when the stop begins
+        if self._supervisor.placement.on_this_host:
+            # The children's figures are in this host's shared memory: read once they closed
+            # their channels, their last figures published, while the kernel ends their
+            # processes, rather than before they are told to stop (the first read imports
+            # the report types: milliseconds a child blocked on a full channel would wait).
+            self._supervisor.once_quiet(self.figures.freeze)
+        else:
+            self._supervisor.at_stop(self.figures.freeze)  # fetched from the children, before they stop
         weakref.finalize(self, self._supervisor.stop)
         stop_at_exit(self._supervisor)
 

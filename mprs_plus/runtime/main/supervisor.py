@@ -95,6 +95,8 @@ class Supervisor:
         self._held: list[Endpoint] = []
         self._last_looks: list[Callable[[], None]] = []  # run first in the stop (``at_stop``)
         self._after_ends: list[Callable[[], None]] = []  # run once the children ended (``once_ended``)
+        self._when_quiet: list[Callable[[], None]] = []  # run once they stopped sending (``once_quiet``)
+        self._steps = _Steps()  # the steps of the stop under way
 
     # -- start ---------------------------------------------------------------------------
 
@@ -245,6 +247,13 @@ class Supervisor:
         reference the facade (the finalizer holds this supervisor)."""
         self._last_looks.append(last_look)
 
+    def once_quiet(self, step: Callable[[], None]) -> None:
+        """Run ``step()`` in the stop once every child closed its data channels to this
+        process, or ended (or could not be ended), whichever comes first: a child closes
+        them as its last act, and the kernel then takes milliseconds to end its process,
+        which the step overlaps. As with ``at_stop``, it must not reference the facade."""
+        self._when_quiet.append(step)
+
     def once_ended(self, step: Callable[[], None]) -> None:
         """Run ``step()`` in the stop once the children ended (or could not be ended). As
         with ``at_stop``, it must not reference the facade."""
@@ -258,12 +267,13 @@ class Supervisor:
         with self._stop_lock:
             if not self.lifecycle.advance(State.STOPPING):
                 return  # stopped, or stopping in this thread (a finalizer run inside the stop)
-            steps = _Steps()
+            steps = self._steps = _Steps()
             for last_look in self._last_looks:
                 steps.run(last_look)
             steps.run(self._close_controls)
             exclusive = steps.run(self._close_gate, default=False)
             steps.run(self._end_children, exclusive)
+            self._run_quiet_steps()  # where they did not run while the children ended
             for step in self._after_ends:
                 steps.run(step)
             steps.run(self._drop_unstarted)
@@ -305,11 +315,19 @@ class Supervisor:
             with contextlib.suppress(ValueError):
                 process.close()
 
+    def _run_quiet_steps(self) -> None:
+        """The ``once_quiet`` steps, once, as steps of the stop under way."""
+        quiet, self._when_quiet = self._when_quiet, []
+        for step in quiet:
+            self._steps.run(step)
+
     def _drain(self, timeout: float) -> None:
         """Skip what the workers still write while they stop, so that none stays blocked on
         a full channel. Skipping never unpickles: an item that failed to unpickle (maybe
         the very reason for this stop) cannot fail the stop."""
         receivers = [r for _, r in self.topology.data_receivers() if id(r) not in self._drained]
+        if not receivers and self._when_quiet:
+            self._run_quiet_steps()  # every child closed its channels: while the kernel ends them
         alive = {link.process.sentinel: link.process for link in self.topology.started() if link.alive}
         if not alive:
             return  # every child exited since the caller looked: nothing left to wait for
