@@ -1,7 +1,7 @@
 """``num_workers="auto"`` against fixed counts: each case one epoch of ``mprs_plus.DataLoader``
 in a fresh interpreter, the workers' start included.
 
-    python benchmarks/auto_workers.py [--workloads sleep,cpu,tiny,pace] [--counts 1,2,4,8] [--scale 1.0]
+    python benchmarks/auto_workers.py [--workloads sleep,cpu,tiny,pace] [--counts 1,2,4,8] [--scale 1.0] [--repeat 1]
 
 Workloads (map-style datasets, fork, ``seeding="batch"`` for every case so that only the count differs):
 
@@ -105,6 +105,10 @@ def main() -> None:
     parser.add_argument("--workloads", default="sleep,cpu,tiny,pace")
     parser.add_argument("--counts", default="1,2,4,8")
     parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs of every case, interleaved (each repetition in another order); the median run is compared",
+    )
     parser.add_argument("--one", nargs=2, metavar=("WORKLOAD", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -113,22 +117,29 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     print(f"cores: {os.cpu_count()}, load before: {os.getloadavg()}")
     for kind in args.workloads.split(","):
-        rows = []
-        for count in [*args.counts.split(","), "auto"]:
-            out = subprocess.run(
-                [sys.executable, __file__, "--scale", str(args.scale), "--one", kind, count],
-                env=env, capture_output=True, text=True, timeout=900,
-            )
-            if out.returncode != 0:
-                print(f"{kind} {count}: failed\n{out.stderr[-2000:]}")
-                continue
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(
-                f"{kind:6} {count:>4}: {row['seconds']:6.2f} s  {row['rate']:8.1f} batches/s  workers' CPU "
-                f"{row['worker_cpu_s']:6.2f} s  chosen {row['chosen']:<12} load {row['load']:.1f}",
-                flush=True,
-            )
+        counts = [*args.counts.split(","), "auto"]
+        runs: dict[str, list[dict]] = {count: [] for count in counts}
+        for rep in range(max(1, args.repeat)):
+            shift = rep % len(counts)
+            for count in counts[shift:] + counts[:shift]:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--scale", str(args.scale), "--one", kind, count],
+                    env=env, capture_output=True, text=True, timeout=900,
+                )
+                if out.returncode != 0:
+                    print(f"{kind} {count}: failed\n{out.stderr[-2000:]}")
+                    continue
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                runs[count].append(row)
+                print(
+                    f"{kind:6} {count:>4}: {row['seconds']:6.2f} s  {row['rate']:8.1f} batches/s  workers' CPU "
+                    f"{row['worker_cpu_s']:6.2f} s  chosen {row['chosen']:<12} load {row['load']:.1f}",
+                    flush=True,
+                )
+        rows = [_median_run(runs[count]) for count in counts if runs[count]]
+        if args.repeat > 1:
+            for row in rows:
+                print(f"{kind:6} {row['count']:>4}: median of {len(runs[row['count']])}: {row['seconds']:6.2f} s")
         fixed = [r for r in rows if r["count"] != "auto"]
         auto = next((r for r in rows if r["count"] == "auto"), None)
         if not fixed or auto is None:
@@ -143,6 +154,11 @@ def main() -> None:
             )
         print(line)
         print(f"    {auto['why']}")
+
+
+def _median_run(rows: list[dict]) -> dict:
+    """The run of median time (the lower middle one of an even number)."""
+    return sorted(rows, key=lambda r: r["seconds"])[(len(rows) - 1) // 2]
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def figures(monkeypatch):
 
     monkeypatch.setattr(auto_module._Open, "close", close)
     monkeypatch.setattr(autoscale, "MIN_SECONDS", 0.0)
+    monkeypatch.setattr(auto_module, "FIRST_WORKERS", 1)  # the counts below grow from one, on any machine
     return forced
 
 
@@ -250,3 +251,14 @@ def test_more_workers_that_would_not_win_their_start_back_are_the_next_epochs(fi
     torch.manual_seed(0)
     reference = mprs_plus.DataLoader(Augmented(48), batch_size=2, num_workers=2, seeding="batch")
     assert [first, second] == [epoch(reference), epoch(reference)]
+
+
+def test_auto_starts_two_workers_or_as_many_as_the_cores():
+    for cores, first in ((1, 1), (2, 2), (64, 2)):
+        policy = autoscale.AutoPolicy(8, cores, start=min(auto_module.FIRST_WORKERS, cores))
+        assert AutoWorkers(policy=policy).count == first
+    cores = autoscale.usable_cores()
+    assert AutoWorkers().count == min(2, cores)
+    assert AutoWorkers(max_workers=1).count == 1
+    assert "started with" in AutoWorkers().policy.decisions[0].reason
+

@@ -113,7 +113,7 @@ def draw_epoch(loader: Any, start: EpochStart) -> tuple[int, int | None, Iterato
     return base_seed, shared_seed, indices
 
 
-def draw_batches(index_sampler: Any, indices: Iterator[Any]) -> list[Any]:
+def draw_batches(index_sampler: Any, indices: Iterator[Any]) -> Sequence[Any]:
     """Every index batch of the epoch, drawn now: ``list(indices)``, the index sampler's
     iterator, not started yet.
 
@@ -122,13 +122,34 @@ def draw_batches(index_sampler: Any, indices: Iterator[Any]) -> list[Any]:
     indices are drawn in one go and cut by slicing, the same batches at a fraction of the
     cost of a step per batch (an epoch of a million samples is drawn before its first
     batch, and that time is the loop's). The sampler starts where the batch sampler's
-    first step would have started it, so its draws come in the same order."""
+    first step would have started it, so its draws come in the same order. Over a
+    ``SequentialSampler`` or a ``RandomSampler`` (every index a Python int) they are kept
+    in one array (``IndexBatches``): a list per batch cost 0.13 s for 400,000 indices."""
     if type(index_sampler) is not torch.utils.data.BatchSampler:
         return list(indices)
-    flat = list(index_sampler.sampler)
     size = index_sampler.batch_size
+    if type(index_sampler.sampler) in _INT_SAMPLERS:
+        packed = array("q", index_sampler.sampler)
+        if index_sampler.drop_last:
+            del packed[len(packed) - len(packed) % size :]
+        return IndexBatches(packed, size)
+    flat = list(index_sampler.sampler)
     end = len(flat) - len(flat) % size if index_sampler.drop_last else len(flat)
     return [flat[i : i + size] for i in range(0, end, size)]
+
+
+def gather(batches: Sequence[Any], places: Sequence[int]) -> Sequence[Any]:
+    """The batches at ``places`` (ascending), as compact as ``batches`` where it is an
+    ``IndexBatches`` (only its last batch may be short: so is the gathered one's)."""
+    if type(batches) is not IndexBatches or not places:
+        return [batches[p] for p in places]
+    count, size, flat = len(batches), batches._size, batches._flat
+    if count - 1 in places[:-1]:  # the short last batch not last here: lists
+        return [batches[p] for p in places]
+    packed = array("q")
+    for p in places:
+        packed += flat[p * size : (p + 1) * size]
+    return IndexBatches(packed, size)
 
 
 def deal_epoch(index_sampler: Any, indices: Iterator[Any], workers: int) -> list[Sequence[Any]]:

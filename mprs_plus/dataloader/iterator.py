@@ -28,7 +28,7 @@ from ..errors import ServiceClosedError
 from . import state as loader_state
 from .batch_seeds import BatchSeeds, Kept
 from .elastic import Layout, Remainder
-from .epochs import EpochStart, deal, deal_epoch, draw_batches, has_len
+from .epochs import EpochStart, deal, deal_epoch, draw_batches, gather, has_len
 from .errors import is_fatal, torch_error
 from .stage import (
     BatchFailure,
@@ -309,7 +309,7 @@ class LoaderIterator:
                 # num_workers="auto" keeps every batch here, with its place: a resize deals the rest anew.
                 every = plan.batches if plan.batches is not None else draw_batches(settings.index_sampler, indices)
                 positions = plan.layout.deal(len(every), workers)
-                shares = [[every[p] for p in share] for share in positions]
+                shares = [gather(every, share) for share in positions]
                 self._every, self._positions = every, positions
             elif has_len(settings.index_sampler):
                 shares = deal_epoch(settings.index_sampler, indices, workers)
@@ -388,7 +388,7 @@ class LoaderIterator:
         self._plan = self._plan._replace(layout=layout)
         self._fixed_state = None
         self._positions = positions
-        self._shares = [[self._every[p] for p in places] for places in positions]
+        self._shares = [gather(self._every, places) for places in positions]
         base_seed = self.start.base_seed or 0
         parts = [
             WorkerEpoch(
