@@ -393,22 +393,9 @@ LOADER_WORKLOADS = {
 }
 
 
-def _our_loader_missing() -> bool:
-    from benchmarks.workloads import loaders
-
-    return loaders.our_loader().cls is None
-
-
-@pytest.mark.timeout(150)
-def test_loader_comparison_quick_run_prints_its_table_and_leaves_no_process(tmp_path: Path) -> None:
-    """``benchmarks/loader_compare.py --quick`` runs every workload and contender once and
-    prints its table with a verdict per target (no figure is checked). While mprs_plus has no
-    DataLoader, the stand-in plays its part. Every process of the run, its loaders' workers
-    included, carries a marker in its environment: none may outlive the run."""
-    marker = f"loader-compare-{os.getpid()}-{tmp_path.name}"
-    options = ["--quick", "--no-progress", "--out", str(tmp_path)]
-    if _our_loader_missing():
-        options.append("--stand-in")
+def _loader_compare_leaving_nothing(options: list[str], marker: str) -> subprocess.CompletedProcess:
+    """``benchmarks/loader_compare.py`` with ``options``, every process of it marked in its
+    environment; it must succeed, and none of them may outlive it (those that do are killed)."""
     done = subprocess.run(
         [sys.executable, "benchmarks/loader_compare.py", *options],
         cwd=ROOT,
@@ -422,6 +409,25 @@ def test_loader_comparison_quick_run_prints_its_table_and_leaves_no_process(tmp_
         process.kill()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not left, f"processes outlived the run: {[p.pid for p in left]}"
+    return done
+
+
+def _our_loader_missing() -> bool:
+    from benchmarks.workloads import loaders
+
+    return loaders.our_loader().cls is None
+
+
+@pytest.mark.timeout(150)
+def test_loader_comparison_quick_run_prints_its_table_and_leaves_no_process(tmp_path: Path) -> None:
+    """``benchmarks/loader_compare.py --quick`` runs every workload and contender once and
+    prints its table with a verdict per target (no figure is checked). While mprs_plus has no
+    DataLoader, the stand-in plays its part. Every process of the run, its loaders' workers
+    included, carries a marker in its environment: none may outlive the run."""
+    options = ["--quick", "--no-progress", "--out", str(tmp_path)]
+    if _our_loader_missing():
+        options.append("--stand-in")
+    done = _loader_compare_leaving_nothing(options, f"loader-compare-{os.getpid()}-{tmp_path.name}")
 
     assert "| workload | unit | mprs_plus | DataLoader | StatefulDataLoader | SPDL | reference | ratio | target | verdict |" in done.stdout
     [result_file] = tmp_path.glob("loaders-*.json")
@@ -589,20 +595,8 @@ def test_cheap_samples_quick_run_prints_its_table_and_leaves_no_process(tmp_path
     each in a fresh process, and prints the ratio of mprs_plus over ``num_workers=0`` with its
     verdict (no figure is checked). Every process of the run carries a marker in its
     environment: none may outlive it."""
-    marker = f"cheap-samples-{os.getpid()}-{tmp_path.name}"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/loader_compare.py", "--cheap-samples", "--quick", "--no-progress", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env={**_env(), "LOADER_COMPARE_RUN": marker},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    left = [p for p in psutil.process_iter() if _environment_of(p).get("LOADER_COMPARE_RUN") == marker]
-    for process in left:
-        process.kill()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert not left, f"processes outlived the run: {[p.pid for p in left]}"
+    options = ["--cheap-samples", "--quick", "--no-progress", "--out", str(tmp_path)]
+    done = _loader_compare_leaving_nothing(options, f"cheap-samples-{os.getpid()}-{tmp_path.name}")
 
     assert "| workload | `num_workers=0` | `mprs_plus.DataLoader` | ratio of medians | goal | verdict |" in done.stdout
     assert "| workload | contender | rate | start-up ms | main CPU µs | worker CPU µs (each) | workers' sum µs |" in done.stdout

@@ -28,7 +28,7 @@ from ..errors import ServiceClosedError
 from . import state as loader_state
 from .batch_seeds import BatchSeeds, Kept
 from .elastic import Layout, Remainder
-from .epochs import EpochStart, deal, deal_epoch, draw_batches, gather, has_len
+from .epochs import EpochStart, deal_epoch, draw_batches, gather, has_len
 from .errors import is_fatal, torch_error
 from .stage import (
     BatchFailure,
