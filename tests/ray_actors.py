@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 
 def alive_actors() -> list[str]:
@@ -18,3 +19,17 @@ def alive_actors() -> list[str]:
     helper.join(60.0)
     assert answer, "Ray's control store did not list the actors within 60 s"
     return answer[0]
+
+
+def end_warm_actors_and_check_none_left(detail: Callable[[], str] = lambda: "") -> None:
+    """After a test on a cluster: the actors its loaders gave back wait for a next loader
+    (``RayBackend.warm_for``); end them as ``RayBackend.close()`` does (it waits until Ray
+    reports each killed actor dead), so that each test starts from none, and check that
+    none is left. ``detail()``: what the failure message adds (asked on a failure only)."""
+    from mprs_plus.backends.ray import warm
+
+    warm.pool.close()
+    assert warm.pool.idle() == 0
+    left = alive_actors()
+    assert left == [], f"actors left behind{detail()}"
+

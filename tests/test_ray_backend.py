@@ -8,7 +8,6 @@ dataset with state; a poison sample is its batch's error, and the epoch goes on.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import os
@@ -32,7 +31,7 @@ from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
 
 import mprs_plus  # noqa: E402
 import pipelines  # noqa: E402
-from ray_actors import alive_actors  # noqa: E402
+from ray_actors import alive_actors, end_warm_actors_and_check_none_left  # noqa: E402
 from conftest import unstopped_services  # noqa: E402
 from mprs_plus import MultiProcessingReadingService, ProcessDiedError, RayBackend  # noqa: E402
 
@@ -91,13 +90,7 @@ def no_actor_left(request):
         yield
         return
     yield
-    # The actors a test's loaders gave back wait for a next loader (RayBackend.warm_for):
-    # ended here as RayBackend.close() ends them, so that each test starts from none.
-    from mprs_plus.backends.ray import warm
-
-    warm.pool.close()
-    # close() waits until Ray reports each killed actor dead: nothing to wait for here.
-    assert alive_actors() == [], f"actors left behind{unstopped_services()}"
+    end_warm_actors_and_check_none_left(unstopped_services)
 
 
 # Local workers of a process connected to Ray start from a forkserver: Ray does not

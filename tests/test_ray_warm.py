@@ -24,7 +24,7 @@ from torchdata.dataloader2 import DataLoader2  # noqa: E402
 from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
 
 import mprs_plus  # noqa: E402
-from ray_actors import alive_actors  # noqa: E402
+from ray_actors import alive_actors, end_warm_actors_and_check_none_left  # noqa: E402
 from mprs_plus import MultiProcessingReadingService, RayBackend  # noqa: E402
 from mprs_plus.backends.ray import warm  # noqa: E402
 
@@ -56,9 +56,7 @@ def nothing_left(request):
         yield
         return
     yield
-    warm.pool.close()  # what RayBackend.close() does, for every setting at once
-    assert warm.pool.idle() == 0
-    assert alive_actors() == [], "actors left behind"
+    end_warm_actors_and_check_none_left()
 
 
 @pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), True, "60"])

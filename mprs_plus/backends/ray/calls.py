@@ -1,4 +1,5 @@
-"""``ray.get`` as the training process calls it: an error it raises keeps no frame alive.
+"""``ray.get`` as the training process calls it: an error it raises keeps no frame alive;
+and the helper thread for a call to Ray that no timeout reaches (``in_helper``).
 
 An error that ``ray.get`` raises (an actor's death, a failed call, a timeout) sits in a
 reference cycle with Ray's own frames, and a frame holds its caller's: every frame of the
@@ -12,7 +13,10 @@ still names each frame and line.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -39,3 +43,17 @@ def _forget_frames(exc: BaseException | None) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         pending += [error.__cause__, error.__context__]
+
+
+def in_helper(call: Callable[[], Any], name: str) -> threading.Thread:
+    """``call`` started in a daemon thread named ``name``, its exceptions dropped: a call
+    that may wait on Ray's control store in native code, where no timeout reaches it. The
+    caller joins it with a timeout, or not at all."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    helper = threading.Thread(target=run, name=name, daemon=True)
+    helper.start()
+    return helper

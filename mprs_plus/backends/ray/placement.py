@@ -43,7 +43,7 @@ from ...errors import ProcessDiedError
 from ...transport.stream import StreamReceiver, StreamSender, new_secret
 from . import connection
 from .actor import remote_class
-from .calls import get_without_cycle
+from .calls import get_without_cycle, in_helper
 from .connection import first_line
 from .warm import pool, pool_key
 from .channel import ActorAddress, RayReceiver, open_ray_channel, open_stream_channel
@@ -472,16 +472,7 @@ def _bounded(call: Callable[[], Any], timeout: float) -> None:
 
 
 def _in_helper(call: Callable[[], Any]) -> threading.Thread:
-    """``call`` started in a daemon thread, its exceptions dropped; the caller joins it
-    with a timeout."""
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            call()
-
-    helper = threading.Thread(target=run, name=RAY_CALL_THREAD, daemon=True)
-    helper.start()
-    return helper
+    return in_helper(call, RAY_CALL_THREAD)
 
 
 def _endpoints(setup: Any) -> tuple[list[RayReceiver], list[StreamSender | StreamReceiver]]:

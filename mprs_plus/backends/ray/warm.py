@@ -31,12 +31,13 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from . import connection
-from .calls import get_without_cycle
+from .calls import get_without_cycle, in_helper
 
 TAKE_WAIT = 30.0  # seconds an idle actor may take to answer when taken (a dead one fails at once;
 # a loaded node answers late, and a lost one fails once Ray has found it lost)
@@ -244,14 +245,8 @@ def wait_dead(actor: Any, deadline: float) -> bool:
         time.sleep(min(_PROBE_EVERY, max(0.0, deadline - time.monotonic())))  # Ray tells no one
 
 
-def _in_helper(call: Any) -> threading.Thread:
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            call()
-
-    helper = threading.Thread(target=run, name=RAY_WARM_THREAD, daemon=True)
-    helper.start()
-    return helper
+def _in_helper(call: Callable[[], Any]) -> threading.Thread:
+    return in_helper(call, RAY_WARM_THREAD)
 
 
 pool = WarmPool()
