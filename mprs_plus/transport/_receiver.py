@@ -25,6 +25,7 @@ from ._ring import (
     SENDER_CLOSED,
     SKIP,
     TX_SLEEPING,
+    TX_WAKE_AT,
     WRITE_POS,
     Endpoint,
 )
@@ -110,7 +111,7 @@ class ShmReceiver(Endpoint):
                         ctl[READ_POS] = read + frame
                         ctl[ITEMS_READ] += 1
                         fence()
-                        if ctl[TX_SLEEPING]:
+                        if ctl[TX_SLEEPING] and ctl[ITEMS_READ] >= ctl[TX_WAKE_AT]:
                             ctl[TX_SLEEPING] = 0
                             signal(self._signal_fd)  # a sender that is gone needs no wake-up
         return self._recv_frame(timeout)
@@ -207,7 +208,7 @@ class ShmReceiver(Endpoint):
         ctl = self._ctl
         try:
             ctl[RECEIVER_CLOSED] = 1
-            self._wake_sender()
+            self._wake_sender(always=True)
         finally:
             self.release()
 
@@ -353,10 +354,12 @@ class ShmReceiver(Endpoint):
         self._ctl[READ_POS] = read
         self._wake_sender()
 
-    def _wake_sender(self) -> None:
+    def _wake_sender(self, always: bool = False) -> None:
+        """Wake a sleeping sender: ``always`` (this end closes), or once it may send
+        (``items_read`` reached the ``tx_wake_at`` it set; see the ring's rules)."""
         ctl = self._ctl
         fence()
-        if ctl[TX_SLEEPING]:
+        if ctl[TX_SLEEPING] and (always or ctl[ITEMS_READ] >= ctl[TX_WAKE_AT]):
             ctl[TX_SLEEPING] = 0
             signal(self._signal_fd)  # a sender that is gone needs no wake-up
 

@@ -27,6 +27,7 @@ from ._ring import (
     SKIP,
     SKIPPED,
     TX_SLEEPING,
+    TX_WAKE_AT,
     WRITE_POS,
     Endpoint,
     close_fds,
@@ -221,8 +222,7 @@ class ShmSender(Endpoint):
         body = HEADER + 8 * nbuf + len(stream) + sum(p.nbytes for p in parts)
         frame = (body + HEADER - 1) & -HEADER
         if ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items:
-            limit = self._capacity_items
-            self._wait_for_room(lambda: ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] < limit, deadline)
+            self._wait_for_items(deadline)
         if frame <= size and size - (ctl[WRITE_POS] - ctl[READ_POS]) < frame:
             self._wait_for_room(lambda: size - (ctl[WRITE_POS] - ctl[READ_POS]) >= frame, deadline)
         # Into the lend area only once the frame has room (a wait that times out sends
@@ -327,6 +327,19 @@ class ShmSender(Endpoint):
             ctl[RX_SLEEPING] = 0
             if not signal(self._signal_fd) and strict:
                 raise ChannelBroken("the receiving process is gone (it exited or was killed)")
+
+    def _wait_for_items(self, deadline: float | None) -> None:
+        """Wait, the channel holding ``capacity_items`` messages, until at most half of
+        them are left unread (one fewer, for a capacity of one or two): see the ring's
+        rules. The receiver wakes this side only once ``items_read`` reaches
+        ``tx_wake_at``, a word set before the sleeping flag that it reads after it."""
+        ctl = self._ctl
+        wake_at = ctl[ITEMS_WRITTEN] - self._capacity_items // 2
+        ctl[TX_WAKE_AT] = wake_at
+        try:
+            self._wait_for_room(lambda: ctl[ITEMS_READ] >= wake_at, deadline)
+        finally:
+            ctl[TX_WAKE_AT] = 0
 
     def _wait_for_room(self, room: Callable[[], bool], deadline: float | None = None) -> None:
         ctl = self._ctl

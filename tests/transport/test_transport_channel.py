@@ -253,15 +253,24 @@ def _start_producer(sender, receiver, items):
 @shm_only
 @pytest.mark.parametrize("capacity_items", [1, 3])
 def test_backpressure_by_items(capacity_items):
+    # Full, the producer sleeps until at most half its messages are left unread: the reads
+    # before that leave it asleep (its flag still set: nobody woke it), the last one wakes it.
     sender, receiver = open_channel(FORK, capacity_items=capacity_items, capacity_bytes=1 << 20)
     process, counter = _start_producer(sender, receiver, list(range(10)))
+    half = capacity_items // 2
     try:
-        for expected in range(10 - capacity_items):
+        expected = 0
+        while expected + capacity_items < 10:  # an item is left that it cannot send yet
             wait_until(lambda: ring_sender_sleeps(receiver))
             assert counter.value == expected + capacity_items  # full: exactly capacity in flight
+            for _ in range(capacity_items - half - 1):
+                assert receiver.recv(timeout=30) == expected
+                expected += 1
+                assert ring_sender_sleeps(receiver) and counter.value == expected + half + 1
             assert receiver.recv(timeout=30) == expected
-        rest = [receiver.recv(timeout=30) for _ in range(capacity_items)]
-        assert rest == list(range(10 - capacity_items, 10))
+            expected += 1
+        rest = [receiver.recv(timeout=30) for _ in range(10 - expected)]
+        assert rest == list(range(expected, 10))
         with pytest.raises(EndOfStream):
             receiver.recv(timeout=30)
     finally:

@@ -339,3 +339,33 @@ def test_a_fence_left_holding_its_lock_by_ctrl_c_never_blocks_the_next_one(monke
     thread.start()
     thread.join(10)
     assert fenced.is_set(), "fence() waited for a lock that an interrupted fence left held"
+
+
+def test_a_sender_that_found_the_channel_full_is_woken_once_half_of_it_was_read(monkeypatch):
+    # Woken at every message read, a sender ahead of a reader that takes its messages in
+    # turn with other channels' cost each side a wake-up per message. It sleeps until
+    # half the messages it waited behind were read, and is woken then, once, by the read
+    # that makes that room: no earlier wake-up, no watchdog standing in for one.
+    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
+    monkeypatch.setattr(_wakeup, "_WATCHDOG_MS", 60_000)  # only the reads may wake it
+    sender, receiver = open_channel(FORK, capacity_items=8, capacity_bytes=1 << 20)
+    armed = threading.Semaphore(0)
+    monkeypatch.setattr(_wakeup, "race_hook", lambda label: armed.release(), raising=False)
+    try:
+        for i in range(8):
+            sender.send(i, timeout=0)
+        worker = threading.Thread(target=sender.send, args=("ninth",), daemon=True)
+        worker.start()
+        assert armed.acquire(timeout=30)  # asleep, waiting for room
+        for i in range(3):
+            assert receiver.recv(timeout=0) == i
+            assert sender._ctl[_ring.TX_SLEEPING] == 1  # not woken: 5 or more still unread
+        assert receiver.recv(timeout=0) == 3  # half read: this one wakes it
+        worker.join(30)
+        assert not worker.is_alive()
+        assert not armed.acquire(timeout=0)  # it slept once, and went on after one wake-up
+        assert [receiver.recv(timeout=0) for _ in range(5)] == [4, 5, 6, 7, "ninth"]
+        assert sender.traffic().rescues == 0
+    finally:
+        sender.close()
+        receiver.close()
