@@ -78,7 +78,7 @@ _NUMPY: dict[str, Any] = {}
 
 def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
     if (
-        tensor.device.type != "cpu"
+        not tensor.is_cpu  # not device.type: a device object per tensor, 5x the cost
         or tensor.layout is not torch.strided
         or tensor.is_nested  # strided-layout nested tensors have no single shape or storage
         or tensor.requires_grad
@@ -87,13 +87,14 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
         or tensor.is_neg()
     ):
         return tensor.__reduce_ex__(5)
-    dtype = str(tensor.dtype).removeprefix("torch.")
+    dtype = _dtype_name(tensor.dtype)
     shape = tuple(tensor.shape)
     numel = tensor.numel()
     if numel == 0:
         return _rebuild_empty, (dtype, shape)
     strides: tuple[int, ...] | None = tensor.stride()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    contiguous = tensor.is_contiguous()
+    span = numel if contiguous else 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
     itemsize = tensor.element_size()
     if span <= numel:
         storage = tensor.untyped_storage()
@@ -102,14 +103,14 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
             offset = tensor.storage_offset()
             if _numpy_dtype(dtype) is not None and nbytes % itemsize == 0:
                 whole = None
-                if offset == 0 and span * itemsize == nbytes and tensor.is_contiguous():
+                if offset == 0 and span * itemsize == nbytes and contiguous:
                     strides = None
                     whole = tensor  # its bytes are its storage's
                 return _rebuild_on_bytes, (_storage_bytes(storage, whole), dtype, shape, strides, offset)
             return _rebuild_on_storage, (storage, dtype, shape, strides, offset)
         # Dense (or overlapping, as when expanded): the bytes it covers are all useful.
         flat = tensor.as_strided((span,), (1,), tensor.storage_offset())
-        if tensor.is_contiguous():
+        if contiguous:
             strides = None
     else:
         flat = tensor.contiguous().view(-1)
@@ -118,6 +119,17 @@ def reduce_tensor(tensor: torch.Tensor) -> str | tuple[Any, ...]:
     if _numpy_dtype(dtype) is not None:
         return _rebuild_on_bytes, ((raw,), dtype, shape, strides, 0)
     return _rebuild_tensor, (raw, dtype, shape, strides)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``dtype``'s name in ``torch`` ("float32"), looked up once per dtype."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _storage_bytes(storage: torch.UntypedStorage, whole: torch.Tensor | None = None) -> tuple[pickle.PickleBuffer]:
