@@ -100,9 +100,7 @@ def read_channels(make: Callable[[int], Any], count: int, burst: int = 0) -> flo
     """Main-process CPU seconds per message over ``count`` messages from each producer.
     With ``burst``, the consumer lets the rings fill (and the producers block) before it
     reads ``burst`` messages of each, and only those reads are timed."""
-    # 16 messages: a producer that found its ring full sleeps until half of it was read, so
-    # a ring it stopped filling holds more than 8, the largest burst read here.
-    ends = [open_channel(CTX, capacity_items=16, capacity_bytes=64 * MIB) for _ in range(PRODUCERS)]
+    ends = [open_channel(CTX, capacity_items=10, capacity_bytes=64 * MIB) for _ in range(PRODUCERS)]
     producers = [CTX.Process(target=_produce, args=(tx, make, count)) for tx, _ in ends]
     for producer in producers:
         producer.start()

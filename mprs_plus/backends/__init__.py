@@ -37,7 +37,9 @@ class Placement(Protocol):
     start_at_once: bool  # start every child in start(), even under fork
     on_this_host: bool  # the children share this host's memory (semaphores, shared counters)
 
-    def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Sender, Receiver]: ...
+    def open_channel(
+        self, *, capacity_items: int, capacity_bytes: int, control: bool = False, refill_at_half: bool = False
+    ) -> tuple[Sender, Receiver]: ...
 
     def start(self, name: str, target: Callable[[Any], None], setup: Any) -> Any: ...
 

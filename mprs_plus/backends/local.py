@@ -33,9 +33,13 @@ class LocalPlacement:
         self._ctx = ctx
         self.oom_kills = OomKills()  # the cgroup's OOM kills counted from here on (``runtime/main/oom.py``)
 
-    def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Any, Any]:
+    def open_channel(
+        self, *, capacity_items: int, capacity_bytes: int, control: bool = False, refill_at_half: bool = False
+    ) -> tuple[Any, Any]:
         del control  # one kind of channel serves both here
-        return open_channel(self._ctx, capacity_items=capacity_items, capacity_bytes=capacity_bytes)
+        return open_channel(
+            self._ctx, capacity_items=capacity_items, capacity_bytes=capacity_bytes, refill_at_half=refill_at_half
+        )
 
     def start(self, name: str, target: Callable[[Any], None], setup: Any) -> Any:
         from ..runtime.main.diagnose import unpicklable_error

@@ -21,6 +21,8 @@ no copy out (``_lend.py``).
     |         tx_rescues   (producer: the same)                              |
     |         tx_wake_at   (producer, set before tx_sleeping: wake it only   |
     |         once items_read reaches this; 0: at any progress)             |
+    |         refill_half  (set once as the channel is made: a full sender  |
+    |         waits until half is read, see Backpressure)                   |
     | line 4  lent_in_place  lent_copied  (producer: large buffers sent      |
     |         from where they were built, and copied in; _lend.py)          |
     | line 5  lock_chunked (set once as the channel is made: its lend area   |
@@ -41,9 +43,14 @@ Rules
     * Backpressure: ``send`` waits while ``capacity_items`` messages or ``capacity_bytes``
       bytes are in flight, lent bytes (``lent_bytes - lent_read``) counted separately
       against the same size (``_lend.py``). A sender that found ``capacity_items``
-      messages in flight waits until half of them were read (``tx_wake_at``), not one:
-      woken for every message read, a sender ahead of a reader that takes its messages
-      in turn with others' cost both sides a wake-up per message. A frame up to the
+      messages in flight goes on once one was read; in a channel made with
+      ``refill_at_half``, once half of them were (``tx_wake_at``): woken for every
+      message read, a sender ahead of a reader that takes its messages in turn with
+      others' costs both sides a wake-up per message. Only where nothing the reader
+      waits for depends on this sender's next message (the sender feeds no other
+      process, and shares no source with another sender) is that safe: a reader that
+      read one message and then waits for another process fed through this sender would
+      wait for good. A frame up to the
       ring's size is written whole and published with one store of ``write_pos``; a larger one is streamed through the ring in pieces
       while the receiver copies them out.
     * An empty ring whose write offset is past ``recycle_at`` restarts at its beginning
@@ -78,7 +85,7 @@ from .traffic import NO_TRAFFIC, Traffic
 WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES, SKIPPED = 0, 1, 2, 3, 4
 READ_POS, ITEMS_READ, RECEIVER_CLOSED, LENT_READ = 8, 9, 10, 11
 RX_SLEEPING, RX_RESCUES = 16, 17  # a Sleeper counts its rescues in the word after its flag
-TX_SLEEPING, TX_RESCUES, TX_WAKE_AT = 24, 25, 26
+TX_SLEEPING, TX_RESCUES, TX_WAKE_AT, REFILL_HALF = 24, 25, 26, 27
 
 HEADER = 32  # bytes; frames start on multiples of it, so a header never wraps
 MESSAGE = 0x4D5347  # "MSG": anything else in a header is corruption, i.e. a bug here

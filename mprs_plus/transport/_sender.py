@@ -27,6 +27,7 @@ from ._ring import (
     SKIP,
     SKIPPED,
     TX_SLEEPING,
+    REFILL_HALF,
     TX_WAKE_AT,
     WRITE_POS,
     Endpoint,
@@ -329,12 +330,13 @@ class ShmSender(Endpoint):
                 raise ChannelBroken("the receiving process is gone (it exited or was killed)")
 
     def _wait_for_items(self, deadline: float | None) -> None:
-        """Wait, the channel holding ``capacity_items`` messages, until at most half of
-        them are left unread (one fewer, for a capacity of one or two): see the ring's
-        rules. The receiver wakes this side only once ``items_read`` reaches
+        """Wait, the channel holding ``capacity_items`` messages, until one was read, or
+        in a channel made with ``refill_at_half`` until at most half are left unread (the
+        ring's rules). The receiver wakes this side only once ``items_read`` reaches
         ``tx_wake_at``, a word set before the sleeping flag that it reads after it."""
         ctl = self._ctl
-        wake_at = ctl[ITEMS_WRITTEN] - self._capacity_items // 2
+        left = self._capacity_items // 2 if ctl[REFILL_HALF] else self._capacity_items - 1
+        wake_at = ctl[ITEMS_WRITTEN] - left
         ctl[TX_WAKE_AT] = wake_at
         try:
             self._wait_for_room(lambda: ctl[ITEMS_READ] >= wake_at, deadline)

@@ -601,11 +601,15 @@ def _prefix(size: int) -> bytes:
     return _LENGTH.pack(size)
 
 
-def open_pipe_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> tuple[PipeSender, PipeReceiver]:
+def open_pipe_channel(
+    ctx: Any, *, capacity_items: int, capacity_bytes: int, refill_at_half: bool = False
+) -> tuple[PipeSender, PipeReceiver]:
     """A one-way channel over OS pipes holding at most ``capacity_items`` messages and
     ``capacity_bytes`` bytes of pickles (a larger message goes alone), the bytes rounded up
     exactly as the shared-memory ring's size is, so both transports hold as much; and a
-    lend area of ``LEND_FACTOR`` times that (committed only as it is used)."""
+    lend area of ``LEND_FACTOR`` times that (committed only as it is used).
+    ``refill_at_half`` changes nothing here: a sender waits on the kernel for each credit."""
+    del refill_at_half
     if isinstance(capacity_items, bool) or not isinstance(capacity_items, int) or capacity_items < 1:
         raise ValueError(f"capacity_items must be an int >= 1, got {capacity_items!r}")
     if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:

@@ -35,16 +35,21 @@ from typing import Any
 from ._lend import LEND_FACTOR, lay_out_area
 from ._memory import PAGE, SharedRegion
 from ._receiver import ShmReceiver
-from ._ring import ENDPOINTS, MIN_RING, close_fds
+from ._ring import ENDPOINTS, MIN_RING, REFILL_HALF, close_fds
 from ._sender import ShmSender
 from ._wakeup import wake_pipe
 
 
-def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> tuple[ShmSender, ShmReceiver]:
+def open_shm_channel(
+    ctx: Any, *, capacity_items: int, capacity_bytes: int, refill_at_half: bool = False
+) -> tuple[ShmSender, ShmReceiver]:
     """A one-way channel holding at most ``capacity_items`` messages and ``capacity_bytes``
     bytes (rounded up to whole pages) in its ring, plus large buffers lent through its lend
     area (``LEND_FACTOR`` times the ring, committed only as it is used; see ``_lend.py``).
-    ``ctx`` is not needed: the endpoints travel to children of any start method."""
+    ``refill_at_half``: a full sender waits until half its messages were read, not one
+    (safe only where the reader waits for nothing this sender's next message feeds; the
+    ring's rules). ``ctx`` is not needed: the endpoints travel to children of any start
+    method."""
     del ctx
     if isinstance(capacity_items, bool) or not isinstance(capacity_items, int) or capacity_items < 1:
         raise ValueError(f"capacity_items must be an int >= 1, got {capacity_items!r}")
@@ -59,6 +64,7 @@ def open_shm_channel(ctx: Any, *, capacity_items: int, capacity_bytes: int) -> t
         fds += [space_r, space_w]
         region = SharedRegion.create(size, "mprs_plus channel", lend_size=LEND_FACTOR * size)
         lay_out_area(region)  # in lock chunks only if it will be page-locked
+        region.ctl[REFILL_HALF] = int(refill_at_half)
     except BaseException:
         close_fds(fds)
         raise

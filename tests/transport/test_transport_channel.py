@@ -253,24 +253,45 @@ def _start_producer(sender, receiver, items):
 @shm_only
 @pytest.mark.parametrize("capacity_items", [1, 3])
 def test_backpressure_by_items(capacity_items):
-    # Full, the producer sleeps until at most half its messages are left unread: the reads
-    # before that leave it asleep (its flag still set: nobody woke it), the last one wakes it.
     sender, receiver = open_channel(FORK, capacity_items=capacity_items, capacity_bytes=1 << 20)
     process, counter = _start_producer(sender, receiver, list(range(10)))
+    try:
+        for expected in range(10 - capacity_items):
+            wait_until(lambda: ring_sender_sleeps(receiver))
+            assert counter.value == expected + capacity_items  # full: exactly capacity in flight
+            assert receiver.recv(timeout=30) == expected
+        rest = [receiver.recv(timeout=30) for _ in range(capacity_items)]
+        assert rest == list(range(10 - capacity_items, 10))
+        with pytest.raises(EndOfStream):
+            receiver.recv(timeout=30)
+    finally:
+        receiver.close()
+        process.join(30)
+
+
+@shm_only
+@pytest.mark.parametrize("capacity_items", [1, 3, 8])
+def test_backpressure_by_items_refilled_at_half(capacity_items):
+    # Made with refill_at_half, a full producer sleeps until at most half its messages are
+    # left unread: the reads before that leave it asleep (its flag still set: nobody woke
+    # it), the last one wakes it.
+    sender, receiver = open_channel(FORK, capacity_items=capacity_items, capacity_bytes=1 << 20, refill_at_half=True)
+    process, counter = _start_producer(sender, receiver, list(range(20)))
     half = capacity_items // 2
     try:
         expected = 0
-        while expected + capacity_items < 10:  # an item is left that it cannot send yet
+        while expected + capacity_items < 20:  # an item is left that it cannot send yet
             wait_until(lambda: ring_sender_sleeps(receiver))
-            assert counter.value == expected + capacity_items  # full: exactly capacity in flight
+            full = expected + capacity_items
+            assert counter.value == full  # full: exactly capacity in flight
             for _ in range(capacity_items - half - 1):
                 assert receiver.recv(timeout=30) == expected
                 expected += 1
-                assert ring_sender_sleeps(receiver) and counter.value == expected + half + 1
+                assert ring_sender_sleeps(receiver) and counter.value == full  # not woken
             assert receiver.recv(timeout=30) == expected
             expected += 1
-        rest = [receiver.recv(timeout=30) for _ in range(10 - expected)]
-        assert rest == list(range(expected, 10))
+        rest = [receiver.recv(timeout=30) for _ in range(20 - expected)]
+        assert rest == list(range(expected, 20))
         with pytest.raises(EndOfStream):
             receiver.recv(timeout=30)
     finally:

@@ -341,14 +341,14 @@ def test_a_fence_left_holding_its_lock_by_ctrl_c_never_blocks_the_next_one(monke
     assert fenced.is_set(), "fence() waited for a lock that an interrupted fence left held"
 
 
-def test_a_sender_that_found_the_channel_full_is_woken_once_half_of_it_was_read(monkeypatch):
+def test_a_full_sender_of_a_channel_refilled_at_half_is_woken_once_half_of_it_was_read(monkeypatch):
     # Woken at every message read, a sender ahead of a reader that takes its messages in
     # turn with other channels' cost each side a wake-up per message. It sleeps until
     # half the messages it waited behind were read, and is woken then, once, by the read
     # that makes that room: no earlier wake-up, no watchdog standing in for one.
     monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
     monkeypatch.setattr(_wakeup, "_WATCHDOG_MS", 60_000)  # only the reads may wake it
-    sender, receiver = open_channel(FORK, capacity_items=8, capacity_bytes=1 << 20)
+    sender, receiver = open_channel(FORK, capacity_items=8, capacity_bytes=1 << 20, refill_at_half=True)
     armed = threading.Semaphore(0)
     monkeypatch.setattr(_wakeup, "race_hook", lambda label: armed.release(), raising=False)
     try:

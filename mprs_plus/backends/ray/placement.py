@@ -217,8 +217,12 @@ class RayPlacement:
         self._streams: dict[str, tuple[StreamSender, StreamReceiver]] = {}
         self._listening: set[str] = set()
 
-    def open_channel(self, *, capacity_items: int, capacity_bytes: int, control: bool = False) -> tuple[Any, Any]:
-        """A control channel over Ray calls, or a data channel over a stream."""
+    def open_channel(
+        self, *, capacity_items: int, capacity_bytes: int, control: bool = False, refill_at_half: bool = False
+    ) -> tuple[Any, Any]:
+        """A control channel over Ray calls, or a data channel over a stream (whose sender
+        waits on its credits as they come: ``refill_at_half`` changes nothing)."""
+        del refill_at_half
         if control:
             return open_ray_channel(capacity_items=capacity_items, capacity_bytes=capacity_bytes, control=True)
         ends = open_stream_channel(self._secret, capacity_items=capacity_items, capacity_bytes=capacity_bytes)

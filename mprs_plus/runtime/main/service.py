@@ -664,14 +664,21 @@ def _open_worker_ends(placement: Any, options: Options, lanes: int, dispatchers:
     when one fails to open."""
     opened: list[Any] = []
 
-    def channel(items: int, size: int, control: bool = False) -> tuple[Any, Any]:
-        ends = placement.open_channel(capacity_items=items, capacity_bytes=size, control=control)
+    def channel(items: int, size: int, control: bool = False, refill_at_half: bool = False) -> tuple[Any, Any]:
+        ends = placement.open_channel(
+            capacity_items=items, capacity_bytes=size, control=control, refill_at_half=refill_at_half
+        )
         opened.extend(ends)
         return ends
 
     try:
         control, control_rx = channel(CONTROL_ITEMS, CONTROL_BYTES, control=True)
-        data = [channel(options.items_in_flight_per_worker, _DATA_BYTES) for _ in range(lanes)]
+        # A worker with one output and no dispatcher feeds nothing but its own channel: it
+        # may sleep until half of that was read (a wake-up per batch saved; see transport
+        # _ring.py). With a dispatcher, or lanes that share a source, a reader waiting for
+        # another process could be waiting for this one's next item.
+        refill = lanes == 1 and dispatchers == 0
+        data = [channel(options.items_in_flight_per_worker, _DATA_BYTES, refill_at_half=refill) for _ in range(lanes)]
         inputs = [channel(options.dispatch_channel_items, _DATA_BYTES) for _ in range(dispatchers)]
     except BaseException:
         for end in opened:
