@@ -79,9 +79,9 @@ def test_a_failing_dispatch_init_fn_is_reported():
 def test_dispatch_buffer_size_sets_the_dispatch_channels(monkeypatch, buffer, expected):
     opened = []
 
-    def recording_open_channel(ctx, *, capacity_items=0, capacity_bytes=0):
+    def recording_open_channel(ctx, *, capacity_items=0, capacity_bytes=0, **more):
         opened.append(capacity_items)
-        return real_open_channel(ctx, capacity_items=capacity_items, capacity_bytes=capacity_bytes)
+        return real_open_channel(ctx, capacity_items=capacity_items, capacity_bytes=capacity_bytes, **more)
 
     real_open_channel = local_backend.open_channel
     monkeypatch.setattr(local_backend, "open_channel", recording_open_channel)
