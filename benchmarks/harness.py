@@ -244,9 +244,11 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
     ``item_bytes`` the bytes delivered per second of that CPU time (``main_cpu_gbps``).
     Unlike throughput, these do not depend on how many cores the machine has: they show
     what every item costs the one process that trains, whatever the workers do. And the
-    same for each child process alive at the window's start (``children_cpu_per_item``,
-    one figure per child, in the order of their process ids, over the part of the window
-    it was seen alive in, read every ``CHILDREN_LOOK_S``): beside the main process's,
+    same for each child process alive at the first item (``children_cpu_per_item``, one
+    figure per child, in the order of their process ids, from the first item to the last
+    look that found it alive, read every ``CHILDREN_LOOK_S``; from the first item rather
+    than the window's start because workers run ahead of the loop: the items of the window
+    may all be made before it begins, more so in a short epoch): beside the main process's,
     they show which process limits, and what a worker pays per item against the main
     process doing the same work itself (a contender without workers).
     """
@@ -255,7 +257,7 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
     clock, cpu_clock = time.perf_counter, time.process_time
     count = timed_from = 0
     first = start = end = cpu_start = cpu_end = 0.0
-    children: dict[int, float] = {}  # CPU seconds of each child at the window's start
+    children: dict[int, float] = {}  # CPU seconds of each child at the first item
     children_end: dict[int, float] = {}  # ... at the last look that found it alive
     children_items: dict[int, int] = {}  # ... and the items the loop had timed by then
     looked = 0.0
@@ -269,9 +271,12 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
                 now = clock()
                 if count == 1:
                     first = now
-                if count >= warm_items or now - first >= warm_s:
                     children = _children_cpu()
+                if count >= warm_items or now - first >= warm_s:
                     start, timed_from, cpu_start = clock(), count, cpu_clock()
+                    seen = _children_cpu()  # a first look: a worker may end before the next
+                    children_end.update(seen)
+                    children_items.update(dict.fromkeys(seen, count - 1))
                     looked = start
             elif count & 15 == 0:
                 now = clock()
@@ -281,12 +286,12 @@ def stream(open_: Callable[[], Loader], *, items: int, settings: Settings, item_
                 if now - looked >= CHILDREN_LOOK_S:  # workers may end before the loop does
                     seen, looked = _children_cpu(), now
                     children_end.update(seen)
-                    children_items.update(dict.fromkeys(seen, count - timed_from))
+                    children_items.update(dict.fromkeys(seen, count - 1))
         end, cpu_end = clock(), cpu_clock()
         if timed_from:
             seen = _children_cpu()
             children_end.update(seen)
-            children_items.update(dict.fromkeys(seen, count - timed_from))
+            children_items.update(dict.fromkeys(seen, count - 1))
         # A consumer drops its item before it stops: one still held would pin the memory it
         # views (SPDL's pool keeps such a segment past its own shutdown).
         item = None
@@ -331,12 +336,35 @@ def _children_cpu() -> dict[int, float]:
     """CPU seconds (user and system, every thread) of each live child process, by id."""
     found = {}
     for child in child_processes():
-        try:
-            times = child.cpu_times()
-        except psutil.Error:
-            continue
-        found[child.pid] = times.user + times.system
+        seconds = _run_time(child.pid)
+        if seconds is None:
+            try:
+                times = child.cpu_times()
+            except psutil.Error:
+                continue
+            seconds = times.user + times.system
+        found[child.pid] = seconds
     return found
+
+
+def _run_time(pid: int) -> float | None:
+    """Seconds on a CPU of the live threads of ``pid``, to the nanosecond (Linux's
+    ``schedstat``); None where it cannot be read. psutil's figure comes in clock ticks
+    (10 ms): a worker of a short epoch spends less than one in a window, and read 0."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:
+            continue  # a thread that ended just now
+        except (OSError, ValueError, IndexError):
+            return None
+    return total / 1e9
 
 
 class MeasurementTimeout(Exception):
