@@ -128,23 +128,32 @@ class Encoder:
 
     def _new_pickler(self) -> pickle.Pickler:
         table = _dispatch_table()
-        pickler = pickle.Pickler(self._file, protocol=5, buffer_callback=self._keep_out_of_band)
+        # The callback holds the buffer list, not the encoder: an encoder -> pickler ->
+        # bound method -> encoder cycle would keep a closed channel's mapping alive until a
+        # garbage collection.
+        pickler = pickle.Pickler(self._file, protocol=5, buffer_callback=_out_of_band_keeper(self._buffers))
         pickler.dispatch_table = table  # type: ignore[misc]
         self._pickler = pickler
         self._version = _registry_version
         self._copyreg_size = len(copyreg.dispatch_table)
         return pickler
 
-    def _keep_out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
-        # Returning True keeps the buffer in the stream (pickle's convention).
+def _out_of_band_keeper(buffers: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    """Pickle's ``buffer_callback``: a buffer of ``INLINE_LIMIT`` bytes or more travels out
+    of band (appended to ``buffers``); a smaller one, or one not contiguous (pickle then
+    reports it), stays in the stream: returning True keeps it there, pickle's convention."""
+
+    def keep_out_of_band(buffer: pickle.PickleBuffer) -> bool:
         try:
             with buffer.raw() as raw:
                 if raw.nbytes < INLINE_LIMIT:
                     return True
         except BufferError:
-            return True  # not contiguous: let pickle report it
-        self._buffers.append(buffer)
+            return True
+        buffers.append(buffer)
         return False
+
+    return keep_out_of_band
 
 
 # -- numpy ----------------------------------------------------------------------------

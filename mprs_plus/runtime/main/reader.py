@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -93,7 +94,9 @@ class MainChannels:
         self._records = records
         self._death_grace = death_grace  # seconds a child whose channel broke may take to be known dead
         self.epoch = 0  # the main process's current epoch (``MainReader.begin_epoch``)
-        self.mux: ChannelMux | None = None  # told of a replaced channel
+        # The mux to tell of a replaced channel, by weak reference: the mux holds this
+        # object's ``recv`` and ``wait``, and a cycle would outlive the service.
+        self.mux: weakref.ref[ChannelMux] | None = None
 
     def recv(self, index: int) -> Message:
         if self._fresh:
@@ -171,8 +174,9 @@ class MainChannels:
             for k in range(lanes):
                 index = first + k
                 self.receivers[index] = link.data[k]
-                if self.mux is not None:
-                    self.mux.replace(index, link.data[k])
+                mux = self.mux() if self.mux is not None else None
+                if mux is not None:
+                    mux.replace(index, link.data[k])
                 self._fresh[index] = left[k] + items[k]
                 self._received[index] = [self.epoch, received[k] + len(items[k])]
         self._sentinels = None
@@ -367,7 +371,7 @@ class MainReader:
         )
         self.epoch = 0
         self._mux = ChannelMux(channels.receivers, channels.recv, channels.wait, gate.nudge)
-        channels.mux = self._mux
+        channels.mux = weakref.ref(self._mux)
         self._main_channels = channels
         self._take = GatedMux(self._mux, gate)
         self._gate = gate
