@@ -579,12 +579,13 @@ def test_the_iterators_workers_are_its_processes_as_torchs(cls, persistent):
     "make_sampler",
     [
         lambda g: SequentialSampler(range(103)),
+        lambda g: SequentialSampler(range(100)),  # no short last batch
         lambda g: torch.utils.data.RandomSampler(range(103), generator=g),
         lambda g: torch.utils.data.RandomSampler(range(103), replacement=True, num_samples=77, generator=g),
         lambda g: torch.utils.data.RandomSampler(range(103)),  # seeded from torch's global generator
     ],
 )
-@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("workers", [1, 3, 4])
 def test_an_epoch_drawn_in_one_go_is_torchs_batch_sampler_step_by_step(make_sampler, drop_last, workers):
     import pickle
 
@@ -611,3 +612,21 @@ def test_an_epoch_drawn_in_one_go_is_torchs_batch_sampler_step_by_step(make_samp
             assert len(share[start:stop]) == len(batches[start:stop])
         with pytest.raises(IndexError):
             share[len(share)]
+
+
+def test_a_sequential_epoch_of_millions_is_dealt_without_drawing_its_indices():
+    """Without shuffling the indices are known: each worker's share is computed, not drawn
+    and held (no time before the first batch, no memory a forked worker maps and unmaps)."""
+    import pickle
+
+    from mprs_plus.dataloader.epochs import deal_epoch
+
+    size, count = 64, 5_000_003
+    batch_sampler = BatchSampler(SequentialSampler(range(count)), size, False)
+    shares = deal_epoch(batch_sampler, iter(batch_sampler), 3)
+    assert [len(share) for share in shares] == [26042, 26042, 26042]  # 78,126 batches, the last one short
+    for w, share in enumerate(shares):
+        assert len(pickle.dumps(share)) < 200
+        assert share[0] == list(range(w * size, (w + 1) * size))
+    assert shares[2][-1] == list(range(78125 * size, count))  # batch 78,125 is worker 2's (78,125 % 3)
+    assert shares[1][-1] == list(range(78124 * size, 78125 * size))

@@ -161,8 +161,14 @@ def deal_epoch(index_sampler: Any, indices: Iterator[Any], workers: int) -> list
     the fork had made shared: the loop's first batch waited for those copies."""
     if type(index_sampler) is not torch.utils.data.BatchSampler or type(index_sampler.sampler) not in _INT_SAMPLERS:
         return deal(draw_batches(index_sampler, indices), workers)
-    drawn = _drawn(index_sampler)
     size = index_sampler.batch_size
+    if type(index_sampler.sampler) is torch.utils.data.SequentialSampler:
+        end = len(index_sampler.sampler)
+        if index_sampler.drop_last:
+            end -= end % size
+        count = -(-end // size)
+        return [StridedBatches(w, workers, len(range(w, count, workers)), size, end) for w in range(workers)]
+    drawn = _drawn(index_sampler)
     end = len(drawn)
     whole = end // size  # batches of ``size``; one shorter follows where end is not a multiple
     batches = drawn[: whole * size].reshape(whole, size)
@@ -238,6 +244,48 @@ class IndexBatches(Sequence):  # type: ignore[type-arg]
         flat, size = self._flat, self._size
         for start in range(0, len(flat), size):
             yield flat[start : start + size].tolist()
+
+
+class StridedBatches(Sequence):  # type: ignore[type-arg]
+    """A worker's share of a ``SequentialSampler``'s index batches, computed: its batch j is
+    the epoch's batch ``first + j * step``, the indices ``range(b * size, (b + 1) * size)``
+    cut at ``end``. Nothing is drawn or held: an epoch of millions of indices costs neither
+    the time to draw them before the first batch nor the memory, which every forked
+    worker would otherwise map and unmap (a stop waits for the workers' exits). Reads as
+    a list of lists of ints, as ``IndexBatches`` does; a slice is another one."""
+
+    __slots__ = ("_first", "_step", "_count", "_size", "_end")
+
+    def __init__(self, first: int, step: int, count: int, size: int, end: int) -> None:
+        self._first, self._step, self._count, self._size, self._end = first, step, count, size, end
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StridedBatches, (self._first, self._step, self._count, self._size, self._end))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._count)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            first = self._first + start * self._step
+            return StridedBatches(first, self._step, max(0, stop - start), self._size, self._end)
+        number = operator.index(key)
+        if number < 0:
+            number += self._count
+        if not 0 <= number < self._count:
+            raise IndexError("index batch out of range")
+        begin = (self._first + number * self._step) * self._size
+        return list(range(begin, min(begin + self._size, self._end)))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        size, end, stride = self._size, self._end, self._step * self._size
+        begin = self._first * size
+        for _ in range(self._count):
+            yield list(range(begin, min(begin + size, end)))
+            begin += stride
 
 
 def has_len(sampler: Any) -> bool:

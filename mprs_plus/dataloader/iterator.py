@@ -299,6 +299,47 @@ class LoaderIterator:
         workers = settings.num_workers
         if settings.prefetch_factor == 0:
             raise ValueError("prefetch_factor must be greater than 0 for num_workers > 0")
+        run = self._keep.run if settings.persistent else None
+        if run is None:
+            run = LoaderRun(settings.options, settings.job, workers, settings.family, settings.pin_memory_device)
+            if settings.persistent:
+                self._keep.run = run
+            else:
+                self._owns_run = True
+        self._run = run
+        self._worker_handles = run.runtime.worker_processes()
+        # Drawn once the run is open, as torch reads its sampler once its workers started:
+        # spawned children boot meanwhile (forked ones start with the epoch, already drawn).
+        try:
+            parts = self._orders(indices)
+        except BaseException:
+            self._stop_owned()
+            raise
+        self._ahead = run.feeding.ahead if run.feeding is not None else 0
+        if self._auto is not None:
+            self._auto.epoch_began()
+            self._auto.begin()
+        skips: tuple[int, ...] = ()
+        next_worker = 0
+        if self._restore is not None:
+            skips, next_worker = tuple(self._restore["consumed"]), self._restore["next_worker"]
+        try:
+            run.runtime.begin_epoch(None, EpochOrders(parts), skips if any(skips) else (), next_worker)
+            self._follow(settings.prefetch_factor * workers + sum(skips))
+        except Exception as exc:
+            mapped = torch_error(exc, self._timeout)
+            if mapped is None:
+                raise
+            raise mapped from None
+        if self._auto is not None:
+            self._auto.note_started(run)
+        return iter(run.main)
+
+    def _orders(self, indices: Iterator[Any]) -> list[WorkerEpoch]:
+        """Each worker's order for the epoch: its round-robin share of the epoch's index
+        batches, drawn now (map-style), or its replica's state (an iterable dataset)."""
+        settings = self._settings
+        workers = settings.num_workers
         base_seed = self.start.base_seed or 0
         shares: list[Any] = [None] * workers
         positions: list[Any] = [None] * workers  # seeding="batch": each share's places in the epoch (None: i * N + w)
@@ -329,34 +370,7 @@ class LoaderIterator:
                     plan.seeds, positions[w],
                 )
             )
-        run = self._keep.run if settings.persistent else None
-        if run is None:
-            run = LoaderRun(settings.options, settings.job, workers, settings.family, settings.pin_memory_device)
-            if settings.persistent:
-                self._keep.run = run
-            else:
-                self._owns_run = True
-        self._run = run
-        self._worker_handles = run.runtime.worker_processes()
-        self._ahead = run.feeding.ahead if run.feeding is not None else 0
-        if self._auto is not None:
-            self._auto.epoch_began()
-            self._auto.begin()
-        skips: tuple[int, ...] = ()
-        next_worker = 0
-        if self._restore is not None:
-            skips, next_worker = tuple(self._restore["consumed"]), self._restore["next_worker"]
-        try:
-            run.runtime.begin_epoch(None, EpochOrders(parts), skips if any(skips) else (), next_worker)
-            self._follow(settings.prefetch_factor * workers + sum(skips))
-        except Exception as exc:
-            mapped = torch_error(exc, self._timeout)
-            if mapped is None:
-                raise
-            raise mapped from None
-        if self._auto is not None:
-            self._auto.note_started(run)
-        return iter(run.main)
+        return parts
 
     # -- num_workers="auto" ------------------------------------------------------------
 
