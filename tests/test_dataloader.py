@@ -630,3 +630,31 @@ def test_a_sequential_epoch_of_millions_is_dealt_without_drawing_its_indices():
         assert share[0] == list(range(w * size, (w + 1) * size))
     assert shares[2][-1] == list(range(78125 * size, count))  # batch 78,125 is worker 2's (78,125 % 3)
     assert shares[1][-1] == list(range(78124 * size, 78125 * size))
+
+
+class _SamplerThatBreaks(torch.utils.data.Sampler):
+    def __len__(self) -> int:
+        return 10
+
+    def __iter__(self):
+        raise ValueError("the sampler broke")
+        yield
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_sampler_that_raises_as_the_epoch_is_drawn_leaves_nothing_running(context):
+    """The epoch is drawn once the run is open (spawned workers already boot): the error
+    is the sampler's, and the run it opened stops with it (the autouse check: no shared
+    memory left either)."""
+    loader = DataLoader(
+        list(range(10)), sampler=_SamplerThatBreaks(), batch_size=2, num_workers=2, multiprocessing_context=context
+    )
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(ValueError, match="the sampler broke") as caught:
+        iter(loader)
+    # Stopped at once, not when the traceback (which holds the iterator) is dropped.
+    started = [p for p in psutil.Process().children() if p.pid not in before]
+    assert [p for p in started if "resource_tracker" not in " ".join(p.cmdline())] == []  # spawn's own helper stays
+    del caught
+    batches = list(DataLoader(list(range(10)), batch_size=2, num_workers=2, multiprocessing_context=context))
+    assert [batch.tolist() for batch in batches] == [[i, i + 1] for i in range(0, 10, 2)]  # and the next loader runs
