@@ -40,7 +40,7 @@ def figures(monkeypatch):
 
     forced = Forced()
 
-    def close(window, workers):
+    def close(window, workers, owner):
         seconds = 1.0
         f = {name: getattr(forced, name) for name in ("waits", "busy", "cpu", "memory", "available")}
         f.update(forced.at.get(workers, {}))

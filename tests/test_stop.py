@@ -204,6 +204,9 @@ def test_a_stopped_loader_frees_its_shared_memory_without_a_garbage_collection()
         for _ in range(2):
             assert len(list(persistent)) == 38
         del persistent
+        auto = DataLoader(list(range(300)), batch_size=8, num_workers="auto")
+        assert len(list(auto)) == 38
+        del auto
 
     assert _ours_left_to_the_garbage_collector(run) == []
 

@@ -98,6 +98,11 @@ class AutoWorkers:
         self._window = None
         self._begun = time.monotonic()
 
+    def run_stopped(self) -> None:
+        """The run measured stopped: its window goes (the next run opens its own), and with
+        it the last reference this object held to the run."""
+        self._window = None
+
     def epoch_began(self) -> None:
         self.changes_this_epoch = 0
         self._deferred = False
@@ -127,7 +132,7 @@ class AutoWorkers:
         window, self._window = self._window, None
         if window is None:
             return None
-        measured = window.close(self.count)
+        measured = window.close(self.count, self)
         decision = self.policy.decide(measured)
         self._window = _Open(window.run, self)
         if decision.workers == self.count or self.changes_this_epoch >= MAX_CHANGES:
@@ -181,11 +186,12 @@ class AutoWorkers:
 
 
 class _Open:
-    """A window being measured: its start's figures, the loop's waits since."""
+    """A window being measured: its start's figures, the loop's waits since. It holds the
+    run it measures, not its owner: the owner holds it, and a cycle would keep the run's
+    channels mapped until a garbage collection."""
 
     def __init__(self, run: Any, owner: AutoWorkers) -> None:
         self.run = run
-        self.owner = owner
         self.started = time.monotonic()
         self.main_cpu = time.process_time()
         self.busy, self.cpu, _ = owner.measure_workers(run)
@@ -196,8 +202,8 @@ class _Open:
         """Enough to say whether it is long enough (no figures read)."""
         return Window(1, time.monotonic() - self.started, self.batches, self.wait, 0.0, 0.0)
 
-    def close(self, workers: int) -> Window:
-        busy, cpu, memory = self.owner.measure_workers(self.run)
+    def close(self, workers: int, owner: AutoWorkers) -> Window:
+        busy, cpu, memory = owner.measure_workers(self.run)
         return Window(
             workers=workers,
             seconds=time.monotonic() - self.started,
@@ -207,7 +213,7 @@ class _Open:
             cpu_s=max(0.0, cpu - self.cpu),
             main_cpu_s=max(0.0, time.process_time() - self.main_cpu),
             worker_memory=memory,
-            available_memory=self.owner.available_memory(),
+            available_memory=owner.available_memory(),
         )
 
 

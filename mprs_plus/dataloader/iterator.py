@@ -516,6 +516,8 @@ class LoaderIterator:
         run, self._run = self._run, None
         if run is not None and self._owns_run:
             run.stop()
+            if self._auto is not None:
+                self._auto.run_stopped()
         feeding, self._feeding = self._feeding, None
         if feeding is not None:
             feeding.close()
