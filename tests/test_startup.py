@@ -151,3 +151,22 @@ def test_a_channel_that_fails_to_open_releases_every_channel_opened_before(monke
     assert len(opened) == failing
     assert channel_descriptors() == held  # released by the stop itself, not by a garbage collection
     runtime.stop()
+
+
+def test_a_script_without_a_main_guard_under_spawn_is_told_to_add_one(tmp_path):
+    """Under spawn a worker imports the main module: a script that iterates its loader at
+    module level starts a loader inside the worker. The worker's error names the guard
+    to add, not something that could not be pickled; the script ends, nothing is left."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import mprs_plus\n"
+        "for batch in mprs_plus.DataLoader(list(range(20)), batch_size=4, num_workers=2, multiprocessing_context='spawn'):\n"
+        "    pass\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode != 0
+    assert 'under `if __name__ == "__main__":`' in done.stderr
+    assert "cannot be pickled" not in done.stderr

@@ -4,11 +4,20 @@ ring (or a pipe, see ``transport``)."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..transport import open_channel
+
+
+_UNGUARDED_MAIN = (
+    "{name} cannot be started: this process is a worker that the {method!r} start method started, "
+    "and it re-ran the main module, whose code started a loader. Put the code that creates and "
+    "iterates loaders under `if __name__ == \"__main__\":` in the script you run, or use "
+    "multiprocessing_context=\"fork\" where the platform has it."
+)
 
 
 class LocalBackend:
@@ -52,9 +61,15 @@ class LocalPlacement:
             _end_unrecorded(process)
             raise
         except Exception as exc:
-            if self._ctx.get_start_method() == "fork":
+            method = self._ctx.get_start_method()
+            if method == "fork":
                 raise
-            raise unpicklable_error(setup, self._ctx.get_start_method(), name) from exc
+            if getattr(multiprocessing.current_process(), "_inheriting", False):
+                # This process is itself a child re-running the main module (spawn and
+                # forkserver import it): the script starts its loader at import. That is the
+                # error to show, not a diagnosis of what could not be pickled.
+                raise RuntimeError(_UNGUARDED_MAIN.format(name=name, method=method)) from None
+            raise unpicklable_error(setup, method, name) from exc
         return process
 
     def death_error(self, processes: Sequence[Any]) -> Exception:
