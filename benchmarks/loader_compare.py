@@ -7,6 +7,9 @@
     python benchmarks/loader_compare.py --cheap-samples [--runs N] [--quick]
                                                     cheap samples against num_workers=0, whole
                                                     epochs in fresh processes (cheap_samples.py)
+    python benchmarks/loader_compare.py --start-stop [--runs N] [--quick]
+                                                    first batch and stop of an iterator against
+                                                    torch's DataLoader (start_stop.py)
 
 ``mprs_plus.DataLoader`` against torch's ``DataLoader``, torchdata's ``StatefulDataLoader``
 and SPDL's ``get_pytorch_dataloader``, each given the same map-style dataset and the same
@@ -114,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--runs", type=int, default=None, help="fresh processes per workload and contender (default 5; 1 with --quick)"
     )
     cheap.add_argument("--torch-workers", action="store_true", help="torch's DataLoader with the workers too (slow here)")
+    cheap.add_argument(
+        "--start-stop",
+        action="store_true",
+        help="first batch and stop of an iterator, against torch's DataLoader with workers, on the same workloads (start_stop.py)",
+    )
     parser.set_defaults(names=names)
     return parser
 
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
-    if args.cheap_samples:
+    if args.cheap_samples or args.start_stop:
         return _cheap_samples(parser, args)
     if args.runs is not None or args.torch_workers:
         parser.error("--runs and --torch-workers go with --cheap-samples (the comparison takes --repetitions)")
@@ -183,6 +191,20 @@ def _cheap_samples(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         unknown = sorted(set(only) - set(cheap_samples.WORKLOADS))
         if unknown or not only:
             parser.error(f"unknown workload(s) {unknown}; with --cheap-samples choose from {list(cheap_samples.WORKLOADS)}")
+    if args.start_stop:
+        if args.cheap_samples or args.torch_workers:
+            parser.error("--start-stop is a mode of its own: torch's DataLoader with workers is its reference")
+        from benchmarks import start_stop
+
+        return start_stop.main(
+            runs=args.runs or (1 if args.quick else 9),
+            workers=args.workers,
+            context=args.context,
+            quick=args.quick,
+            out=args.out,
+            only=only,
+            progress=not args.no_progress,
+        )
     return cheap_samples.main(
         runs=args.runs or (1 if args.quick else 5),
         workers=args.workers,
