@@ -259,11 +259,11 @@ def _children_cpu() -> float:
 
 
 def run_one(
-    workload: str, contender: str, workers: int, context: str, quick: bool, timeout: float
+    workload: str, contender: str, workers: int, context: str, quick: bool, timeout: float, module: str = "cheap_samples"
 ) -> dict[str, Any]:
-    """``measure`` in a fresh interpreter (``bounded``). Returns its figures, or ``error``; with
-    the load average before it and the cores other processes took meanwhile."""
-    command = [sys.executable, "-m", "benchmarks.cheap_samples", "--measure", workload, contender]
+    """``module``'s ``measure`` in a fresh interpreter (``bounded``). Returns its figures, or
+    ``error``; with the load average before it and the cores other processes took meanwhile."""
+    command = [sys.executable, "-m", f"benchmarks.{module}", "--measure", workload, contender]
     command += ["--workers", str(workers), "--context", context] + (["--quick"] if quick else [])
     record: dict[str, Any] = {"workload": workload, "contender": contender, "load_before": list(os.getloadavg())}
     busy, ours, own, wall = _busy_cpu(), _children_cpu(), time.process_time(), time.perf_counter()
@@ -341,20 +341,29 @@ def _kill_group(group: int, grace_s: float = 2.0) -> list[int]:
 
 
 def run(
-    names: list[str], contenders: tuple[str, ...], runs: int, workers: int, context: str, quick: bool, progress: bool
+    names: list[str],
+    contenders: tuple[str, ...],
+    runs: int,
+    workers: int,
+    context: str,
+    quick: bool,
+    progress: bool,
+    module: str = "cheap_samples",
+    shown: Callable[[dict[str, Any]], str] = lambda r: f"{r['rate']:.4g} {WORKLOADS[r['workload']].unit}",
 ) -> list[dict[str, Any]]:
-    """Every run measures every contender once per workload, the contenders' order rotating."""
+    """Every run measures every contender once per workload, the contenders' order rotating
+    (``module``'s measurement; ``shown``: a record's figure in the progress lines)."""
     timeout = 60.0 if quick else 180.0
     records = []
     for n in range(runs):
         order = contenders[n % len(contenders) :] + contenders[: n % len(contenders)]
         for workload in names:
             for contender in order:
-                record = run_one(workload, contender, workers, context, quick, timeout)
+                record = run_one(workload, contender, workers, context, quick, timeout, module)
                 record["run"] = n
                 records.append(record)
                 if progress:
-                    figure = record.get("error") or f"{record['rate']:.4g} {WORKLOADS[workload].unit}"
+                    figure = record.get("error") or shown(record)
                     print(f"run {n + 1}/{runs} {workload} / {contender}: {figure}", file=sys.stderr, flush=True)
     return records
 
@@ -480,13 +489,17 @@ def headline(records: list[dict[str, Any]], runs: int, workers: int, context: st
     )
 
 
-def write(data: dict[str, Any], text: str, out: Path, quick: bool) -> dict[str, Path]:
+def write(data: dict[str, Any], text: str, out: Path, quick: bool, prefix: str = "cheap-samples") -> None:
+    """The run's JSON and Markdown into ``out``, named by ``prefix`` and the time; prints where."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"cheap-samples-{datetime.now():%Y%m%d-%H%M%S}{'-quick' if quick else ''}"
+    stem = f"{prefix}-{datetime.now():%Y%m%d-%H%M%S}{'-quick' if quick else ''}"
     paths = {"json": out / f"{stem}.json", "markdown": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
     paths["markdown"].write_text(text + "\n", encoding="utf-8")
-    return paths
+    print()
+    for kind, path in paths.items():
+        print(f"{kind:>8}: {path}")
+    print(f"    wall: {data['wall_s']:.0f} s")
 
 
 def main(
@@ -523,28 +536,25 @@ def main(
         "runs": records,
         "warnings": warnings_of(records),
     }
-    paths = write(data, text, out, quick)
-    print()
-    for kind, path in paths.items():
-        print(f"{kind:>8}: {path}")
-    print(f"    wall: {wall:.0f} s")
+    write(data, text, out, quick)
     return 0
 
 
-def _measure_main(argv: list[str]) -> int:
-    """The entry point of one measurement's fresh process: prints its figures as one JSON line."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cheap_samples")
+def measure_main(argv: list[str], module: str, contenders: tuple[str, ...], measure: Callable[..., dict[str, Any]]) -> int:
+    """The entry point of one measurement's fresh process (``python -m benchmarks.<module>
+    --measure WORKLOAD CONTENDER``): prints ``measure``'s figures as one JSON line."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}")
     parser.add_argument("--measure", nargs=2, metavar=("WORKLOAD", "CONTENDER"), required=True)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--context", default="fork")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     workload, contender = args.measure
-    if workload not in WORKLOADS or contender not in CONTENDERS:
-        parser.error(f"choose a workload from {list(WORKLOADS)} and a contender from {list(CONTENDERS)}")
+    if workload not in WORKLOADS or contender not in contenders:
+        parser.error(f"choose a workload from {list(WORKLOADS)} and a contender from {list(contenders)}")
     print(json.dumps(measure(workload, contender, args.workers, args.context, args.quick)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_measure_main(sys.argv[1:]))
+    sys.exit(measure_main(sys.argv[1:], "cheap_samples", CONTENDERS, measure))

@@ -191,30 +191,15 @@ def _cheap_samples(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         unknown = sorted(set(only) - set(cheap_samples.WORKLOADS))
         if unknown or not only:
             parser.error(f"unknown workload(s) {unknown}; with --cheap-samples choose from {list(cheap_samples.WORKLOADS)}")
+    common = dict(workers=args.workers, context=args.context, quick=args.quick, out=args.out, only=only)
+    common["progress"] = not args.no_progress
     if args.start_stop:
         if args.cheap_samples or args.torch_workers:
             parser.error("--start-stop is a mode of its own: torch's DataLoader with workers is its reference")
         from benchmarks import start_stop
 
-        return start_stop.main(
-            runs=args.runs or (1 if args.quick else 9),
-            workers=args.workers,
-            context=args.context,
-            quick=args.quick,
-            out=args.out,
-            only=only,
-            progress=not args.no_progress,
-        )
-    return cheap_samples.main(
-        runs=args.runs or (1 if args.quick else 5),
-        workers=args.workers,
-        context=args.context,
-        quick=args.quick,
-        out=args.out,
-        only=only,
-        torch_workers=args.torch_workers,
-        progress=not args.no_progress,
-    )
+        return start_stop.main(runs=args.runs or (1 if args.quick else 9), **common)
+    return cheap_samples.main(runs=args.runs or (1 if args.quick else 5), torch_workers=args.torch_workers, **common)
 
 
 # -- measuring --------------------------------------------------------------------------------

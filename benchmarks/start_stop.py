@@ -25,18 +25,15 @@ package's are. A report, not a test: nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import compileall
-import json
 import statistics
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness
-from benchmarks.cheap_samples import MPRS_PLUS, ROOT, TORCH, TITLES, WORKLOADS, _spread, bounded
+from benchmarks import cheap_samples, harness
+from benchmarks.cheap_samples import MPRS_PLUS, ROOT, TORCH, TITLES, WORKLOADS, _spread
 from benchmarks.workloads import loaders
 
 CONTENDERS = (MPRS_PLUS, TORCH)
@@ -80,32 +77,6 @@ def measure(workload: str, contender: str, workers: int, context: str, quick: bo
     return figures
 
 
-def run(names: list[str], runs: int, workers: int, context: str, quick: bool, progress: bool) -> list[dict[str, Any]]:
-    timeout = 60.0 if quick else 180.0
-    records = []
-    for n in range(runs):
-        order = CONTENDERS[n % 2 :] + CONTENDERS[: n % 2]
-        for workload in names:
-            for contender in order:
-                command = [sys.executable, "-m", "benchmarks.start_stop", "--measure", workload, contender]
-                command += ["--workers", str(workers), "--context", context] + (["--quick"] if quick else [])
-                record: dict[str, Any] = {"run": n, "workload": workload, "contender": contender}
-                done = bounded(command, timeout)
-                if done.timed_out:
-                    record["error"] = f"took longer than {timeout:g} s; killed"
-                elif done.returncode != 0:
-                    record["error"] = f"exit status {done.returncode}: {done.stderr.strip()[-2000:]}"
-                else:
-                    record.update(json.loads(done.stdout.strip().splitlines()[-1]))
-                if done.left_running:
-                    record["left_running"] = done.left_running
-                records.append(record)
-                if progress:
-                    shown = record.get("error") or f"stop {record['stop_s'] * 1e3:.1f} ms"
-                    print(f"run {n + 1}/{runs} {workload} / {contender}: {shown}", file=sys.stderr, flush=True)
-    return records
-
-
 def table(records: list[dict[str, Any]], names: list[str], headline: str, quick: bool) -> str:
     out = [f"_{headline}_", "", "ms, min / median / max over the runs", ""]
     out.append("| workload | contender | " + " | ".join(TITLES_OF_FIGURES[f] for f in FIGURES) + " |")
@@ -115,11 +86,7 @@ def table(records: list[dict[str, Any]], names: list[str], headline: str, quick:
             ok = [r for r in records if r["workload"] == name and r["contender"] == contender and "error" not in r]
             cells = [_spread([r[f] for r in ok], 1e3) for f in FIGURES] if ok else ["failed"] * len(FIGURES)
             out.append(f"| {WORKLOADS[name].title(quick)} | {TITLES[contender]} | " + " | ".join(cells) + " |")
-    problems = [
-        f"run {r['run'] + 1} {r['workload']} / {r['contender']}: {r.get('error') or r.get('problem') or r.get('left_running')}"
-        for r in records
-        if r.get("error") or r.get("problem") or r.get("left_running")
-    ]
+    problems = cheap_samples.warnings_of([{**r, "killed_pids": r.get("left_running")} for r in records])
     if problems:
         out += ["", "WARNING:", *(f"- {p.splitlines()[0]}" for p in problems)]
     return "\n".join(out)
@@ -129,7 +96,9 @@ def main(*, runs: int, workers: int, context: str, quick: bool, out: Path, only:
     names = only or list(WORKLOADS)
     compileall.compile_dir(ROOT / "mprs_plus", quiet=1)  # as an installed package's modules are
     started = time.perf_counter()
-    records = run(names, runs, workers, context, quick, progress)
+    records = cheap_samples.run(
+        names, CONTENDERS, runs, workers, context, quick, progress, "start_stop", lambda r: f"stop {r['stop_s'] * 1e3:.1f} ms"
+    )
     wall = time.perf_counter() - started
     headline = (
         f"start and stop: mprs_plus against torch's DataLoader, {workers} workers each, {context}, "
@@ -156,31 +125,9 @@ def main(*, runs: int, workers: int, context: str, quick: bool, out: Path, only:
         "medians": medians,
         "runs": records,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"start-stop-{datetime.now():%Y%m%d-%H%M%S}{'-quick' if quick else ''}"
-    paths = {"json": out / f"{stem}.json", "markdown": out / f"{stem}.md"}
-    paths["json"].write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
-    paths["markdown"].write_text(text + "\n", encoding="utf-8")
-    print()
-    for kind, path in paths.items():
-        print(f"{kind:>8}: {path}")
-    print(f"    wall: {wall:.0f} s")
-    return 0
-
-
-def _measure_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.start_stop")
-    parser.add_argument("--measure", nargs=2, metavar=("WORKLOAD", "CONTENDER"), required=True)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--context", default="fork")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    workload, contender = args.measure
-    if workload not in WORKLOADS or contender not in CONTENDERS:
-        parser.error(f"choose a workload from {list(WORKLOADS)} and a contender from {list(CONTENDERS)}")
-    print(json.dumps(measure(workload, contender, args.workers, args.context, args.quick)))
+    cheap_samples.write(data, text, out, quick, prefix="start-stop")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_measure_main(sys.argv[1:]))
+    sys.exit(cheap_samples.measure_main(sys.argv[1:], "start_stop", CONTENDERS, measure))

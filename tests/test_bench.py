@@ -651,7 +651,7 @@ def test_cheap_samples_alternate_the_contenders_order_from_run_to_run(monkeypatc
 
     seen = []
 
-    def fake(workload, contender, workers, context, quick, timeout):
+    def fake(workload, contender, workers, context, quick, timeout, module):
         seen.append((workload, contender))
         return {"workload": workload, "contender": contender, "error": "not run"}
 
