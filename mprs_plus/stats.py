@@ -130,10 +130,13 @@ class ProcessStats:
         return max(0.0, self.elapsed_s - self.first_ask_s - inside)
 
 
-def make_process_stats(role: Segment, index: int, pid: int, rows: list[dict[str, float]]) -> ProcessStats:
-    """Add up the rows of one process's lanes (its elapsed time is its first lane's)."""
+def make_process_stats(
+    role: Segment, index: int, pid: int, rows: list[dict[str, float]], now: float | None = None
+) -> ProcessStats:
+    """Add up the rows of one process's lanes (its elapsed time is its first lane's, up to
+    ``now`` on the ``time.monotonic`` clock: when the rows were read; by default, now)."""
     started = min((row["started"] for row in rows if row["started"]), default=0.0)
-    elapsed = time.monotonic() - started if started else 0.0
+    elapsed = (time.monotonic() if now is None else now) - started if started else 0.0
     lanes = max(len(rows), 1)
 
     def total(field: str) -> float:

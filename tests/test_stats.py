@@ -553,3 +553,42 @@ def test_the_figures_kept_at_a_stop_mid_epoch_hold_the_workers_last_counts():
     assert len(workers) == 2
     for worker in workers:
         assert 5 <= worker.items_out < 64 and worker.items_out == worker.messages_out
+
+
+def test_the_figures_kept_at_a_stop_stand_as_they_were_when_the_report_is_made_later():
+    """A stop keeps the figures as read then; the report is made when stats() is first
+    asked for. Its times end at the stop, however much later that is."""
+    import time
+
+    from mprs_plus import DataLoader
+
+    loader = DataLoader(list(range(64)), batch_size=4, num_workers=2)
+    created = time.monotonic()
+    iterator = iter(loader)
+    next(iterator)
+    del iterator  # stopped mid-epoch
+    stopped = time.monotonic()
+    while time.monotonic() - stopped < 0.3:  # time goes by before the report is asked for
+        pass
+    stats = loader.stats()
+    assert [p.role for p in stats.processes].count(Segment.WORKER) == 2
+    for process in stats.processes:
+        assert 0 < process.elapsed_s <= stopped - created, process
+    assert stats is loader.stats()  # made once
+
+
+def test_a_stop_does_not_load_the_report_types(tmp_path):
+    """Every training run's first stop would pay for them (a few ms of class creation):
+    they load when statistics are first asked for."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, mprs_plus\n"
+        "loader = mprs_plus.DataLoader(list(range(64)), batch_size=4, num_workers=2)\n"
+        "iterator = iter(loader); next(iterator); del iterator\n"
+        "assert 'mprs_plus.stats' not in sys.modules, 'loaded by the stop'\n"
+        "assert loader.stats().processes and 'mprs_plus.stats' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...user_frame import warn
 
+from .stats import Readings
+
 if TYPE_CHECKING:
     from ...stats import Stats
     from .stats import StatsView
@@ -76,7 +78,7 @@ class Figures:
     def __init__(self) -> None:
         self._view: StatsView | None = None
         self._reader: MainReader | None = None
-        self._final: Stats | None = None
+        self._final: Stats | Readings | None = None  # Readings: frozen, the report not built yet
         self.feeding: Any = None  # the feeding's counters (``feeding.py``), when items are pinned
         self.replacements: list[Any] = []  # dead workers replaced (``replacement.py``), in order
         self._memory_warned = False
@@ -87,11 +89,20 @@ class Figures:
     def snapshot(self) -> Stats:
         view, reader, final = self._view, self._reader, self._final  # a stop may freeze meanwhile
         if final is not None:
+            if not isinstance(final, Readings):
+                return final
+            self._final = final = self._report(final.build())  # built once, when first asked for
             return final
         if view is None or reader is None:
-            return _with_replacements(_with_feeding(_empty(), self.feeding), self.replacements)
+            return self._report(_empty())
+        return self._report(self._read(view, reader).build())
+
+    def _read(self, view: StatsView, reader: MainReader) -> Readings:
         view.main.items_in = reader.handed_out()
-        return _with_replacements(_with_feeding(view.snapshot(epochs=reader.epoch), self.feeding), self.replacements)
+        return view.read(epochs=reader.epoch)
+
+    def _report(self, stats: Stats) -> Stats:
+        return _with_replacements(_with_feeding(stats, self.feeding), self.replacements)
 
     def check_memory(self) -> None:
         """At an epoch's end (and the next one's start): warn once, at the user's line, when
@@ -104,9 +115,11 @@ class Figures:
             warn(memory[0].upper() + memory[1:], RuntimeWarning)
 
     def freeze(self) -> None:
-        """What stats() reads from the stop on, taken in the stop while the main ends are open."""
+        """What stats() reads from the stop on, read in the stop while the main ends are
+        open; made into the report when first asked for (a stop does not load its types)."""
         if self._final is None:
-            self._final = self.snapshot()
+            view, reader = self._view, self._reader
+            self._final = self._read(view, reader) if view is not None and reader is not None else self.snapshot()
             self._view = self._reader = None
 
 

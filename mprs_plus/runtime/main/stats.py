@@ -11,7 +11,8 @@ the service's work from the user's loop::
     the user's loop --next()--> ServiceClock (in_service) --> the main segment's DataPipes
         --> the workers' reader --> wait for a channel (wait_input), take a message out (receiving)
 
-The report types load on the first snapshot, not when a service starts.
+The report types load when a report is first made: not when a service starts, and not in
+a stop, which keeps the figures as read (``Readings``) for a report made later.
 """
 
 from __future__ import annotations
@@ -85,50 +86,79 @@ class StatsView:
     def snapshot(self, epochs: int = 0) -> Stats:
         """Every process's counters as of now, added up per segment, with a verdict;
         ``epochs``: those begun so far, which the counts add up over."""
-        from ...stats import aggregate, make_process_stats
+        return self.read(epochs).build()
 
+    def read(self, epochs: int = 0) -> Readings:
+        """What a snapshot is made of, read now from the table and the channels (which a
+        stop then releases): plain figures. The report's types are not needed for it, so a
+        stop that keeps the figures does not load them."""
         table, main, topology, placement = self.table, self.main, self._topology, self._placement
         if placement is not None:
             placement.refresh_stats(table, list(topology.children()))
         main.busy = max(0.0, time.monotonic() - table.read(topology.main_row)["started"] - main.wait_input)
         main.items_out = main.items_in
         main.publish()
-        processes = []
+        children = []
         queued_to_main = 0
         for link in topology.children():
-            found = make_process_stats(
-                link.role,
-                link.index,
-                link.process.pid if link.process is not None else 0,
-                [table.read(row) for row in link.stats_rows],
-            )
-            if placement is not None and link.process is not None:
-                node = placement.node_of(link.process)
-                if node:
-                    found = replace(found, node=node)
-                refused = placement.refused_connections(link.process)
-                if refused:
-                    found = replace(found, refused_connections=refused)
+            process = link.process
+            node = refused = None
+            if placement is not None and process is not None:
+                node = placement.node_of(process)
+                refused = placement.refused_connections(process)
             traffic = [receiver.traffic() for receiver in link.data]  # a worker's channels to this process
+            counted = None
             if any(t.messages for t in traffic):
                 # Exact and current, from this end. A receiver that leaves the counting to its
                 # sender (a stream's) counts nothing: the worker's own row says it, as published.
-                found = replace(
-                    found,
-                    bytes_out=sum(t.bytes for t in traffic),
-                    messages_out=sum(t.messages for t in traffic),
-                    queued=sum(t.queued_messages for t in traffic),
+                counted = (
+                    sum(t.bytes for t in traffic),
+                    sum(t.messages for t in traffic),
+                    sum(t.queued_messages for t in traffic),
                 )
-            if link.data:
-                queued_to_main += found.queued
+            rows = [table.read(row) for row in link.stats_rows]
+            if link.data:  # the main process's queue: what this worker sent and it did not read yet
+                queued_to_main += counted[2] if counted else int(sum(row["queued"] for row in rows))
+            pid = process.pid if process is not None else 0
+            children.append((link.role, link.index, pid, rows, node, refused, counted))
+        now, before = lending(), self._lending_before
+        lent = now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied)
+        main_row = table.read(topology.main_row)
+        main_part = (self._pid, main_row, queued_to_main)
+        return Readings(children, main_part, lent, self.main_memory, epochs, self.timeline_source(), time.monotonic())
+
+
+class Readings:
+    """A statistics snapshot's figures as read (``StatsView.read``), made into the report
+    (``mprs_plus.stats.Stats``) by ``build``."""
+
+    __slots__ = ("children", "main", "lent", "main_memory", "epochs", "trace", "at")
+
+    def __init__(
+        self, children: list[Any], main: tuple[Any, ...], lent: Any, main_memory: Any, epochs: int, trace: Any, at: float
+    ) -> None:
+        self.children, self.main, self.lent, self.main_memory = children, main, lent, main_memory
+        self.epochs, self.trace, self.at = epochs, trace, at  # at: when read (time.monotonic)
+
+    def build(self) -> Stats:
+        from ...stats import aggregate, make_process_stats
+
+        processes = []
+        for role, index, pid, rows, node, refused, counted in self.children:
+            found = make_process_stats(role, index, pid, rows, self.at)
+            if node:
+                found = replace(found, node=node)
+            if refused:
+                found = replace(found, refused_connections=refused)
+            if counted is not None:
+                found = replace(found, bytes_out=counted[0], messages_out=counted[1], queued=counted[2])
             processes.append(found)
         # The main process's queue is the workers' channels towards it.
-        mine = make_process_stats(Segment.MAIN, 0, self._pid, [table.read(topology.main_row)])
+        pid, main_row, queued_to_main = self.main
+        mine = make_process_stats(Segment.MAIN, 0, pid, [main_row], self.at)
         processes.append(replace(mine, queued=queued_to_main))
-        now, before = lending(), self._lending_before
         # Children placed on nodes (p.node): the verdict names the network for their channels.
-        lent = now._replace(lent=now.lent - before.lent, copied=now.copied - before.copied)
-        return replace(aggregate(processes, lent, self.main_memory), epochs=epochs, trace=self.timeline_source())
+        return replace(aggregate(processes, self.lent, self.main_memory), epochs=self.epochs, trace=self.trace)
 
 
 class _InService:
