@@ -243,3 +243,26 @@ def test_a_control_message_a_stopped_worker_never_reads_fails_in_bounded_time(mo
     finally:
         kill_all(workers)
         loader.shutdown()
+
+
+def test_batches_held_through_a_stop_stay_intact():
+    """The stop closes the main process's ends of the channels as soon as the workers closed
+    theirs, before they are reaped: batches lent from those channels, still held by the
+    loop, keep their memory and their values."""
+    import torch
+
+    from mprs_plus import DataLoader
+
+    class Filled(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.full((1 << 16,), float(i))  # 256 KiB: lent, not copied
+
+    iterator = iter(DataLoader(Filled(), batch_size=2, num_workers=2))
+    held = [next(iterator) for _ in range(5)]
+    del iterator  # stopped mid-epoch, the workers ahead with unread batches
+    for number, batch in enumerate(held):
+        assert batch.shape == (2, 1 << 16)
+        assert bool((batch[0] == 2 * number).all()) and bool((batch[1] == 2 * number + 1).all())

@@ -326,8 +326,14 @@ class Supervisor:
         a full channel. Skipping never unpickles: an item that failed to unpickle (maybe
         the very reason for this stop) cannot fail the stop."""
         receivers = [r for _, r in self.topology.data_receivers() if id(r) not in self._drained]
-        if not receivers and self._when_quiet:
-            self._run_quiet_steps()  # every child closed its channels: while the kernel ends them
+        if not receivers:  # every child closed its channels: while the kernel ends them,
+            if self._when_quiet:
+                self._run_quiet_steps()
+            # our ends go too: the children's exits, which the stop waits for anyway, then
+            # free the channels' pages, each on its own core, not this process after them.
+            for _, receiver in self.topology.data_receivers():
+                with contextlib.suppress(Exception):
+                    receiver.close()
         alive = {link.process.sentinel: link.process for link in self.topology.started() if link.alive}
         if not alive:
             return  # every child exited since the caller looked: nothing left to wait for
