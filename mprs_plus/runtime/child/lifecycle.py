@@ -10,13 +10,16 @@
     * run torch's intra-op pool on one thread: N children each running the default pool
       would oversubscribe the cores;
     * pin glibc's allocator thresholds (``allocator.py``): a process whose thresholds
-      settled low maps and unmaps fresh pages for every large sample it makes.
+      settled low maps and unmaps fresh pages for every large sample it makes;
+    * freeze what it inherited out of the garbage collector's reach (``gc.freeze``), so
+      that no collection copies the parent's heap into it.
 
 How the main process ends children is ``main/lifecycle.py``.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -29,6 +32,12 @@ from .allocator import pin_thresholds
 
 def child_setup(own_endpoints: Iterable[Endpoint]) -> None:
     if threading.current_thread() is threading.main_thread():  # a Ray actor runs its child in a thread
+        # Every object this process has now (a forked child: all of the parent's) leaves
+        # the garbage collector's reach: a collection would otherwise visit each of them,
+        # writing to its header, and the kernel would copy every page they lie on into
+        # this process, a dataset of Python objects included (~100 ms and a copy of the
+        # parent's heap per worker start). Objects made from here on are collected as usual.
+        gc.freeze()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # Started with SIGINT blocked (backends/local.py): one that came since is dropped now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
