@@ -26,6 +26,8 @@ Waiting for several receivers (``wait_readable``)
 
         waiter (wait_together)                      sender of receiver r
         1 look: any r.has_input()? done             publish the message (or the end)
+          (then look again for up to SPIN_SECONDS:
+          ``_spin``, looks only, as a ring's own wait spins)
         2 w_r = r.arm() for every r                 if r is armed: make w_r readable
         3 look again: any r.has_input()? done
         4 block on every w_r that is not None and on ``also``, for at most
@@ -62,6 +64,7 @@ Writing a new transport
 from __future__ import annotations
 
 import math
+import os
 import select
 import threading
 import time
@@ -227,7 +230,36 @@ def wait_together(
     ready = [r for r in receivers if r.has_input()]  # step 1: no arming while input is there
     if ready:
         return ready
+    if timeout is None or timeout > 0:
+        ready = _spin(receivers)
+        if ready:
+            return ready
     return asleep(lambda: _wait_armed(receivers, deadline, also))
+
+
+def _spin(receivers: list[Receiver]) -> list[Receiver]:
+    """The receivers that got input within ``SPIN_SECONDS`` of looking, [] if none did.
+    Only looks (no arming): as ``Sleeper.wait`` spins for one receiver, and by the same
+    rule, kept per thread: after ``SPIN_MISSES`` spins in a row that found nothing, only
+    one wait in ``SPIN_PROBE`` spins until one finds input again. Arming, sleeping and
+    being woken cost the waiter and every sender a system call per item; a loop that takes
+    batches as they are ready (``in_order=False``) waits here for each one."""
+    state = getattr(_local, "spin", None)
+    if state is None:
+        state = _local.spin = [0, 0]  # waits, misses in a row
+    state[0] += 1
+    if state[1] >= _wakeup.SPIN_MISSES and state[0] % _wakeup.SPIN_PROBE:
+        return []
+    end = time.perf_counter() + _wakeup.SPIN_SECONDS
+    while True:  # one look at least, however late this thread runs
+        os.sched_yield()
+        ready = [r for r in receivers if r.has_input()]
+        if ready:
+            state[1] = 0
+            return ready
+        if time.perf_counter() >= end:
+            state[1] += 1
+            return []
 
 
 def _wait_armed(receivers: list[Receiver], deadline: float | None, also: list[Waitable]) -> list[Any]:

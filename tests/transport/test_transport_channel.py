@@ -366,3 +366,71 @@ def test_the_transport_imports_nothing_from_torch_or_torchdata():
             else:
                 continue
             assert not [n for n in names if n.split(".")[0] in ("torch", "torchdata")], (path.name, names)
+
+
+class _LookedAt:
+    """A receiver stand-in for ``wait_together``: input from its ``input_from``-th look on
+    (never, if None); it records how often it was looked at before it was first armed."""
+
+    def __init__(self, input_from=None):
+        self.input_from, self.looks, self.looks_before_arm, self.armed = input_from, 0, None, 0
+
+    def has_input(self):
+        self.looks += 1
+        return self.input_from is not None and self.looks >= self.input_from
+
+    def poll(self):
+        return self.has_input()
+
+    def arm(self):
+        if self.looks_before_arm is None:
+            self.looks_before_arm = self.looks
+        self.armed += 1
+        return None  # no waitable: looked at again, as a queue between threads is
+
+    def disarm(self, woken, timed_out=False):
+        pass
+
+
+def _in_a_new_thread(call):
+    """``call()`` in a thread of its own: a thread's spin record starts empty."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(call()))
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and len(result) == 1
+    return result[0]
+
+
+def test_a_wait_on_several_receivers_takes_input_that_came_while_it_spun_without_arming():
+    """Input that arrives within the spin (here: at the second look) is taken at once: no
+    receiver is armed, no sender has to wake anyone."""
+    from mprs_plus.transport.channel import wait_together
+
+    late, idle = _LookedAt(input_from=2), _LookedAt()
+    assert _in_a_new_thread(lambda: wait_together([late, idle], timeout=5)) == [late]
+    assert late.armed == idle.armed == 0
+
+
+def test_a_wait_on_several_receivers_stops_spinning_after_spins_that_found_nothing():
+    """As a ring's own wait: after SPIN_MISSES spins in a row that found nothing, a wait
+    arms at its first look but in one wait out of SPIN_PROBE; the spin that finds input
+    again brings spinning back."""
+    from mprs_plus.transport import _wakeup
+    from mprs_plus.transport.channel import wait_together
+
+    def waits():
+        looks = []
+        for _ in range(_wakeup.SPIN_MISSES + 2):
+            idle = _LookedAt()
+            assert wait_together([idle, _LookedAt()], timeout=0.002) == []
+            looks.append(idle.looks_before_arm)
+        found = _LookedAt(input_from=2)
+        skipped = wait_together([found, _LookedAt()], timeout=5)  # no spin: armed, then found
+        return looks, skipped == [found] and found.armed == 1
+
+    looks, found_after_arming = _in_a_new_thread(waits)
+    misses = _wakeup.SPIN_MISSES
+    assert all(n >= 2 for n in looks[:misses])  # step 1, then at least one look of the spin
+    assert looks[misses:] == [1, 1]  # straight to arming
+    assert found_after_arming
