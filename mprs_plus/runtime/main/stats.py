@@ -2,7 +2,7 @@
 child (from the topology, so no row is found by position), the main process's own row,
 and a snapshot as ``mprs_plus.stats.Stats`` when statistics are asked for.
 
-    worker w  --(writes its own rows)-->  [ StatsTable ]  <--(reads)-- StatsView.snapshot()
+    worker w  --(writes its own rows)-->  [ StatsTable ]  <--(reads)-- StatsView.read()
     dispatch  --(writes its own rows)-->
 
 The main process's own row also says where its time went, so that the verdict can tell
@@ -83,15 +83,12 @@ class StatsView:
         rows.append((Segment.MAIN, 0, 0, self._topology.main_row))
         return TimelineSource(self.timeline, tuple(rows), self.main.trace)
 
-    def snapshot(self, epochs: int = 0) -> Stats:
-        """Every process's counters as of now, added up per segment, with a verdict;
-        ``epochs``: those begun so far, which the counts add up over."""
-        return self.read(epochs).build()
-
     def read(self, epochs: int = 0) -> Readings:
         """What a snapshot is made of, read now from the table and the channels (which a
-        stop then releases): plain figures. The report's types are not needed for it, so a
-        stop that keeps the figures does not load them."""
+        stop then releases): plain figures, made into every process's counters added up per
+        segment, with a verdict, by ``Readings.build``; ``epochs``: those begun so far,
+        which the counts add up over. The report's types are not needed to read, so a stop
+        that keeps the figures does not load them."""
         table, main, topology, placement = self.table, self.main, self._topology, self._placement
         if placement is not None:
             placement.refresh_stats(table, list(topology.children()))
