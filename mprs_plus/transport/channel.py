@@ -241,7 +241,8 @@ def _spin(receivers: list[Receiver]) -> list[Receiver]:
     """The receivers that got input within ``SPIN_SECONDS`` of looking, [] if none did.
     Only looks (no arming): as ``Sleeper.wait`` spins for one receiver, and by the same
     rule, kept per thread: after ``SPIN_MISSES`` spins in a row that found nothing, only
-    one wait in ``SPIN_PROBE`` spins until one finds input again. Arming, sleeping and
+    one wait in ``SPIN_PROBE`` spins until one finds input again (the others yield once
+    before they arm, as ``Sleeper.wait`` says why). Arming, sleeping and
     being woken cost the waiter and every sender a system call per item; a loop that takes
     batches as they are ready (``in_order=False``) waits here for each one."""
     state = getattr(_local, "spin", None)
@@ -249,6 +250,7 @@ def _spin(receivers: list[Receiver]) -> list[Receiver]:
         state = _local.spin = [0, 0]  # waits, misses in a row
     state[0] += 1
     if state[1] >= _wakeup.SPIN_MISSES and state[0] % _wakeup.SPIN_PROBE:
+        os.sched_yield()  # no spin, but one yield before arming: see ``Sleeper.wait``
         return []
     end = time.perf_counter() + _wakeup.SPIN_SECONDS
     while True:  # one look at least, however late this thread runs

@@ -412,25 +412,31 @@ def test_a_wait_on_several_receivers_takes_input_that_came_while_it_spun_without
     assert late.armed == idle.armed == 0
 
 
-def test_a_wait_on_several_receivers_stops_spinning_after_spins_that_found_nothing():
+def test_a_wait_on_several_receivers_stops_spinning_after_spins_that_found_nothing(monkeypatch):
     """As a ring's own wait: after SPIN_MISSES spins in a row that found nothing, a wait
-    arms at its first look but in one wait out of SPIN_PROBE; the spin that finds input
-    again brings spinning back."""
+    arms at its first look (after one yield of its core) but in one wait out of
+    SPIN_PROBE; the spin that finds input again brings spinning back."""
     from mprs_plus.transport import _wakeup
     from mprs_plus.transport.channel import wait_together
 
+    yields: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+
     def waits():
-        looks = []
+        looks, yielded = [], []
         for _ in range(_wakeup.SPIN_MISSES + 2):
             idle = _LookedAt()
+            yields.clear()
             assert wait_together([idle, _LookedAt()], timeout=0.002) == []
             looks.append(idle.looks_before_arm)
+            yielded.append(len(yields))
         found = _LookedAt(input_from=2)
         skipped = wait_together([found, _LookedAt()], timeout=5)  # no spin: armed, then found
-        return looks, skipped == [found] and found.armed == 1
+        return looks, yielded, skipped == [found] and found.armed == 1
 
-    looks, found_after_arming = _in_a_new_thread(waits)
+    looks, yielded, found_after_arming = _in_a_new_thread(waits)
     misses = _wakeup.SPIN_MISSES
     assert all(n >= 2 for n in looks[:misses])  # step 1, then at least one look of the spin
     assert looks[misses:] == [1, 1]  # straight to arming
+    assert yielded[misses:] == [1, 1]  # after one yield of its core
     assert found_after_arming

@@ -230,8 +230,8 @@ def test_stress_ping_pong_with_rings_of_one_message(monkeypatch):
 
 def test_a_waiter_stops_spinning_while_spins_keep_failing_and_spins_again_when_one_pays(channel, monkeypatch):
     """A failed spin burns its whole budget for nothing (a process waiting for each large
-    item did that on every item): after SPIN_MISSES of them the waiter goes straight to
-    sleep, probing now and then, and one spin that succeeds brings spinning back.
+    item did that on every item): after SPIN_MISSES of them the waiter sleeps after one
+    yield (no spin), probing now and then, and one spin that succeeds brings spinning back.
 
     The spin's clock is the test's: it moves a tenth of the budget per ``sched_yield``, so
     a spin yields up to ten times however the scheduler runs this thread (on the real
@@ -254,8 +254,9 @@ def test_a_waiter_stops_spinning_while_spins_keep_failing_and_spins_again_when_o
     for _ in range(_wakeup.SPIN_MISSES + 2):
         yields.clear()
         assert sleeper.wait(never) == _wakeup.Outcome.TIMEOUT
-        spun.append(bool(yields))
-    assert spun == [True] * _wakeup.SPIN_MISSES + [False, False]
+        spun.append(len(yields))
+    assert all(n >= 9 for n in spun[: _wakeup.SPIN_MISSES]), spun  # its whole budget
+    assert spun[_wakeup.SPIN_MISSES :] == [1, 1]  # one yield, no spin
     # The probe: one wait in SPIN_PROBE still spins, and this time the condition comes true.
     calls = []
 
@@ -266,12 +267,30 @@ def test_a_waiter_stops_spinning_while_spins_keep_failing_and_spins_again_when_o
     while (sleeper._waits + 1) % _wakeup.SPIN_PROBE:
         yields.clear()
         sleeper.wait(never)
-        assert not yields  # no spin between probes
+        assert yields == [1]  # no spin between probes
     yields.clear()
-    assert sleeper.wait(soon) == _wakeup.Outcome.READY and yields
+    assert sleeper.wait(soon) == _wakeup.Outcome.READY and len(yields) > 1
     yields.clear()
     calls.clear()
-    assert sleeper.wait(soon) == _wakeup.Outcome.READY and yields  # spinning is back
+    assert sleeper.wait(soon) == _wakeup.Outcome.READY and len(yields) > 1  # spinning is back
+
+
+def test_a_waiter_that_no_longer_spins_yields_once_before_it_arms(channel, monkeypatch):
+    """Not spinning, a waiter still gives its core away once before it sleeps (a loop that
+    slept at once took a core from the workers for every batch: ``Sleeper.wait``). Forced:
+    the waiter's misses are at the rule's limit, and the order of its yield and its arming
+    is recorded."""
+    _, receiver = channel
+    events: list[str] = []
+    monkeypatch.setattr(_wakeup.os, "sched_yield", lambda: events.append("yield"))
+    monkeypatch.setattr(_wakeup, "race_hook", events.append, raising=False)
+    sleeper = receiver._sleeper
+    sleeper._misses = _wakeup.SPIN_MISSES
+    sleeper._waits = 0  # the next wait is not a probe
+    deadline = time.monotonic() + 0.05
+    assert sleeper.wait(lambda: False, deadline) == _wakeup.Outcome.TIMEOUT
+    assert events[:2] == ["yield", "armed"], events
+    assert events.count("yield") == 1, events
 
 
 @pytest.mark.parametrize("how", WAYS)
