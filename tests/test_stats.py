@@ -594,3 +594,39 @@ def test_a_stop_does_not_load_the_report_types(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_worker_samples_its_memory_at_its_first_epochs_end_then_only_when_due(monkeypatch):
+    """Forced: the clock and the sample are stand-ins. A persistent worker's later epochs
+    end without a walk of its page tables until a sample is due (the first epoch's end is
+    always sampled, so that a short first epoch is seen)."""
+    import multiprocessing
+    import types
+
+    from mprs_plus.runtime import stats as runtime_stats
+
+    now = [100.0]
+    taken = []
+
+    def sample():
+        now[0] += 0.05  # a slow sample: the next is due 100 times as late, 5 s on
+        taken.append(now[0])
+        return len(taken) << 20, 1 << 30
+
+    monkeypatch.setattr(runtime_stats, "sample", sample)
+    monkeypatch.setattr(runtime_stats, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    table = runtime_stats.StatsTable(multiprocessing.get_context(), 1)
+    writer = table.writer(0)
+
+    writer.sample_memory()  # the first item: the start
+    now[0] += 0.5
+    writer.sample_memory(at_end=True)  # the first epoch's end: at once
+    assert len(taken) == 2 and table.read(0)["private_now"] == 2 << 20
+    for _ in range(9):  # nine short epochs, 0.5 s each: 4.5 s, not yet due
+        now[0] += 0.5
+        writer.sample_memory(at_end=True)
+    assert len(taken) == 2, taken
+    now[0] += 0.5
+    writer.sample_memory(at_end=True)  # 5 s after the last one: due
+    assert len(taken) == 3 and table.read(0)["private_now"] == 3 << 20
+    assert table.read(0)["private_start"] == 1 << 20

@@ -13,8 +13,10 @@ beyond the second is the dataset being copied (``mprs_plus/stats.py`` names it).
 
 A read of ``smaps_rollup`` costs about a millisecond per 50 MiB of the process (16 ms for
 a 450 MiB one, measured on a loaded machine), so a child reads it once its lane has handed
-on its first item (the start it is measured from; never a delay of the first item), then at most every ``EVERY`` seconds (less often where a read takes longer: never more than
-1% of its time) and when its stream of an epoch ends (``stats.py``), never per item.
+on its first item (the start it is measured from; never a delay of the first item) and
+when its stream of the first epoch ends (a short epoch is seen), then at most every
+``EVERY`` seconds (less often where a read takes longer: never more than 1% of its time),
+at an epoch's end included (``stats.py``); never per item.
 The main process reads only its resident size (``/proc/self/statm``: microseconds).
 """
 

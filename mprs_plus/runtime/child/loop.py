@@ -381,7 +381,7 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 lock.release()
             if failure is not None:
                 if stats is not None:
-                    stats.sample_memory()  # an epoch's end: even a short epoch is sampled
+                    stats.sample_memory(at_end=True)  # the first epoch's end, then when due
                     stats.publish()  # before the END: a reader that saw it sees these counts
                 if isinstance(failure, StopIteration):
                     lane.finish()

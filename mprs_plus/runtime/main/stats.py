@@ -196,7 +196,7 @@ class _InService:
                 self._traced(trace, asked, ended)
                 trace.write(Span.EPOCH_END, ended, ended)
             if self._at_end is not None:
-                self._at_end()  # the epoch's end: its figures are complete (the workers sampled theirs)
+                self._at_end()  # the epoch's end: its counts are complete (memory as last sampled)
             raise
         got = clock()
         self._writer.in_service += got - asked
