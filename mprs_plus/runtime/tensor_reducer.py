@@ -30,7 +30,12 @@ never sends the whole storage; it then arrives as a copy, not aliased.
 Anything unusual (another device, autograd, quantized, conjugate / negative bits,
 sparse layouts, subclasses) falls back to torch's pickling, which knows how.
 
-Importing this module registers the reducers (tensors, storages); ``mprs_plus.runtime`` imports it, so every
+A message of one such tensor (a collated batch, sent alone since it is large) pickles to
+a stream that depends on its dtype and shape only, its bytes travelling out of band:
+``batch_stream_key`` names it so, and a channel pickles it once per name
+(``register_stream_key``).
+
+Importing this module registers the reducers (tensors, storages) and the name; ``mprs_plus.runtime`` imports it, so every
 process of the service has it, whatever its start method.
 """
 
@@ -43,8 +48,8 @@ from typing import Any
 import numpy
 import torch
 
-from ..transport import register_reducer
-from ..transport.serialize import message_memo
+from ..transport import register_reducer, register_stream_key
+from ..transport.serialize import INLINE_LIMIT, message_memo
 
 
 
@@ -196,3 +201,42 @@ def _rebuild_storage(held: tuple[Any]) -> torch.UntypedStorage:
 
 register_reducer(torch.Tensor, reduce_tensor)
 register_reducer(torch.UntypedStorage, reduce_storage)
+
+
+def batch_stream_key(message: Any) -> tuple[Any, list[memoryview]] | None:
+    """The name of a data message ``(kind, epoch, [tensor])`` whose tensor
+    ``reduce_tensor`` sends as the bytes of its whole storage, out of band: plain, CPU,
+    contiguous from the storage's start to its end, of a dtype numpy shares, of
+    ``INLINE_LIMIT`` bytes or more. Every such message of one kind, epoch, dtype and shape
+    pickles to one stream; the tensor's bytes are its one buffer. Anything else: None
+    (pickled as usual)."""
+    if type(message) is not tuple or len(message) != 3:
+        return None
+    kind, epoch, items = message
+    if type(kind) is not int or type(epoch) is not int or type(items) is not list or len(items) != 1:
+        return None
+    tensor = items[0]
+    if (
+        type(tensor) is not torch.Tensor
+        or not tensor.is_cpu
+        or tensor.layout is not torch.strided
+        or tensor.is_nested
+        or tensor.requires_grad
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or not tensor.is_contiguous()
+        or tensor.storage_offset()
+    ):
+        return None
+    nbytes = tensor.nbytes
+    if nbytes < INLINE_LIMIT or nbytes != tensor.untyped_storage().nbytes():
+        return None
+    dtype = _dtype_name(tensor.dtype)
+    if _numpy_dtype(dtype) is None:
+        return None
+    view = pickle.PickleBuffer(tensor.numpy()).raw()  # what _storage_bytes hands pickling
+    return (kind, epoch, dtype, tuple(tensor.shape), view.readonly), [view]
+
+
+register_stream_key(batch_stream_key)

@@ -25,6 +25,7 @@ and the module functions of the transport in use:
 
     release_all_except(keep)    # in a forked child: drop every inherited endpoint but these
     register_reducer(cls, fn)   # a faster pickling for one type, in this transport only
+    register_stream_key(fn)     # messages pickled once per name (fn names them), then reused
     lending()                   # -> Lending: large buffers this process received as views of
                                 #    shared memory, or copied; and those its users hold now
 
@@ -50,7 +51,7 @@ import platform
 from ._wakeup import note_blocking
 from .channel import Endpoint, Receiver, Sender, wait_readable
 from .errors import ChannelBroken, ChannelClosed, ChannelError, EndOfStream
-from .serialize import register_reducer
+from .serialize import register_reducer, register_stream_key
 from .traffic import Lending, Traffic
 
 _SHM_WORKS = hasattr(os, "memfd_create") and platform.machine() in ("x86_64", "AMD64")
@@ -85,6 +86,7 @@ __all__ = [
     "lending",
     "note_blocking",
     "register_reducer",
+    "register_stream_key",
     "release_all_except",
     "wait_readable",
 ]
