@@ -35,8 +35,9 @@ a stream that depends on its dtype and shape only, its bytes travelling out of b
 ``batch_stream_key`` names it so, and a channel pickles it once per name
 (``register_stream_key``).
 
-Importing this module registers the reducers (tensors, storages) and the name; ``mprs_plus.runtime`` imports it, so every
-process of the service has it, whatever its start method.
+Importing this module registers the reducers (tensors, storages) and the name;
+``mprs_plus.runtime`` imports it, so every process of the service has it, whatever its
+start method.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ import torch
 
 from ..transport import register_reducer, register_stream_key
 from ..transport.serialize import INLINE_LIMIT, message_memo
-
 
 
 def _numpy_dtype(name: str) -> Any:
