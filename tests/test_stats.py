@@ -630,3 +630,24 @@ def test_a_worker_samples_its_memory_at_its_first_epochs_end_then_only_when_due(
     writer.sample_memory(at_end=True)  # 5 s after the last one: due
     assert len(taken) == 3 and table.read(0)["private_now"] == 3 << 20
     assert table.read(0)["private_start"] == 1 << 20
+
+
+def test_the_watchdogs_rescues_and_late_wake_ups_reach_the_process_stats_apart():
+    """A process's output channels' traffic, as its row publishes it and ``stats()`` reads
+    it: a late wake-up (a loaded machine) is not reported as a rescue (a bug)."""
+    import multiprocessing
+    import types
+
+    from mprs_plus.runtime import stats as runtime_stats
+    from mprs_plus.stats import make_process_stats
+    from mprs_plus.transport.traffic import Traffic
+
+    table = runtime_stats.StatsTable(multiprocessing.get_context(), 1)
+    writer = table.writer(0)
+    writer.channels = [
+        types.SimpleNamespace(traffic=lambda: Traffic(5, 500, 0, 0, rescues=1, late_wakeups=2)),
+        types.SimpleNamespace(traffic=lambda: Traffic(7, 700, 0, 0, late_wakeups=1)),
+    ]
+    writer.publish()
+    process = make_process_stats("worker", 0, 1, [table.read(0)])
+    assert (process.rescues, process.late_wakeups, process.messages_out) == (1, 3, 12)

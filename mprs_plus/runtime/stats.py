@@ -20,6 +20,8 @@ Fields, per process:
     queued        messages written to this process's output channels and not yet read
     rescues       wake-ups on those channels that the transport's watchdog stood in for
                   (either end; always 0 unless the transport has a bug)
+    late_wakeups  the same where the waking end was kept off the CPU between publishing
+                  and waking (a loaded machine, not a bug)
     lent_in_place large buffers sent on those channels from the memory they were built in,
                   without a copy (a worker's batch stacked into the lend area)
     lent_copied   large buffers copied into those channels' lend areas
@@ -76,6 +78,7 @@ FIELDS = (
     "private_now",
     "resident_start",
     "resident_now",
+    "late_wakeups",
 )
 (
     _ITEMS_IN,
@@ -98,6 +101,7 @@ FIELDS = (
     _PRIVATE_NOW,
     _RESIDENT_START,
     _RESIDENT_NOW,
+    _LATE_WAKEUPS,
 ) = range(len(FIELDS))
 
 
@@ -210,5 +214,6 @@ class StatsWriter:
             table[base + _MESSAGES_OUT] = sum(t.messages for t in traffic)
             table[base + _QUEUED] = sum(t.queued_messages for t in traffic)
             table[base + _RESCUES] = sum(t.rescues for t in traffic)
+            table[base + _LATE_WAKEUPS] = sum(t.late_wakeups for t in traffic)
             table[base + _LENT_IN_PLACE] = sum(t.lent_in_place for t in traffic)
             table[base + _LENT_COPIED] = sum(t.lent_copied for t in traffic)

@@ -21,6 +21,9 @@ from ._ring import (
     MESSAGE,
     READ_POS,
     RECEIVER_CLOSED,
+    RX_LATE,
+    RX_LOOKED,
+    RX_RESCUES,
     RX_SLEEPING,
     SENDER_CLOSED,
     SKIP,
@@ -28,6 +31,8 @@ from ._ring import (
     TX_WAKE_AT,
     WRITE_POS,
     Endpoint,
+    consumer_progress,
+    producer_lags,
 )
 from ._wakeup import Outcome, fence, signal
 from .errors import ChannelBroken, ChannelClosed, EndOfStream
@@ -39,6 +44,8 @@ class ShmReceiver(Endpoint):
     """Reading end. ``recv`` blocks until a message, the end of stream, or a dead peer."""
 
     _sleep_flag = RX_SLEEPING
+    _counts = (RX_RESCUES, RX_LATE)
+    _peer_lags = staticmethod(producer_lags)
 
     def __init__(self, region: SharedRegion, wait_fd: int, signal_fd: int) -> None:
         super().__init__(region, wait_fd, signal_fd)
@@ -108,12 +115,15 @@ class ShmReceiver(Endpoint):
                         return pickle.loads(stream)
                     finally:
                         stream.release()
-                        ctl[READ_POS] = read + frame
-                        ctl[ITEMS_READ] += 1
+                        read += frame
+                        ctl[READ_POS] = read
+                        items = ctl[ITEMS_READ] + 1
+                        ctl[ITEMS_READ] = items
                         fence()
-                        if ctl[TX_SLEEPING] and ctl[ITEMS_READ] >= ctl[TX_WAKE_AT]:
+                        if ctl[TX_SLEEPING] and items >= ctl[TX_WAKE_AT]:
                             ctl[TX_SLEEPING] = 0
                             signal(self._signal_fd)  # a sender that is gone needs no wake-up
+                        ctl[RX_LOOKED] = read + items  # an open receiver's progress
         return self._recv_frame(timeout)
 
     def skip(self) -> bool:
@@ -362,6 +372,7 @@ class ShmReceiver(Endpoint):
         if ctl[TX_SLEEPING] and (always or ctl[ITEMS_READ] >= ctl[TX_WAKE_AT]):
             ctl[TX_SLEEPING] = 0
             signal(self._signal_fd)  # a sender that is gone needs no wake-up
+        ctl[RX_LOOKED] = consumer_progress(ctl)
 
     def _await_data(self, read: int, timeout: float | None) -> None:
         ctl = self._ctl
@@ -420,15 +431,17 @@ class ShmReceiver(Endpoint):
 
     def disarm(self, woken: bool, timed_out: bool = False) -> None:
         """Clear the flag; drain the pipe when it woke us. Input found after a whole
-        watchdog interval with the flag still set (no sender had begun to wake us) is a
-        rescue, counted in the channel's traffic."""
+        watchdog interval with the flag still set (no sender had begun to wake us) is
+        counted in the channel's traffic: late, when the sender had not yet looked at the
+        flag after publishing, a rescue otherwise (``_wakeup.py``, The watchdog)."""
         ctl = self._ctl
+        lagging = timed_out and self._open and self._peer_lags(ctl)  # before the flag: see _wakeup
         unwoken = ctl[RX_SLEEPING]
         ctl[RX_SLEEPING] = 0
         if woken:
             self._sleeper.drain()
         elif timed_out and unwoken and self._open and self.has_input():
-            self._sleeper.count_rescue()
+            self._sleeper.count_watchdog_wake(late=lagging)
 
 
 def _lent_bytes(lengths: tuple[int, ...]) -> int:

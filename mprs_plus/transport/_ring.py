@@ -13,16 +13,25 @@ no copy out (``_lend.py``).
     control page: 64-bit words, one cache line per writer
     +-----------------------------------------------------------------------+
     | line 0  write_pos   items_written  sender_closed  lent_bytes  skipped  |
-    |         (producer; skipped: bytes of SKIP padding, not traffic)         |
-    | line 1  read_pos    items_read     receiver_closed  lent_read (consumer)|
+    |         tx_looked  (producer; skipped: bytes of SKIP padding, not      |
+    |         traffic; tx_looked: its progress, write_pos + sender_closed,   |
+    |         as of its last look at rx_sleeping)                           |
+    | line 1  read_pos    items_read     receiver_closed  lent_read          |
+    |         rx_looked  (consumer; rx_looked: its progress, read_pos +     |
+    |         items_read + receiver_closed, as of its last look at          |
+    |         tx_sleeping)                                                  |
     | line 2  rx_sleeping  (set by the consumer, cleared by whoever wakes it) |
-    |         rx_rescues   (consumer: wake-ups the watchdog had to stand in for)|
+    |         rx_rescues   (consumer: wake-ups the watchdog had to stand in  |
+    |         for although the producer had looked: a bug)                  |
+    |         rx_late      (consumer: the same while the producer had not   |
+    |         looked yet: it was kept off the CPU in between, see _wakeup)  |
     | line 3  tx_sleeping  (set by the producer, cleared by whoever wakes it) |
     |         tx_rescues   (producer: the same)                              |
     |         tx_wake_at   (producer, set before tx_sleeping: wake it only   |
     |         once items_read reaches this; 0: at any progress)             |
     |         refill_half  (set once as the channel is made: a full sender  |
     |         waits until half is read, see Backpressure)                   |
+    |         tx_late      (producer: as rx_late)                            |
     | line 4  lent_in_place  lent_copied  (producer: large buffers sent      |
     |         from where they were built, and copied in; _lend.py)          |
     | line 5  lock_chunked (set once as the channel is made: its lend area   |
@@ -71,7 +80,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing import reduction
 from typing import Any
 
@@ -82,10 +91,10 @@ from .errors import ChannelClosed
 from .traffic import NO_TRAFFIC, Traffic
 
 # Control words (indices of 64-bit words in the control page).
-WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES, SKIPPED = 0, 1, 2, 3, 4
-READ_POS, ITEMS_READ, RECEIVER_CLOSED, LENT_READ = 8, 9, 10, 11
-RX_SLEEPING, RX_RESCUES = 16, 17  # a Sleeper counts its rescues in the word after its flag
-TX_SLEEPING, TX_RESCUES, TX_WAKE_AT, REFILL_HALF = 24, 25, 26, 27
+WRITE_POS, ITEMS_WRITTEN, SENDER_CLOSED, LENT_BYTES, SKIPPED, TX_LOOKED = 0, 1, 2, 3, 4, 5
+READ_POS, ITEMS_READ, RECEIVER_CLOSED, LENT_READ, RX_LOOKED = 8, 9, 10, 11, 12
+RX_SLEEPING, RX_RESCUES, RX_LATE = 16, 17, 18
+TX_SLEEPING, TX_RESCUES, TX_WAKE_AT, REFILL_HALF, TX_LATE = 24, 25, 26, 27, 28
 
 HEADER = 32  # bytes; frames start on multiples of it, so a header never wraps
 MESSAGE = 0x4D5347  # "MSG": anything else in a header is corruption, i.e. a bug here
@@ -105,6 +114,10 @@ class Endpoint:
     """What both ends share: the region, two pipe descriptors, release and pickling."""
 
     _sleep_flag: int
+    _counts: tuple[int, int]  # where this side counts its watchdog's wake-ups: (rescues, late)
+    # peer_lags(ctl): the peer has progress it has not yet looked at this side's flag for
+    # (a plain function: a bound method kept by the Sleeper would make a reference cycle).
+    _peer_lags: Callable[[Any], bool]
 
     def __init__(self, region: SharedRegion, wait_fd: int, signal_fd: int) -> None:
         self._region = region.acquire()
@@ -114,7 +127,7 @@ class Endpoint:
         self._size = region.data_size
         self._wait_fd = wait_fd  # read end: the peer wakes us through it
         self._signal_fd = signal_fd  # write end: we wake the peer through it
-        self._sleeper = Sleeper(region.ctl, self._sleep_flag, wait_fd)
+        self._sleeper = Sleeper(region.ctl, self._sleep_flag, wait_fd, self._counts, self._peer_lags)
         self._open = True
         # Closes the descriptors when the endpoint is dropped without release(), once.
         self._finalizer = weakref.finalize(self, _let_go, region, (wait_fd, signal_fd))
@@ -134,7 +147,10 @@ class Endpoint:
         queued = write_pos - ctl[READ_POS]
         sent = write_pos - ctl[SKIPPED] + ctl[LENT_BYTES]
         rescues = ctl[RX_RESCUES] + ctl[TX_RESCUES]
-        return Traffic(written, sent, written - ctl[ITEMS_READ], queued, rescues, ctl[LENT_IN_PLACE], ctl[LENT_COPIED])
+        late = ctl[RX_LATE] + ctl[TX_LATE]
+        return Traffic(
+            written, sent, written - ctl[ITEMS_READ], queued, rescues, ctl[LENT_IN_PLACE], ctl[LENT_COPIED], late
+        )
 
     def release(self) -> None:
         """Drop this process's handle without ending the stream (it belongs to another process)."""
@@ -150,6 +166,29 @@ class Endpoint:
 
     def _extra_state(self) -> tuple[Any, ...]:
         return ()
+
+
+def producer_progress(ctl: Any) -> int:
+    """What the consumer may wait for: the write position, and the end of the stream."""
+    return ctl[WRITE_POS] + ctl[SENDER_CLOSED]
+
+
+def consumer_progress(ctl: Any) -> int:
+    """What the producer may wait for: room in bytes or in messages, and a closed
+    receiver. Lent bytes are read with the frame that carries them, so they move
+    ``read_pos`` or ``items_read`` too."""
+    return ctl[READ_POS] + ctl[ITEMS_READ] + ctl[RECEIVER_CLOSED]
+
+
+def producer_lags(ctl: Any) -> bool:
+    """The producer published progress it has not yet looked at the consumer's flag for
+    (``_wakeup.py``, The watchdog). Reads its looked-at word first."""
+    return ctl[TX_LOOKED] < producer_progress(ctl)
+
+
+def consumer_lags(ctl: Any) -> bool:
+    """The same of the consumer, about the producer's flag."""
+    return ctl[RX_LOOKED] < consumer_progress(ctl)
 
 
 def _rebuild(cls: type[Endpoint], state: tuple[Any, ...], extra: tuple[Any, ...]) -> Endpoint:

@@ -27,11 +27,16 @@ from ._ring import (
     SENDER_CLOSED,
     SKIP,
     SKIPPED,
+    TX_LATE,
+    TX_LOOKED,
+    TX_RESCUES,
     TX_SLEEPING,
     TX_WAKE_AT,
     WRITE_POS,
     Endpoint,
     close_fds,
+    consumer_lags,
+    producer_progress,
 )
 from ._wakeup import Outcome, fence, signal
 from .errors import ChannelBroken, ChannelClosed
@@ -42,6 +47,8 @@ class ShmSender(Endpoint):
     """Writing end. ``send`` blocks while the ring is full (backpressure)."""
 
     _sleep_flag = TX_SLEEPING
+    _counts = (TX_RESCUES, TX_LATE)
+    _peer_lags = staticmethod(consumer_lags)
 
     def __init__(self, region: SharedRegion, wait_fd: int, signal_fd: int, capacity_items: int) -> None:
         super().__init__(region, wait_fd, signal_fd)
@@ -157,6 +164,7 @@ class ShmSender(Endpoint):
             ctl[RX_SLEEPING] = 0
             if not signal(self._signal_fd):
                 raise ChannelBroken("the receiving process is gone (it exited or was killed)")
+        ctl[TX_LOOKED] = ctl[WRITE_POS]  # an open sender's progress (see _wakeup, The watchdog)
 
     def peer_waiting(self) -> bool:
         """The receiver is blocked waiting for data right now (read from shared memory, no
@@ -324,10 +332,13 @@ class ShmSender(Endpoint):
     def _wake_receiver(self, strict: bool = True) -> None:
         ctl = self._ctl
         fence()
+        woke = True
         if ctl[RX_SLEEPING]:
             ctl[RX_SLEEPING] = 0
-            if not signal(self._signal_fd) and strict:
-                raise ChannelBroken("the receiving process is gone (it exited or was killed)")
+            woke = signal(self._signal_fd)
+        ctl[TX_LOOKED] = producer_progress(ctl)
+        if not woke and strict:
+            raise ChannelBroken("the receiving process is gone (it exited or was killed)")
 
     def _wait_for_items(self, deadline: float | None) -> None:
         """Wait, the channel holding ``capacity_items`` messages, until one was read, or

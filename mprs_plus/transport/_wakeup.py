@@ -7,7 +7,7 @@ producer waiting for room, "waker" the other side, "flag" the waiter's sleeping 
     1 publish its position (data / room)   1 set flag = 1
     2 fence                                2 fence
     3 if flag: flag = 0, write one byte    3 if the condition holds: flag = 0, done
-                                           4 block on the pipe (at most WATCHDOG_SECONDS)
+    3' store its progress as looked at     4 block on the pipe (at most WATCHDOG_SECONDS)
                                            5 flag = 0, drain the pipe, re-check: go to 1
 
 Why no wake-up can be lost
@@ -31,10 +31,22 @@ The watchdog: robust even against a bug not found yet
     A blocked waiter never trusts the byte alone: it wakes every ``WATCHDOG_SECONDS``
     and re-checks its condition. A missed wake-up therefore costs at most that much
     latency, never a hang. When the watchdog finds the condition true while the flag was
-    still set (no waker had begun to wake it), that is a *rescue*: it is counted in the
-    channel's control page and shown by ``Traffic.rescues``. The protocol above says it
-    never happens; a non-zero count is a bug to report, not a state to live with.
+    still set (no waker had begun to wake it), it tells two cases apart:
 
+    * *late*: the waker has published (1) but not yet looked at the flag (3). It was kept
+      off the CPU in between, by a loaded machine or by another thread of its process
+      holding the GIL; it will find the flag cleared and write nothing. Busy machines
+      only, never a bug: counted as ``Traffic.late_wakeups``.
+    * *rescue*: the waker had looked after publishing and still wrote no byte. The
+      protocol above says it never happens; a non-zero ``Traffic.rescues`` is a bug to
+      report, not a state to live with.
+
+    A waker tells which by storing its progress (what the waiter may wait for) in a word
+    of its own after each look (3'): the waiter reads that word, then the progress, then
+    the flag. If the word had caught up, the look came after the waiter's flag was set
+    (the Dekker pair) and before the waiter's read of the flag, so a waker that keeps the
+    protocol cleared it: a flag still set is a rescue. Every path that publishes looks,
+    so a word behind means a look still to come.
 A blocked endpoint waits on its pipe *and* on the watched waitables with one ``poll``.
 Every write end of the pipe belongs to the peer, so a peer that is gone, however it
 ended, shows as end-of-file: that is why endpoints must ``release()`` the descriptors
@@ -174,16 +186,27 @@ class Outcome:
 class Sleeper:
     """Waits for a condition on shared memory, with the protocol above.
 
-    ``flag`` is the control word this side sets while it sleeps, ``flag + 1`` the word
-    where it counts watchdog rescues; ``fd`` the read end of its wake-up pipe; the watched
+    ``flag`` is the control word this side sets while it sleeps; ``counts`` the words
+    where it counts its watchdog's rescues and late wake-ups; ``peer_lags(ctl)`` says whether
+    the waker has published progress it has not yet looked at the flag for (it reads the
+    waker's word (3') first). ``fd`` is the read end of its wake-up pipe; the watched
     waitables (process sentinels, descriptors, objects with ``fileno()``) end a wait as
     ``Outcome.WATCHED``.
     """
 
-    def __init__(self, ctl: memoryview, flag: int, fd: int) -> None:
+    def __init__(
+        self,
+        ctl: memoryview,
+        flag: int,
+        fd: int,
+        counts: tuple[int, int],
+        peer_lags: Callable[[memoryview], bool],
+    ) -> None:
         self._ctl = ctl
         self._flag = flag
         self._fd = fd
+        self._rescues, self._late = counts
+        self._peer_lags = peer_lags
         self._poller: Any = None
         self._poller_also: tuple[Any, ...] = ()  # the ``also`` waitables _poller covers
         self._probe: Any = None
@@ -250,6 +273,8 @@ class Sleeper:
             if race_hook is not None:
                 race_hook("armed")
             events = poller.poll(timeout_ms)
+            # Read before the flag (see The watchdog); only a silent block pays for it.
+            lagging = not events and self._peer_lags(ctl)
             unwoken = ctl[flag]  # still set: no waker has begun to wake us
             ctl[flag] = 0  # the waker may have cleared it already; either way we are awake
             watched = False
@@ -264,14 +289,15 @@ class Sleeper:
                 self.hits = [w for w in also if (w if isinstance(w, int) else w.fileno()) in fired]
             if ready():
                 if not events and unwoken and timeout_ms == _WATCHDOG_MS:
-                    self.count_rescue()
+                    self.count_watchdog_wake(late=lagging)
                 return Outcome.READY
             if watched:
                 return Outcome.WATCHED
 
-    def count_rescue(self) -> None:
-        """The watchdog found the condition true with no wake-up under way."""
-        self._ctl[self._flag + 1] += 1
+    def count_watchdog_wake(self, late: bool) -> None:
+        """The watchdog found the condition true with no wake-up under way: ``late``
+        when the waker had not yet looked at the flag, a rescue otherwise."""
+        self._ctl[self._late if late else self._rescues] += 1
 
     def check_peer_gone(self) -> bool:
         """Without blocking: is the peer gone? Never reads the pipe (see the protocol):

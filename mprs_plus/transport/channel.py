@@ -199,7 +199,8 @@ class Receiver(Protocol):
         """Step 5: the waiter is awake. ``woken``: the waitable ``arm`` gave was readable,
         consume its wake-up now (before the waiter looks again; never anywhere else).
         ``timed_out``: the block ran out its whole ``RECHECK_SECONDS`` with nothing
-        readable, so input found now without a wake-up under way was a lost wake-up."""
+        readable, so input found now without a wake-up under way was a wake-up lost or
+        late (the waker not yet done publishing): the transport counts which."""
         ...
 
 

@@ -11,14 +11,18 @@ class Traffic(NamedTuple):
     bytes: int  # bytes written so far, framing included
     queued_messages: int  # written, not yet read
     queued_bytes: int
-    # Wake-ups the watchdog stood in for, both ends together (see ``_wakeup.py``): always
-    # 0 unless the transport has a bug; a non-zero figure cost latency, not items.
+    # Wake-ups the watchdog stood in for although the waker had looked, both ends together
+    # (see ``_wakeup.py``): always 0 unless the transport has a bug; a non-zero figure
+    # cost latency, not items.
     rescues: int = 0
     # Large buffers sent from the lend-area extent they were built in, without a copy
     # (``_lend.py``, Built in place), and those the sender copied into an extent (0 on
     # transports without a lend area).
     lent_in_place: int = 0
     lent_copied: int = 0
+    # Wake-ups the watchdog delivered because the waker, having published, was kept off
+    # the CPU before it looked (a loaded machine, not a bug; ``_wakeup.py``).
+    late_wakeups: int = 0
 
 
 NO_TRAFFIC = Traffic(0, 0, 0, 0)

@@ -149,6 +149,150 @@ def test_the_watchdog_rescues_a_sender_whose_wake_up_was_lost(channel, monkeypat
     assert sender.traffic().rescues == 1
 
 
+def _stop_after_publishing(looked_word, endpoint, flag, waiter_fd):
+    """Undo a waker's look after it published: the pipe drained, the waiter's flag set
+    again and the waker's looked-at word put back. That is the state of a waker kept off
+    the CPU between publishing (1) and looking (3): what a loaded machine may do."""
+    ctl = endpoint._ctl
+    looked = ctl[looked_word]
+
+    def undo():
+        assert _wakeup.drain(waiter_fd) is False  # the waker had written its byte: gone
+        ctl[flag] = 1
+        ctl[looked_word] = looked
+
+    return undo
+
+
+@pytest.mark.parametrize("how", WAYS)
+def test_a_reader_whose_sender_stopped_between_publishing_and_looking_counts_a_late_wake_up(
+    channel, idle_receiver, monkeypatch, how
+):
+    sender, receiver = channel
+    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
+    hits = []
+
+    def publish_and_stop(label):
+        if not hits:
+            hits.append(label)
+            undo = _stop_after_publishing(_ring.TX_LOOKED, sender, _ring.RX_SLEEPING, receiver._wait_fd)
+            sender.send("published")
+            undo()
+
+    monkeypatch.setattr(_wakeup, "race_hook", publish_and_stop, raising=False)
+    if how == "recv":
+        assert receiver.recv(timeout=5.0) == "published"
+    else:
+        assert _wait_readable(how, receiver, idle_receiver, 5.0) == [receiver]
+        assert receiver.recv(timeout=0) == "published"
+    assert hits == ["armed"]
+    traffic = receiver.traffic()
+    assert (traffic.late_wakeups, traffic.rescues) == (1, 0)
+    # The sender looks at last: the flag is clear, so it writes nothing, and its word
+    # catches up.
+    sender._wake_receiver()
+    assert _wakeup.drain(receiver._wait_fd) is False
+    assert sender._ctl[_ring.TX_LOOKED] == _ring.producer_progress(sender._ctl)
+
+
+def test_a_sender_whose_reader_stopped_between_making_room_and_looking_counts_a_late_wake_up(channel, monkeypatch):
+    sender, receiver = channel
+    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
+    sender.send("fills the ring")
+    hits = []
+
+    def read_and_stop(label):
+        if not hits:
+            hits.append(label)
+            undo = _stop_after_publishing(_ring.RX_LOOKED, receiver, _ring.TX_SLEEPING, sender._wait_fd)
+            assert receiver.recv(timeout=0) == "fills the ring"
+            undo()
+
+    monkeypatch.setattr(_wakeup, "race_hook", read_and_stop, raising=False)
+    sender.send("needs room", timeout=5.0)
+    assert hits == ["armed"]
+    assert receiver.recv(timeout=0) == "needs room"
+    traffic = sender.traffic()
+    assert (traffic.late_wakeups, traffic.rescues) == (1, 0)
+
+
+def _assert_both_looked(ctl):
+    """Each side's looked-at word equals its progress: every path that published looked
+    (so a word behind means a look still to come, never one skipped)."""
+    assert ctl[_ring.TX_LOOKED] == _ring.producer_progress(ctl)
+    assert ctl[_ring.RX_LOOKED] == _ring.consumer_progress(ctl)
+
+
+def test_every_path_that_publishes_looks_at_the_peers_flag():
+    import pickle
+
+    from mprs_plus.transport._lend import LEND_MIN
+
+    sender, receiver = open_channel(FORK, capacity_items=4, capacity_bytes=1)
+    ctl = sender._ctl
+    ring = sender._size
+    try:
+        sender.send("small")  # the inline paths
+        _assert_both_looked(ctl)
+        assert receiver.recv(timeout=0) == "small"
+        _assert_both_looked(ctl)
+        small_buffer = pickle.PickleBuffer(bytearray(b"b" * 512))  # out of band, in the ring
+        sender.send(small_buffer)
+        _assert_both_looked(ctl)
+        assert bytes(receiver.recv(timeout=0)) == b"b" * 512
+        _assert_both_looked(ctl)
+        lent = pickle.PickleBuffer(bytearray(b"L" * LEND_MIN))  # through the lend area
+        sender.send(lent)
+        _assert_both_looked(ctl)
+        assert bytes(receiver.recv(timeout=0)) == b"L" * LEND_MIN
+        _assert_both_looked(ctl)
+        for message in ("to skip", lent):
+            sender.send(message)
+            assert receiver.skip() is True
+            _assert_both_looked(ctl)
+        for index in range(ring // 1024 + 4):  # past the recycle point: a SKIP frame
+            sender.send(b"r" * 1000)
+            assert receiver.recv(timeout=0) == b"r" * 1000
+        assert ctl[_ring.SKIPPED] > 0
+        _assert_both_looked(ctl)
+        # A frame larger than the ring streams through it while the reader copies it
+        # out, or reads it through to skip it.
+        big = b"s" * (3 * ring)
+        for take in (lambda: receiver.recv(timeout=10.0) == big, receiver.skip):
+            failures = []
+
+            def stream():
+                try:
+                    sender.send(big, timeout=10.0)
+                except BaseException as exc:  # reported below
+                    failures.append(exc)
+
+            writer = threading.Thread(target=stream)
+            writer.start()
+            assert receiver.wait(timeout=10.0) == [receiver]
+            assert take() is True
+            writer.join(timeout=10.0)
+            assert not writer.is_alive() and not failures
+            _assert_both_looked(ctl)
+        sender.close()  # the end of the stream
+        with pytest.raises(EndOfStream):
+            receiver.recv(timeout=0)
+        assert receiver._ctl[_ring.TX_LOOKED] == _ring.producer_progress(receiver._ctl)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_receiver_that_closes_looks_at_the_senders_flag():
+    sender, receiver = open_channel(FORK, capacity_items=1, capacity_bytes=1)
+    try:
+        sender.send("unread")
+        receiver.close()
+        assert sender._ctl[_ring.RX_LOOKED] == _ring.consumer_progress(sender._ctl)
+    finally:
+        sender.close()
+
+
 def test_poll_never_swallows_a_wake_up(channel):
     # poll() may be called at any time, also between another wait's check and block;
     # it must leave the pipe alone.
