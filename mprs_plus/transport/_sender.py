@@ -150,6 +150,7 @@ class ShmSender(Endpoint):
             or ctl[ITEMS_WRITTEN] - ctl[ITEMS_READ] >= self._capacity_items
         ):
             self._write_frame(stream, buffers, None if timeout is None else time.monotonic() + timeout)
+            write = ctl[WRITE_POS]
         else:
             words, index = self._words, offset >> 3
             words[index] = MESSAGE
@@ -157,14 +158,15 @@ class ShmSender(Endpoint):
             words[index + 2] = frame
             offset += HEADER
             self._data[offset : offset + length] = stream
-            ctl[WRITE_POS] = write + frame  # publishes the frame
+            write += frame
+            ctl[WRITE_POS] = write  # publishes the frame
             ctl[ITEMS_WRITTEN] += 1
         fence()
         if ctl[RX_SLEEPING]:
             ctl[RX_SLEEPING] = 0
             if not signal(self._signal_fd):
                 raise ChannelBroken("the receiving process is gone (it exited or was killed)")
-        ctl[TX_LOOKED] = ctl[WRITE_POS]  # an open sender's progress (see _wakeup, The watchdog)
+        ctl[TX_LOOKED] = write  # an open sender's progress (see _wakeup, The watchdog)
 
     def peer_waiting(self) -> bool:
         """The receiver is blocked waiting for data right now (read from shared memory, no
