@@ -154,10 +154,17 @@ def test_a_plain_large_batch_is_stacked_into_the_lent_buffer(lent):
     assert torch.equal(out, torch.stack(batch))
 
 
+def test_a_batch_of_elements_of_16_kib_is_stacked_into_the_lent_buffer(lent):
+    batch = [torch.randn(4096) for _ in range(32)]  # 16 KiB each, 512 KiB
+    out = collate(batch)
+    assert built_in(out, lent) and torch.equal(out, torch.stack(batch))
+
+
 @pytest.mark.parametrize(
     "make",
     [
         lambda: [torch.ones(16) for _ in range(4)],  # too small
+        lambda: [torch.ones(256) for _ in range(512)],  # 512 KiB in rows of 1 KiB: copying costs less
         lambda: [torch.ones(256, 128), torch.ones(256, 128, dtype=torch.float64)],  # mixed dtypes
         lambda: [torch.ones(256, 128).t() for _ in range(4)],  # not contiguous
         lambda: [torch.ones(256, 128, requires_grad=True) for _ in range(4)],
@@ -174,6 +181,7 @@ def test_a_plain_large_batch_is_stacked_into_the_lent_buffer(lent):
     ],
     ids=[
         "small",
+        "many small rows",
         "mixed dtypes",
         "non-contiguous",
         "requires_grad",
