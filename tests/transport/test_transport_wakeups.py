@@ -101,119 +101,83 @@ def test_a_message_sent_in_the_window_before_the_block_wakes_the_reader(channel,
     assert receiver.traffic().rescues == 0
 
 
-@pytest.mark.parametrize("how", WAYS)
-def test_the_watchdog_rescues_a_reader_whose_wake_up_was_lost_and_counts_it(channel, idle_receiver, monkeypatch, how):
-    # Simulates a bug not found yet: the message is published and its wake-up byte is
-    # stolen before the reader blocks. The reader must still get it, within about one
-    # watchdog interval, and the rescue must show in the channel's traffic.
-    sender, receiver = channel
-    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
-    hits = []
-
-    def lose_the_wake_up(label):
-        if not hits:
-            hits.append(label)
-            sender.send("lost wake-up")
-            assert _wakeup.drain(receiver._wait_fd) is False  # the byte is gone
-            receiver._ctl[_ring.RX_SLEEPING] = 1  # and the flag looks untouched
-
-    monkeypatch.setattr(_wakeup, "race_hook", lose_the_wake_up, raising=False)
-    # Within the 5 s timeout (the watchdog looks every WATCHDOG_SECONDS); how much sooner
-    # depends on the scheduler, so only the rescue is counted.
-    if how == "recv":
-        assert receiver.recv(timeout=5.0) == "lost wake-up"
-    else:
-        assert _wait_readable(how, receiver, idle_receiver, 5.0) == [receiver]
-    assert hits == ["armed"]
-    assert receiver.traffic().rescues == 1
-    assert sender.traffic().rescues == 1  # the same shared figure from either end
-
-
-def test_the_watchdog_rescues_a_sender_whose_wake_up_was_lost(channel, monkeypatch):
-    sender, receiver = channel
-    monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
-    sender.send("fills the ring")
-    hits = []
-
-    def lose_the_wake_up(label):
-        if not hits:
-            hits.append(label)
-            assert receiver.recv(timeout=0) == "fills the ring"  # makes room, wakes the sender
-            assert _wakeup.drain(sender._wait_fd) is False  # ... and the byte is stolen
-            sender._ctl[_ring.TX_SLEEPING] = 1
-
-    monkeypatch.setattr(_wakeup, "race_hook", lose_the_wake_up, raising=False)
-    sender.send("needs room", timeout=5.0)
-    assert hits == ["armed"]
-    assert receiver.recv(timeout=0) == "needs room"
-    assert sender.traffic().rescues == 1
-
-
-def _stop_after_publishing(looked_word, endpoint, flag, waiter_fd):
-    """Undo a waker's look after it published: the pipe drained, the waiter's flag set
-    again and the waker's looked-at word put back. That is the state of a waker kept off
-    the CPU between publishing (1) and looking (3): what a loaded machine may do."""
-    ctl = endpoint._ctl
-    looked = ctl[looked_word]
+def _undo_the_wake_up(waker, looked_word, waiter, flag, what):
+    """Undo a waker's wake-up once it published: the byte drained, the waiter's flag set
+    again. ``what`` says why no byte came. "lost": the waker looked and still wrote none,
+    a bug not found yet (its looked-at word stays as it left it). "late": it was kept off
+    the CPU between publishing (1) and looking (3), as a loaded machine may do (its
+    looked-at word goes back to before the publish)."""
+    looked = waker._ctl[looked_word]
 
     def undo():
-        assert _wakeup.drain(waiter_fd) is False  # the waker had written its byte: gone
-        ctl[flag] = 1
-        ctl[looked_word] = looked
+        assert _wakeup.drain(waiter._wait_fd) is False  # the waker had written its byte: gone
+        waiter._ctl[flag] = 1
+        if what == "late":
+            waker._ctl[looked_word] = looked
 
     return undo
 
 
+@pytest.mark.parametrize("what", ["lost", "late"])
 @pytest.mark.parametrize("how", WAYS)
-def test_a_reader_whose_sender_stopped_between_publishing_and_looking_counts_a_late_wake_up(
-    channel, idle_receiver, monkeypatch, how
+def test_the_watchdog_wakes_a_reader_whose_wake_up_never_came_and_counts_why(
+    channel, idle_receiver, monkeypatch, how, what
 ):
+    # The message is published and its wake-up byte is gone before the reader blocks. The
+    # reader must still get it, within about one watchdog interval, and the channel's
+    # traffic must count why: a rescue (a bug) or a late wake-up (a loaded machine).
     sender, receiver = channel
     monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
     hits = []
 
-    def publish_and_stop(label):
+    def publish_without_a_wake_up(label):
         if not hits:
             hits.append(label)
-            undo = _stop_after_publishing(_ring.TX_LOOKED, sender, _ring.RX_SLEEPING, receiver._wait_fd)
+            undo = _undo_the_wake_up(sender, _ring.TX_LOOKED, receiver, _ring.RX_SLEEPING, what)
             sender.send("published")
             undo()
 
-    monkeypatch.setattr(_wakeup, "race_hook", publish_and_stop, raising=False)
+    monkeypatch.setattr(_wakeup, "race_hook", publish_without_a_wake_up, raising=False)
+    # Within the 5 s timeout (the watchdog looks every WATCHDOG_SECONDS); how much sooner
+    # depends on the scheduler, so only the counts are checked.
     if how == "recv":
         assert receiver.recv(timeout=5.0) == "published"
     else:
         assert _wait_readable(how, receiver, idle_receiver, 5.0) == [receiver]
         assert receiver.recv(timeout=0) == "published"
     assert hits == ["armed"]
-    traffic = receiver.traffic()
-    assert (traffic.late_wakeups, traffic.rescues) == (1, 0)
-    # The sender looks at last: the flag is clear, so it writes nothing, and its word
-    # catches up.
-    sender._wake_receiver()
-    assert _wakeup.drain(receiver._wait_fd) is False
-    assert sender._ctl[_ring.TX_LOOKED] == _ring.producer_progress(sender._ctl)
+    counts = {"lost": (1, 0), "late": (0, 1)}[what]
+    for end in (receiver, sender):  # the same shared figures from either end
+        traffic = end.traffic()
+        assert (traffic.rescues, traffic.late_wakeups) == counts
+    if what == "late":
+        # The sender looks at last: the flag is clear, so it writes nothing, and its word
+        # catches up.
+        sender._wake_receiver()
+        assert _wakeup.drain(receiver._wait_fd) is False
+        assert sender._ctl[_ring.TX_LOOKED] == _ring.producer_progress(sender._ctl)
 
 
-def test_a_sender_whose_reader_stopped_between_making_room_and_looking_counts_a_late_wake_up(channel, monkeypatch):
+@pytest.mark.parametrize("what", ["lost", "late"])
+def test_the_watchdog_wakes_a_sender_whose_wake_up_never_came_and_counts_why(channel, monkeypatch, what):
     sender, receiver = channel
     monkeypatch.setattr(_wakeup, "SPIN_SECONDS", 0.0)
     sender.send("fills the ring")
     hits = []
 
-    def read_and_stop(label):
+    def read_without_a_wake_up(label):
         if not hits:
             hits.append(label)
-            undo = _stop_after_publishing(_ring.RX_LOOKED, receiver, _ring.TX_SLEEPING, sender._wait_fd)
-            assert receiver.recv(timeout=0) == "fills the ring"
+            undo = _undo_the_wake_up(receiver, _ring.RX_LOOKED, sender, _ring.TX_SLEEPING, what)
+            assert receiver.recv(timeout=0) == "fills the ring"  # makes room, wakes the sender
             undo()
 
-    monkeypatch.setattr(_wakeup, "race_hook", read_and_stop, raising=False)
+    monkeypatch.setattr(_wakeup, "race_hook", read_without_a_wake_up, raising=False)
     sender.send("needs room", timeout=5.0)
     assert hits == ["armed"]
     assert receiver.recv(timeout=0) == "needs room"
     traffic = sender.traffic()
-    assert (traffic.late_wakeups, traffic.rescues) == (1, 0)
+    assert (traffic.rescues, traffic.late_wakeups) == {"lost": (1, 0), "late": (0, 1)}[what]
 
 
 def _assert_both_looked(ctl):
