@@ -583,6 +583,9 @@ def test_the_iterators_workers_are_its_processes_as_torchs(cls, persistent):
         lambda g: torch.utils.data.RandomSampler(range(103), generator=g),
         lambda g: torch.utils.data.RandomSampler(range(103), replacement=True, num_samples=77, generator=g),
         lambda g: torch.utils.data.RandomSampler(range(103)),  # seeded from torch's global generator
+        lambda g: torch.utils.data.RandomSampler(range(103), num_samples=250, generator=g),  # passes and a rest
+        lambda g: torch.utils.data.RandomSampler(range(103), num_samples=206),  # two passes, an empty rest
+        lambda g: torch.utils.data.RandomSampler(range(103), num_samples=41, generator=g),
     ],
 )
 @pytest.mark.parametrize("workers", [1, 3, 4])
@@ -612,6 +615,41 @@ def test_an_epoch_drawn_in_one_go_is_torchs_batch_sampler_step_by_step(make_samp
             assert len(share[start:stop]) == len(batches[start:stop])
         with pytest.raises(IndexError):
             share[len(share)]
+
+
+def test_a_random_sampler_that_draws_otherwise_is_read_through_its_iterator(monkeypatch):
+    """A shuffled epoch is drawn as ``RandomSampler.__iter__`` draws, without iterating it,
+    only where that is checked to give its draws: a patched sampler (or a torch release
+    that draws otherwise) is read through its iterator, and the batches are still its."""
+    from mprs_plus.dataloader import epochs
+
+    def reversed_draws(self):
+        yield from reversed(range(len(self.data_source)))
+
+    batch_sampler = BatchSampler(torch.utils.data.RandomSampler(range(23)), 5, False)
+    assert epochs._permutes_as_torch()  # this torch's own sampler: drawn in one go
+    monkeypatch.setattr(torch.utils.data.RandomSampler, "__iter__", reversed_draws)
+    assert not epochs._permutes_as_torch()
+    shares = epochs.deal_epoch(batch_sampler, iter(batch_sampler), 2)
+    assert [list(share) for share in shares] == [
+        [[22, 21, 20, 19, 18], [12, 11, 10, 9, 8], [2, 1, 0]],
+        [[17, 16, 15, 14, 13], [7, 6, 5, 4, 3]],
+    ]
+
+
+def test_a_shuffled_epoch_is_drawn_without_reading_its_iterator(monkeypatch):
+    """600,000 shuffled indices read an int at a time cost 60-75 ms before the first batch:
+    torch's own ``RandomSampler`` is drawn by its permutations, its iterator never read."""
+    from mprs_plus.dataloader import epochs
+
+    assert epochs._permutes_as_torch()
+    monkeypatch.setattr(torch.utils.data.RandomSampler, "__iter__", lambda self: pytest.fail("the iterator was read"))
+    monkeypatch.setattr(epochs, "_permutes_as_torch", lambda: True)
+    batch_sampler = BatchSampler(torch.utils.data.RandomSampler(range(50)), 8, True)
+    shares = epochs.deal_epoch(batch_sampler, iter(batch_sampler), 2)
+    drawn = [i for share in shares for batch in share for i in batch]
+    assert len(drawn) == len(set(drawn)) == 48  # 6 batches of 8 distinct indices, the short last one dropped
+    assert set(drawn) <= set(range(50))
 
 
 def test_a_sequential_epoch_of_millions_is_dealt_without_drawing_its_indices():
