@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._lend import LENT_BIT, LendArea
+from ._lend import LENT_BIT, LendArea, lent_ahead
 from ._memory import SharedRegion
 from ._ring import (
     HEADER,
@@ -199,11 +199,11 @@ class ShmSender(Endpoint):
         if buffers and self._area is not None:
             planned = self._area.planned(buffers)
             if planned:
-                ctl, size = self._ctl, self._size
+                ctl, ahead = self._ctl, lent_ahead(self._size, planned)
 
                 def lend_room() -> bool:
                     in_flight = ctl[LENT_BYTES] - ctl[LENT_READ]
-                    return in_flight == 0 or in_flight + planned <= size
+                    return in_flight == 0 or in_flight + planned <= ahead
 
                 if not lend_room():
                     self._wait_for_room(lend_room, deadline)

@@ -93,6 +93,7 @@ from ._lend import (
     LendArea,
     LentViews,
     lay_out_area,
+    lent_ahead,
 )
 from ._lend import lending as lending
 from ._memory import PAGE, SharedRegion
@@ -232,12 +233,10 @@ class PipeSender(_Endpoint):
         if buffers and area is not None:
             planned = area.planned(buffers)
             if planned:
-                # Lent bytes in flight count against the capacity, as on a ring; a buffer
+                # Lent bytes in flight are bounded as on a ring (``lent_ahead``); a buffer
                 # larger than that goes when nothing lent is in flight.
-                self._wait_until(
-                    lambda: not self._in_flight_lent or self._in_flight_lent + planned <= self._capacity_bytes,
-                    deadline,
-                )
+                ahead = lent_ahead(self._capacity_bytes, planned)
+                self._wait_until(lambda: not self._in_flight_lent or self._in_flight_lent + planned <= ahead, deadline)
                 places = area.reserve(buffers)
         try:
             if places is None:

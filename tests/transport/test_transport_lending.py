@@ -187,6 +187,37 @@ def test_lent_bytes_in_flight_count_against_the_ring(channel):
     assert [int(receiver.recv()[0]) for _ in range(budget)] == list(range(1, budget + 1))
 
 
+def test_lent_bytes_in_flight_stop_at_lent_ahead_below_a_larger_ring(monkeypatch):
+    """Below a ring larger than ``LENT_AHEAD``, a producer runs ahead by ``LENT_AHEAD`` of
+    lent bytes, not the ring's size: what it writes, and its exit unmaps, stays that much.
+    Messages larger than half of it go two at a time; one larger than the ring, alone."""
+    monkeypatch.setattr(_lend, "LENT_AHEAD", 2 * ITEM)
+    sender, receiver = open_channel(FORK, capacity_items=64, capacity_bytes=RING)  # RING: 4 items
+    try:
+        sender.send(filled(0), timeout=0)
+        sender.send(filled(1), timeout=0)
+        with pytest.raises(TimeoutError):
+            sender.send(filled(2), timeout=0)
+        assert sender.lent_extents() == 2 * ITEM
+        assert (receiver.recv() == 0).all()
+        sender.send(filled(2), timeout=0)
+        assert [int(receiver.recv()[0]) for _ in range(2)] == [1, 2]
+        larger = [np.full(3 * ITEM // 2, k, dtype=np.uint8) for k in (3, 4, 5)]
+        sender.send(larger[0], timeout=0)
+        sender.send(larger[1], timeout=0)  # two of them: 3 items' worth in flight
+        with pytest.raises(TimeoutError):
+            sender.send(larger[2], timeout=0)
+        assert [int(receiver.recv()[0]) for _ in range(2)] == [3, 4]
+        large = np.full(5 * ITEM, 6, dtype=np.uint8)  # larger than the ring: alone
+        sender.send(large, timeout=0)
+        with pytest.raises(TimeoutError):
+            sender.send(filled(7), timeout=0)
+        assert (receiver.recv() == 6).all()
+    finally:
+        sender.close()
+        receiver.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_consumer_that_keeps_every_item_completes(start_method):
     """``list(loader)``: the consumer holds everything. Past the hold limit the receiver
