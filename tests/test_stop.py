@@ -266,3 +266,72 @@ def test_batches_held_through_a_stop_stay_intact():
     for number, batch in enumerate(held):
         assert batch.shape == (2, 1 << 16)
         assert bool((batch[0] == 2 * number).all()) and bool((batch[1] == 2 * number + 1).all())
+
+
+def _filled_dataset(count: int):
+    import torch
+
+    class Filled(torch.utils.data.Dataset):
+        def __len__(self):
+            return count
+
+        def __getitem__(self, i):
+            return torch.full((1 << 16,), float(i))  # 256 KiB: lent from the channel, not copied
+
+    return Filled()
+
+
+@pytest.mark.parametrize("front", ["DataLoader", "DataLoader unordered", "DataLoader2"])
+def test_a_batch_the_loop_dropped_is_held_by_nothing_of_ours(front):
+    """``del batch`` frees it: no reader keeps the last item it handed out (a batch lent
+    from a channel's shared memory, or one on the GPU, would stay alive until the next
+    ``next()``, and at a stop would keep its channel mapped here until the iterator goes)."""
+    import weakref
+
+    from mprs_plus import DataLoader
+    from mprs_plus.transport import lending
+
+    if front == "DataLoader2":
+        loader = loader_for(IterableWrapper(range(12)).sharding_filter().map(pipelines.filled_tensor))
+    else:
+        loader = DataLoader(_filled_dataset(12), batch_size=None, num_workers=2, in_order=front == "DataLoader")
+    before = lending()
+    iterator = iter(loader)
+    seen = []
+    for _ in range(6):
+        batch = next(iterator)
+        seen.append(int(batch[0]))
+        dropped = weakref.ref(batch)
+        del batch
+        assert dropped() is None, "a reader still holds the batch the loop dropped"
+    assert lending().held_bytes == before.held_bytes
+    rest = [int(batch[0]) for batch in iterator]
+    assert sorted(seen + rest) == list(range(12))
+    if front != "DataLoader unordered":
+        assert seen == list(range(6))
+    if front == "DataLoader2":
+        loader.shutdown()
+
+
+def test_a_stop_drops_what_the_main_process_read_and_never_handed_out():
+    """A message the main process took out of a channel ahead of its turn (held by the
+    reader's mux) goes with the stop, before it lets go of the workers: its lent items
+    then no longer map the channel here, and the workers' exits free its pages. The
+    iterator, which holds the mux, is still referenced."""
+    import weakref
+
+    loader = loader_for(IterableWrapper(range(12)).sharding_filter().map(pipelines.filled_tensor))
+    iterator = iter(loader)
+    assert float(next(iterator)[0]) == 0
+    mux = loader.reading_service._runtime._reader._mux
+
+    class Item:
+        pass
+
+    planted = Item()
+    freed = weakref.ref(planted)
+    mux._held[1] = (0, 1, [planted])  # as a message of worker 1's channel read ahead
+    del planted
+    loader.shutdown()
+    assert freed() is None, "the stop left what the main process read ahead in its mux"
+    del iterator

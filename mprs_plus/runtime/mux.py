@@ -116,6 +116,12 @@ class ChannelMux:
         # anyone reads. Messages of older epochs are dropped; readers of older epochs end.
         self.newest = 0
 
+    def drop_held(self) -> None:
+        """Forget every message held (a stop: no reader is left to take them). Their items
+        may be views of a channel's shared memory, which they keep mapped."""
+        with self._lock:
+            self._held = [None] * len(self._receivers)
+
     def replace(self, index: int, receiver: Receiver) -> None:
         """Channel ``index`` reads ``receiver`` from now on (its sender died and a new one
         took over). Called by the thread that reads, between two of its own calls; a

@@ -60,6 +60,14 @@ class ReadCursor:
         return sum(self.consumed) - self._restored
 
 
+# handed_on: a reader generator keeps no reference to an item it handed out. A generator
+# suspended at ``yield item`` still holds ``item`` in its frame until the loop asks for the
+# next one, so a batch the loop dropped (``del batch``) would stay alive: its shared memory
+# lent, its GPU memory allocated, and at a stop its channel mapped in this process until
+# the iterator goes (the pages then freed here, after the workers' exits, not by them).
+# So the readers yield what a call returns (``queue.popleft()``, ``held.pop()``), never a local.
+
+
 def read_in_order(
     mux: ChannelMux, channels: Sequence[int], epoch: int, cursor: ReadCursor | None = None
 ) -> Iterator[Any]:
@@ -75,13 +83,12 @@ def read_in_order(
         worker_id = active[position]
         queue = pending[worker_id]
         if queue:
-            item = queue.popleft()
             position = position + 1 if position + 1 < len(active) else 0
             consumed[worker_id] += 1
             cursor.next_worker = active[position]
             if credits is not None:
                 credits[worker_id]()
-            yield item
+            yield queue.popleft()  # held by no local while suspended (``handed_on``)
             continue
         message = take(channels[worker_id], epoch)
         if message is None:
@@ -89,6 +96,7 @@ def read_in_order(
         kind, _, payload = message
         if kind == Kind.ITEMS:
             queue.extend(payload)
+            message = payload = None  # the queue holds the items now, and lets go of each as handed out
         elif kind == Kind.END:
             active.pop(position)
             if position >= len(active):
@@ -114,11 +122,12 @@ def read_as_ready(
         kind, _, payload = message
         if kind == Kind.ITEMS:
             worker_id = worker_of[channel]
-            for item in payload:
+            payload.reverse()  # handed out from its end: each item leaves the list as it goes
+            while payload:
                 consumed[worker_id] += 1
                 if credits is not None:
                     credits[worker_id]()
-                yield item
+                yield payload.pop()
         elif kind == Kind.END:
             open_channels.remove(channel)
         else:

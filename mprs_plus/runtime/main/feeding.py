@@ -593,9 +593,12 @@ def feed_ahead(source: Any, mover: Any, ahead: int, counters: FeedCounters) -> I
             return
         moved, event = pending.popleft()
         item, running = mover.hand_out(moved, event)
+        del moved
+        held = [item]
+        del item  # the loop's batch is held by no local past its yield (cursor.py, handed_on)
         counters.items += 1
         counters.waited_on_copy += running
-        yield item
+        yield held.pop()
 
 
 def pin_each(source: Any, counters: FeedCounters, calls: Any = None) -> Iterator[Any]:
@@ -618,10 +621,10 @@ def pin_each(source: Any, counters: FeedCounters, calls: Any = None) -> Iterator
                 item = next(iterator)
             except StopIteration:
                 return
-            pinned = map_tensors(item, pin, _own_pin_memory)
+            held = [map_tensors(item, pin, _own_pin_memory)]
             del item
         counters.items += 1
-        yield pinned
+        yield held.pop()  # held by no local past its yield (cursor.py, handed_on)
 
 
 class FedPipe(IterDataPipe):

@@ -406,6 +406,12 @@ class MainReader:
         ]
         return self.epoch
 
+    def drop_held(self) -> None:
+        """The stop owns the receivers (no reader is inside): forget what was read from them
+        and not handed out, the first messages of replacements included."""
+        self._mux.drop_held()
+        self._main_channels._fresh.clear()
+
     def replace_dead(self) -> list[Any]:
         """Between epochs: replace the workers found dead now (none when replacements are off)."""
         return self._main_channels._replace_dead(grace=0.0)
@@ -425,11 +431,17 @@ class MainReader:
 def _guarded(items: Iterator[Any], gate: ReadGate, interrupted: Callable[[], None]) -> Iterator[Any]:
     """Let no internal error of a stopped service reach the user."""
     lifecycle = gate.lifecycle
+    iterator = iter(items)
+    held: list[Any] = []  # the item being handed out: no local keeps it past its yield (cursor.py, handed_on)
     try:
-        for item in items:
+        while True:
+            try:
+                held.append(next(iterator))
+            except StopIteration:
+                break
             if lifecycle.closed:  # items already read when the service was shut down are not handed out
                 raise ServiceClosedError(CLOSED_MESSAGE)
-            yield item
+            yield held.pop()
         gate.check()
     except GeneratorExit:
         # Closed unfinished: by its owner, or at interpreter exit, when this module's

@@ -89,9 +89,14 @@ def _iterate_counted(self: MainCounter) -> Iterator[Any]:
         except StopIteration:
             break
         consumed[0] += 1
-    for item in items:
+    held: list[Any] = []  # no local keeps a handed-out item past its yield (cursor.py, handed_on)
+    while True:
+        try:
+            held.append(next(items))
+        except StopIteration:
+            break
         consumed[0] += 1
-        yield item
+        yield held.pop()
     cursor.ended = True
 
 

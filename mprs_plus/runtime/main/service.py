@@ -268,6 +268,7 @@ class ServiceRuntime:
                 getattr(supervisor.placement, "death_grace", DEATH_GRACE),
             )
             self.figures.watch(stats, self._reader)
+            supervisor.when_released(_dropping_held(self._reader))
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
             self._main = build_main_pipeline(self.plan, readers)
         except BaseException:
@@ -707,6 +708,19 @@ def _weak_method(owner: Any, method: Callable[..., Any]) -> Callable[..., Any]:
         return method(live, *args)
 
     return call
+
+
+def _dropping_held(reader: MainReader) -> Callable[[], None]:
+    """``reader.drop_held``, through a weak reference: the reader holds the supervisor's
+    methods, and the supervisor must not hold it back (a cycle would outlive the service)."""
+    ref = weakref.ref(reader)
+
+    def drop() -> None:
+        live = ref()
+        if live is not None:
+            live.drop_held()
+
+    return drop
 
 
 def _prime_graph_walks(plan: Plan) -> None:
