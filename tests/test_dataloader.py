@@ -617,6 +617,25 @@ def test_an_epoch_drawn_in_one_go_is_torchs_batch_sampler_step_by_step(make_samp
             share[len(share)]
 
 
+def test_a_share_of_indices_is_packed_in_32_bits_where_they_fit():
+    """A worker's share travels in its first message: 4 bytes an index where every index
+    fits, 8 where one does not; either reads as the same Python ints, and gathers alike."""
+    import pickle
+
+    import numpy as np
+
+    from mprs_plus.dataloader.epochs import IndexBatches, _packed, gather
+
+    narrow = IndexBatches(_packed(np.array([5, 0, 2**31 - 1, 7, 3])), 2)
+    wide = IndexBatches(_packed(np.array([5, 0, 2**31, 7, -(2**31) - 1])), 2)
+    assert narrow._flat.itemsize == 4 and wide._flat.itemsize == 8
+    assert list(narrow) == [[5, 0], [2**31 - 1, 7], [3]]
+    assert list(pickle.loads(pickle.dumps(wide))) == [[5, 0], [2**31, 7], [-(2**31) - 1]]
+    assert all(type(i) is int for batch in narrow for i in batch)
+    assert list(gather(narrow, [0, 2])) == [[5, 0], [3]] and list(gather(wide, [1])) == [[2**31, 7]]
+    assert len(pickle.dumps(IndexBatches(_packed(np.arange(10_000)), 8))) < 4 * 10_000 + 200
+
+
 def test_a_random_sampler_that_draws_otherwise_is_read_through_its_iterator(monkeypatch):
     """A shuffled epoch is drawn as ``RandomSampler.__iter__`` draws, without iterating it,
     only where that is checked to give its draws: a patched sampler (or a torch release
