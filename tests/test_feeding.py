@@ -347,3 +347,33 @@ def test_graph_walks_see_the_main_segment_behind_the_feed_not_the_device():
     import copy
 
     assert copy.deepcopy(fed) is fed
+
+
+class _Batch:
+    """An item that can be weakly referenced, standing in for a batch on the device."""
+
+
+class _KeepNothingMover(FakeMover):
+    def start(self, box):
+        return box.pop(), 0
+
+    def hand_out(self, moved, token):
+        return moved, False
+
+
+@pytest.mark.parametrize("feed", ["ahead", "pinned"])
+def test_a_batch_the_loop_dropped_is_not_kept_by_the_feed(feed):
+    """``del batch`` frees it at once: the feed keeps no reference to what it handed out (a
+    batch on the GPU would otherwise stay allocated until the loop's next ``next()``)."""
+    import weakref
+
+    made = (_Batch() for _ in range(4))  # keeps none of them either
+    if feed == "ahead":
+        stream = feed_ahead(made, _KeepNothingMover(), 2, FeedCounters())
+    else:
+        stream = feeding.pin_each(made, FeedCounters())
+    batch = next(stream)
+    dropped = weakref.ref(batch)
+    del batch
+    assert dropped() is None, "the feed still holds the batch the loop dropped"
+    assert len(list(stream)) == 3
