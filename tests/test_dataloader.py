@@ -656,6 +656,23 @@ def test_a_random_sampler_that_draws_otherwise_is_read_through_its_iterator(monk
     ]
 
 
+def test_the_check_of_the_shuffle_replica_leaves_every_generator_as_it_was(monkeypatch):
+    """The one-time check draws from torch's CPU generator and sets it back; it never
+    seeds through ``torch.manual_seed``, which would reseed a GPU's generators too."""
+    from mprs_plus.dataloader import epochs
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the check seeded through torch.manual_seed")
+
+    monkeypatch.setattr(torch, "manual_seed", refuse)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", refuse)
+    monkeypatch.setattr(epochs, "_checked_iter", [None, False])  # not checked yet in this process
+    torch.default_generator.manual_seed(5)
+    before = torch.get_rng_state()
+    assert epochs._permutes_as_torch()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_shuffled_epoch_is_drawn_without_reading_its_iterator(monkeypatch):
     """600,000 shuffled indices read an int at a time cost 60-75 ms before the first batch:
     torch's own ``RandomSampler`` is drawn by its permutations, its iterator never read."""
