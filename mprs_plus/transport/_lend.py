@@ -47,10 +47,11 @@ Bounds: memory stays bounded, and no consumer can stall a producer
       ``LENT_AHEAD``, or two messages' worth where the messages are larger, and never
       more than the ring's size. The sender waits (the channel's usual wait for room,
       woken by the receiver's reads) while ``sent - read`` of them would pass it. A
-      message larger than that goes when nothing lent is in flight. The bound is what a producer's pages come to: the extents in flight, the
-      one it builds and those the user holds are all it ever writes (free extents are
-      taken before fresh space), and each page it wrote is one more for its exit to
-      unmap (a stop waits for that) and for the channel to keep.
+      message larger than that goes when nothing lent is in flight. The bound is what a
+      producer's pages come to: the extents in flight, the one it builds and those the
+      user holds are all it ever writes (free extents are taken before fresh space), and
+      each page it wrote is one more for its exit to unmap (a stop waits for that) and
+      for the channel to keep.
     * Held. A receiver lends at most ``HOLD_FACTOR`` times the ring's size in buffers
       its user still holds (counted from when they are read: a batch of items waiting to
       be yielded counts too), and always at least one buffer; past that it copies the buffer out and gives the
@@ -168,11 +169,11 @@ T = TypeVar("T")
 # more the larger the buffer (figures in docs/benchmarks-history.md, Design figures).
 LEND_MIN = 128 << 10
 # Lent bytes a sender may have sent and not seen read yet (``lent_ahead``: two messages'
-# worth where they are larger, the ring's size at most). As torch's prefetch_factor of 2
-# keeps for batches of 8 MiB: 1 MiB tensors in
-# batches of 8 ran at 14.5-14.7 GB/s with either 16 or 64 MiB (2 workers, 6 runs each),
-# and a worker's exit then unmapped 30 MiB of channel pages rather than 80: the stop of an
-# iterator took 18.9 ms (median of 24) against 23.9.
+# worth where they are larger, the ring's size at most), as torch's prefetch_factor of 2
+# keeps for batches of 8 MiB. 1 MiB tensors in batches of 8 ran at 14.5-14.7 GB/s with
+# either 16 or 64 MiB (2 workers, 6 runs each), and a worker's exit then unmapped about
+# 30 MiB of channel pages rather than 80: the stop of an iterator took 18.9 ms (median of
+# 24) against 23.9.
 LENT_AHEAD = 16 << 20
 HOLD_FACTOR = 2  # a receiver lends its user up to this many times the ring at a time
 LEND_FACTOR = 4  # the lend area is this many times the ring: in flight, held, and slack
