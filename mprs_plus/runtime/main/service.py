@@ -268,7 +268,8 @@ class ServiceRuntime:
                 getattr(supervisor.placement, "death_grace", DEATH_GRACE),
             )
             self.figures.watch(stats, self._reader)
-            supervisor.when_released(_dropping_held(self._reader))
+            # Weakly: the reader holds the supervisor's methods (a cycle would outlive the service).
+            supervisor.when_released(_weak_method(self._reader, MainReader.drop_held, gone_ok=True))
             readers = [WorkerReader(self._reader, k) for k in range(topology.outputs)]
             self._main = build_main_pipeline(self.plan, readers)
         except BaseException:
@@ -696,31 +697,21 @@ def _open_worker_ends(placement: Any, options: Options, lanes: int, dispatchers:
     )
 
 
-def _weak_method(owner: Any, method: Callable[..., Any]) -> Callable[..., Any]:
+def _weak_method(owner: Any, method: Callable[..., Any], gone_ok: bool = False) -> Callable[..., Any]:
     """``method`` bound to ``owner`` through a weak reference: what the reader holds must
-    not keep the runtime alive (its finalizer stops the children)."""
+    not keep the runtime alive (its finalizer stops the children). Once ``owner`` is gone a
+    call raises ``ServiceClosedError``, or with ``gone_ok`` does nothing."""
     ref = weakref.ref(owner)
 
     def call(*args: Any) -> Any:
         live = ref()
         if live is None:
+            if gone_ok:
+                return None
             raise ServiceClosedError(CLOSED_MESSAGE)
         return method(live, *args)
 
     return call
-
-
-def _dropping_held(reader: MainReader) -> Callable[[], None]:
-    """``reader.drop_held``, through a weak reference: the reader holds the supervisor's
-    methods, and the supervisor must not hold it back (a cycle would outlive the service)."""
-    ref = weakref.ref(reader)
-
-    def drop() -> None:
-        live = ref()
-        if live is not None:
-            live.drop_held()
-
-    return drop
 
 
 def _prime_graph_walks(plan: Plan) -> None:
