@@ -1,4 +1,4 @@
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 # spdl: the suite's "spdl" contender (iterate_in_subprocess with its zero-copy shared-memory
 # pool); pure Python over numpy, and optional at run time (n/a without it).
@@ -32,6 +32,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mprs_plus", "mprs_plus.*"]),
+    # Workers write large batches with streaming stores through this (transport/streaming.py).
+    # Optional: without a C compiler the install goes on, and copies take the ordinary path.
+    ext_modules=[Extension("mprs_plus.transport._streaming", ["mprs_plus/transport/_streaming.c"], optional=True)],
     python_requires=">=3.11",  # exceptions carry notes (add_note) from 3.11
     install_requires=[
         "torch>=2.1",

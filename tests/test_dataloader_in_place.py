@@ -16,6 +16,7 @@ from torch.utils.data import Dataset, default_collate
 from mprs_plus import DataLoader
 from mprs_plus.dataloader import stage
 from mprs_plus.runtime.child import lanes
+from mprs_plus.transport import streaming
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,10 +125,14 @@ class Lent(list):
         return [buffer for buffer in (ref() for ref in self) if buffer is not None]
 
 
-@pytest.fixture
-def lent(monkeypatch):
-    """The calling thread's lane, faked: it lends numpy buffers and remembers them."""
+@pytest.fixture(params=["stacked", "streamed"])
+def lent(monkeypatch, request):
+    """The calling thread's lane, faked: it lends numpy buffers and remembers them. Each
+    test runs twice: a batch built in place is stacked by torch into the buffer, or
+    written into it with streaming stores (forced for every size, and counted in
+    ``streamed``); whichever way, the same tensor."""
     buffers = Lent()
+    buffers.streamed = 0
 
     def borrow(nbytes: int) -> np.ndarray:
         buffer = np.empty(nbytes, dtype=np.uint8)
@@ -135,6 +140,20 @@ def lent(monkeypatch):
         return buffer
 
     monkeypatch.setattr(lanes, "borrow_for_current_lane", borrow)
+    if request.param == "streamed":
+        if not streaming.ENABLED:
+            pytest.skip("the streaming-store extension is not built here (tests/transport/test_transport_streaming.py)")
+        copy = streaming.copy_from_address
+
+        def counted(*args):
+            buffers.streamed += 1
+            return copy(*args)
+
+        monkeypatch.setattr(streaming, "MIN_BYTES", 0)
+        monkeypatch.setattr(streaming, "copy_from_address", counted)
+    else:
+        monkeypatch.setattr(streaming, "ENABLED", False)
+    buffers.mode = request.param
     return buffers
 
 
@@ -152,6 +171,19 @@ def test_a_plain_large_batch_is_stacked_into_the_lent_buffer(lent):
     assert built_in(out, lent) and len(lent) == 1
     assert out.is_contiguous() and out.dtype == torch.float32 and out.shape == (4, 256, 128)
     assert torch.equal(out, torch.stack(batch))
+    assert lent.streamed == (4 if lent.mode == "streamed" else 0)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 15, 63, 65])
+def test_views_at_any_offset_and_odd_sizes_are_built_value_for_value(lent, extra):
+    """Elements that start anywhere in their storage, of sizes that leave every element of
+    the batch at another alignment: each byte lands where torch.stack puts it."""
+    size = (16 << 10) + extra
+    storage = torch.randint(0, 256, (9 * size + 7,), dtype=torch.uint8)
+    batch = [storage[3 + k * size : 3 + (k + 1) * size] for k in range(9)]  # 144 KiB and more
+    out = collate(batch)
+    assert built_in(out, lent) and torch.equal(out, torch.stack(batch))
+    assert lent.streamed == (9 if lent.mode == "streamed" else 0)
 
 
 def test_a_batch_of_elements_of_16_kib_is_stacked_into_the_lent_buffer(lent):
@@ -208,7 +240,7 @@ def test_anything_unusual_takes_torchs_own_path(lent, make, request):
         assert type(out) is type(expected) and out.dtype == expected.dtype and torch.equal(out, expected)
         assert out.stride() == expected.stride()
         del out
-    if not request.node.callspec.id.startswith("later"):
+    if not any(part.startswith("later") for part in request.node.callspec.id.split("-")):
         assert lent == []  # the first element decided it: nothing was borrowed
     # A later element may have been found unusual by the stack into a borrowed extent:
     # the extent went back, as the real lane's does when its tensor dies.

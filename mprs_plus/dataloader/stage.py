@@ -44,6 +44,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
 
 from ..runtime import generators
+from ..transport import streaming
 
 
 class _Job:
@@ -364,12 +365,41 @@ def _stack_into_channel(batch: Sequence[Any]) -> torch.Tensor | None:
     buffer = borrow_for_current_lane(nbytes)
     if buffer is None:
         return None
+    streamed = streaming.streams(element) and _stream_into(buffer, batch, element)
     out = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(len(batch), *shape)
     del buffer  # the tensor holds it now: the extent lives exactly as long as the tensor
+    if streamed:
+        return out
     try:
         return torch.stack(batch, 0, out=out)
     except Exception:  # a difference above: the extent goes back with ``out``
         return None
+
+
+def _stream_into(buffer: Any, batch: Sequence[torch.Tensor], element: int) -> bool:
+    """``torch.stack(batch)``'s bytes written into ``buffer`` with streaming stores
+    (``transport/streaming.py``: the main process reads them, this worker never does),
+    where every element is one torch would copy as it is: of the first's shape (type and
+    dtype are checked already), contiguous, on the CPU, strided, without autograd or
+    conjugate or negative bits. False, with nothing written, where one is not:
+    ``torch.stack`` then makes the batch (or refuses it)."""
+    shape = batch[0].shape
+    for sample in batch:
+        if (
+            sample.layout is not torch.strided  # first: shape and is_contiguous raise on some others
+            or sample.is_nested
+            or sample.shape != shape
+            or not sample.is_contiguous()
+            or sample.device.type != "cpu"
+            or sample.requires_grad
+            or sample.is_conj()
+            or sample.is_neg()
+        ):
+            return False
+    copy = streaming.copy_from_address
+    for place, sample in enumerate(batch):
+        copy(buffer, place * element, sample.data_ptr(), element)
+    return True
 
 
 _dtype_of = operator.attrgetter("dtype")

@@ -159,6 +159,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
+from . import streaming
 from ._memory import PAGE, SharedRegion
 from .traffic import Lending
 
@@ -760,7 +761,10 @@ class LendArea:
             if place is not None:
                 if place[1] not in in_place:
                     offset = place[0]
-                    area[offset : offset + buffer.nbytes] = buffer
+                    if streaming.streams(buffer.nbytes):  # the receiver reads it, not us
+                        streaming.copy_into(area, offset, buffer)
+                    else:
+                        area[offset : offset + buffer.nbytes] = buffer
                     copied += 1
                 lent += buffer.nbytes
         figures = self._figures
