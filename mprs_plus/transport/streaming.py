@@ -15,7 +15,8 @@ What
     ``copy_into(out, offset, source)`` and ``copy_from_address(out, offset, address,
     nbytes)`` write the bytes with SSE2 streaming stores (part of every x86-64 processor)
     and end with a store fence, so that the frame published after the copy is seen after
-    its bytes. The copy releases the GIL. They come from a small C extension
+    its bytes. Each holds or releases the GIL as the copy it replaces did (the sender's
+    slice assignment holds it, ``torch.stack`` releases it). They come from a small C extension
     (``_streaming.c``) that the package builds where a compiler is at hand; without it,
     on another processor, or with ``MPRS_PLUS_STREAMING_STORES=0``, ``ENABLED`` is False
     and callers copy as before: the bytes are the same either way.
