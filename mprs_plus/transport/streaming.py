@@ -45,9 +45,11 @@ def _enabled() -> bool:
 # Read once, at import: a worker decides as its parent did (fork) or as its environment says.
 ENABLED = _enabled()
 
-# Bytes. A smaller copy is left to memcpy: the caller's per-copy checks would cost more than
-# the streaming stores save.
-MIN_BYTES = 256 << 10
+# Bytes. A smaller copy is left to memcpy: the caller's per-copy checks cost more than the
+# streaming stores save. Batches of uint8 samples, 2 workers, samples/s against memcpy:
+# 16 KiB samples 76-78k against 79-83k; 64 KiB 60-66k against 55-62k; 147 KiB (3 x 224 x
+# 224) 46-50k against 39-45k; 1 MiB +24%.
+MIN_BYTES = 64 << 10
 
 
 def streams(nbytes: int) -> bool:
