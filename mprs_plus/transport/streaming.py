@@ -58,4 +58,3 @@ def streams(nbytes: int) -> bool:
 
 
 __all__ = ["ENABLED", "MIN_BYTES", "copy_from_address", "copy_into", "streams"]
-
