@@ -15,6 +15,7 @@ import signal
 import threading
 import warnings
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -744,6 +745,7 @@ def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_beh
     from test_release import snapshot
 
     dealt_until_killed(str(tmp_path / "first"))  # the sharer started, and a replacement made as usual
+    sharer_done()  # the first run's hand-overs closed on the sharer's side too
     before = snapshot()
     relaunch = Supervisor.relaunch
 
@@ -763,6 +765,7 @@ def test_a_stop_while_a_dispatch_fed_worker_is_replaced_leaves_no_descriptor_beh
         dealt_until_killed(str(tmp_path / "killed"))
     stoppers[0].join(60)
     assert (tmp_path / "killed").exists() and not stoppers[0].is_alive()
+    sharer_done()
     assert snapshot() == before
 
 
@@ -803,6 +806,7 @@ def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_be
     from test_release import snapshot
 
     dealt_until_killed(str(tmp_path / "first"))
+    sharer_done()  # the first run's hand-overs closed on the sharer's side too
     before = snapshot()
 
     def dies_at_a_redeal(*lanes_and_counter):
@@ -817,27 +821,90 @@ def test_a_dispatch_process_dead_before_it_read_a_redeal_leaves_no_descriptor_be
     with pytest.raises(RuntimeError, match="dispatch"):
         dealt_until_killed(str(tmp_path / "killed"))
     assert (tmp_path / "killed").exists()
+    sharer_done()
     assert snapshot() == before
+
+
+def _sharer_peer() -> Any:
+    """A connection to this process's resource sharer and the key of a descriptor it
+    holds for the peer (a copy of stdin's), to ask for it as ``DupFd.detach`` does."""
+    from multiprocessing import current_process, resource_sharer
+    from multiprocessing.connection import Client
+
+    theirs = resource_sharer.DupFd(0)
+    peer = Client(resource_sharer._resource_sharer._address, authkey=current_process().authkey)
+    return peer, (theirs._id[1], os.getpid())
+
+
+def sharer_done() -> None:
+    """Return once multiprocessing's resource sharer has finished with every peer before
+    this call. A peer gets its descriptor before the sharer closes its own copy and the
+    connection, so a count of descriptors taken as the peer returns may still hold them.
+    The sharer serves one peer at a time: once it has closed the connection of a request
+    made now, it had closed those of every earlier one."""
+    from multiprocessing import reduction
+    from multiprocessing.connection import wait
+
+    peer, request = _sharer_peer()
+    try:
+        peer.send(request)
+        os.close(reduction.recv_handle(peer))
+        assert wait([peer], timeout=60), "the resource sharer kept a served connection open for 60 s"
+        with pytest.raises(EOFError):
+            peer.recv()
+    finally:
+        peer.close()
+
+
+def test_sharer_done_returns_after_the_sharer_closed_what_it_served_before():
+    """The window the helper above closes, forced: the sharer has handed a descriptor to a
+    peer and is held inside its own close of that descriptor; ``sharer_done`` returns only
+    after that close ran."""
+    from multiprocessing import current_process, reduction, resource_sharer
+    from multiprocessing.connection import Client
+
+    release, closed = threading.Event(), threading.Event()
+    copy = os.dup(0)
+    seen_by_close = []
+
+    def close():  # runs in the sharer's thread, after the peer got its descriptor
+        assert release.wait(60)
+        seen_by_close.append(helper.is_alive())
+        os.close(copy)
+        closed.set()
+
+    address, key = resource_sharer._resource_sharer.register(
+        lambda conn, pid: reduction.send_handle(conn, copy, pid), close
+    )
+    peer = Client(address, authkey=current_process().authkey)
+    peer.send((key, os.getpid()))
+    os.close(reduction.recv_handle(peer))  # the peer has it; the sharer is still in close()
+    helper = threading.Thread(target=sharer_done)
+    helper.start()
+    release.set()
+    helper.join(60)
+    peer.close()
+    assert not helper.is_alive() and closed.is_set() and seen_by_close == [True]
 
 
 @contextlib.contextmanager
 def sharer_kept_busy():
     """multiprocessing's resource sharer of this process, which serves one peer at a time,
     held by a peer that is connected and silent (this test's own) until the block ends;
-    then the peer takes what it asked for, and every take-back helper is waited for."""
-    from multiprocessing import current_process, reduction, resource_sharer
-    from multiprocessing.connection import Client
+    then the peer takes what it asked for, every take-back helper is waited for, and so is
+    the sharer (``sharer_done``)."""
+    from multiprocessing import reduction
 
-    theirs = resource_sharer.DupFd(0)  # what the silent peer will ask for in the end
-    peer = Client(resource_sharer._resource_sharer._address, authkey=current_process().authkey)
+    peer, request = _sharer_peer()
     try:
         yield
     finally:
-        peer.send((theirs._id[1], os.getpid()))  # its key, as DupFd.detach sends it
+        peer.send(request)
         os.close(reduction.recv_handle(peer))
         peer.close()
     for helper in [t for t in threading.enumerate() if t.name == "mprs_plus take back"]:
         helper.join(60)
+    sharer_done()
 
 
 def test_a_stop_never_waits_on_another_peer_of_the_resource_sharer(tmp_path, monkeypatch):
@@ -849,6 +916,7 @@ def test_a_stop_never_waits_on_another_peer_of_the_resource_sharer(tmp_path, mon
     from test_release import snapshot
 
     dealt_until_killed(str(tmp_path / "first"))  # the sharer started
+    sharer_done()  # the first run's hand-overs closed on the sharer's side too
     before = snapshot()
 
     def dies_at_a_redeal(*lanes_and_counter):
@@ -875,6 +943,7 @@ def test_a_redeal_whose_channels_do_not_come_ends_the_dispatch_process_saying_wh
     from test_release import snapshot
 
     dealt_until_killed(str(tmp_path / "first"))  # the sharer started
+    sharer_done()  # the first run's hand-overs closed on the sharer's side too
     before = snapshot()
     monkeypatch.setattr(dispatch, "REDEAL_FETCH_SECONDS", 1.0)  # forked: the dispatch process has it
     with sharer_kept_busy():
