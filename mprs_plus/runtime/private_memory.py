@@ -12,11 +12,20 @@ as a shared one). Memory the worker allocates for itself grows both. Growth of t
 beyond the second is the dataset being copied (``mprs_plus/stats.py`` names it).
 
 A read of ``smaps_rollup`` costs about a millisecond per 50 MiB of the process (16 ms for
-a 450 MiB one, measured on a loaded machine), so a child reads it once its lane has handed
-on its first item (the start it is measured from; never a delay of the first item) and
-when its stream of the first epoch ends (a short epoch is seen), then at most every
-``EVERY`` seconds (less often where a read takes longer: never more than 1% of its time),
-at an epoch's end included (``stats.py``); never per item.
+a 450 MiB one, measured on a loaded machine; 16 ms too for a worker forked from a process
+holding 600 MB of rows, quiet), so a child reads it when its stream of the first epoch
+ends (a short epoch is seen), then at most every ``EVERY`` seconds (less often where a
+read takes longer: never more than 1% of its time), at an epoch's end included
+(``stats.py``); never per item. Its growth is measured from its start:
+
+* a forked child (``forked()``) holds nothing of its own at its fork: every page it has
+  is its parent's too. Its start is private 0 and its resident size then (``statm``), read
+  as its lane starts, so no read of its page tables falls in its first items: both its
+  workers reading 16 ms at once, just after their first items, cost the first epoch of
+  600k rows 5-7% of its rate;
+* any other (spawn, forkserver, a Ray actor's thread) reads ``smaps_rollup`` once its lane
+  has handed on its first item (never a delay of that item): what it unpickled is its own.
+
 The main process reads only its resident size (``/proc/self/statm``: microseconds).
 """
 
@@ -27,6 +36,14 @@ import os
 EVERY = 2.0  # seconds between two samples while items flow, at least
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PRIVATE = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
+_IMPORTED_IN = os.getpid()  # a child forked after this import has it in another process
+
+
+def forked() -> bool:
+    """This process was forked from one that had loaded this module: every page it has
+    was its parent's at the fork (a process that loaded it itself says False, the safe
+    answer: its start is then sampled)."""
+    return os.getpid() != _IMPORTED_IN
 
 
 def sample() -> tuple[int, int]:

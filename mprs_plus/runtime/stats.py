@@ -33,9 +33,10 @@ Fields, per process:
                   an item (the service starting, DataLoader2 setting up)
     first_item    main process only: seconds from the start until the first item reached
                   the loop (the above, plus the workers' start and first item)
-    private_start children only: bytes of private memory when the lane started (once its
-    private_now   first item was handed on), and as last sampled (``private_memory.py``: then
-                  at most every few seconds, and when its first epoch ends; never per item)
+    private_start children only: bytes of private memory when the lane started (a forked
+    private_now   child: 0; any other once its first item was handed on), and as last sampled
+                  (``private_memory.py``: at most every few seconds, and when its first
+                  epoch ends; never per item)
     resident_start  the same for resident memory, so that pages copied from the main
     resident_now    process (private grows, resident does not) tell from its own allocations
 
@@ -54,7 +55,7 @@ import time
 from typing import Any
 
 from ..transport import Sender
-from .private_memory import EVERY, sample
+from .private_memory import EVERY, forked, resident, sample
 from .timeline import LaneTrace
 
 FIELDS = (
@@ -173,6 +174,9 @@ class StatsWriter:
     def start(self) -> None:
         self.started_at = time.monotonic()
         self._table[self._base + _STARTED] = self.started_at
+        if forked():  # it holds nothing of its own yet (private_memory.py): no walk needed
+            self._start_memory(0, resident())
+            self._memory_due = self.started_at + EVERY
 
     def sample_memory(self, *, due_only: bool = False, at_end: bool = False) -> None:
         """Sample this process's private and resident memory into the row: the first sample
@@ -192,10 +196,21 @@ class StatsWriter:
         private, resident = sample()
         took = time.monotonic() - now
         self._memory_due = now + max(EVERY, 100 * took)
+        self._start_memory(private, resident)
+        table, base = self._table, self._base
+        table[base + _PRIVATE_NOW], table[base + _RESIDENT_NOW] = private, resident
+
+    def sample_start(self) -> None:
+        """The lane handed on its first item: where its memory's growth starts from, unless
+        its start already said (a forked process, ``start()``)."""
+        table, base = self._table, self._base
+        if not table[base + _PRIVATE_START] and not table[base + _RESIDENT_START]:
+            self.sample_memory()
+
+    def _start_memory(self, private: int, resident: int) -> None:
         table, base = self._table, self._base
         if not table[base + _PRIVATE_START] and not table[base + _RESIDENT_START]:
             table[base + _PRIVATE_START], table[base + _RESIDENT_START] = private, resident
-        table[base + _PRIVATE_NOW], table[base + _RESIDENT_NOW] = private, resident
 
     def publish(self) -> None:
         table, base = self._table, self._base

@@ -406,9 +406,9 @@ def produce(lane: Lane, inbox: Inbox, where: str) -> bool:
                 stats.publish()
                 stats.sample_memory(due_only=True)
             elif stats.items_out == 1:
-                # Where its private memory starts from: after the first item is handed on,
-                # so that the sample (milliseconds in a large forked process) never delays it.
-                stats.sample_memory()
+                # Where its private memory starts from, unless its start said (forked): after
+                # the first item is handed on, so that the sample never delays it.
+                stats.sample_start()
         return False
     finally:
         if begun is not None:
