@@ -688,6 +688,45 @@ def test_a_shuffled_epoch_is_drawn_without_reading_its_iterator(monkeypatch):
     assert set(drawn) <= set(range(50))
 
 
+@pytest.mark.parametrize(
+    "generator, num_samples, permutations",
+    [(None, None, 1), (None, 100, 2), (None, 70, 2), ("user's", None, 2), ("user's", 100, 3)],
+)
+def test_the_empty_last_permutation_is_drawn_only_where_someone_can_see_it(monkeypatch, generator, num_samples, permutations):
+    """Forced: permutations are counted. ``RandomSampler``'s iterator ends by drawing one
+    more permutation, cut to the rest of ``num_samples``; with nothing to cut and a generator
+    of the sampler's own (made from torch's global one, dropped after) nobody sees it, and it
+    is not drawn. Where it gives indices, or moves the user's generator, it is, and the
+    epoch and every generator are torch's either way."""
+    from mprs_plus.dataloader import epochs
+
+    counted = []
+    randperm = torch.randperm
+
+    def counting(*args, **kwargs):
+        counted.append(args[0])
+        return randperm(*args, **kwargs)
+
+    def draw(fast):
+        torch.manual_seed(3)
+        g = torch.Generator().manual_seed(9) if generator else None
+        sampler = torch.utils.data.RandomSampler(range(50), num_samples=num_samples, generator=g)
+        batch_sampler = BatchSampler(sampler, 10, False)
+        if fast:
+            monkeypatch.setattr(torch, "randperm", counting)
+            try:
+                drawn = [i for share in epochs.deal_epoch(batch_sampler, iter(batch_sampler), 1) for b in share for i in b]
+            finally:
+                monkeypatch.setattr(torch, "randperm", randperm)
+        else:
+            drawn = [i for b in batch_sampler for i in b]
+        return drawn, (g.get_state().tolist() if g is not None else None), torch.rand(1).item()
+
+    assert epochs._permutes_as_torch()
+    assert draw(fast=True) == draw(fast=False)
+    assert len(counted) == permutations, counted
+
+
 def test_a_sequential_epoch_of_millions_is_dealt_without_drawing_its_indices():
     """Without shuffling the indices are known: each worker's share is computed, not drawn
     and held (no time before the first batch, no memory a forked worker maps and unmaps)."""
