@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from dataclasses import replace
 
@@ -675,6 +676,41 @@ def test_a_forked_worker_starts_its_memory_from_its_fork_without_walking_its_pag
 
     here = runtime_stats.StatsTable(fork, 1)
     assert _start_and_first_item(here, taken) == (1, 5 << 20, 7 << 20, 5 << 20)
+
+
+def _allocate_then_start_and_sample(table, results):
+    """A forkserver's child is sent its dataset after its fork: memory of its own, made
+    before its lane starts, then a real sample of its page tables."""
+    own = bytearray(64 << 20)
+    own[:: 4096] = b"x" * len(own[:: 4096])  # every page touched: resident and private
+    writer = table.writer(0)
+    writer.start()
+    writer.sample_memory()
+    row = table.read(0)
+    private_growth = row["private_now"] - row["private_start"]
+    resident_growth = row["resident_now"] - row["resident_start"]
+    results.put((private_growth, resident_growth, len(own)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="reads Linux's /proc/self/smaps_rollup")
+def test_memory_a_forked_child_made_before_its_lane_started_is_not_taken_for_copied_pages():
+    """Its start is one moment, its fork: private 0 and its resident size then. A resident
+    size read later, beside a private 0 of the fork, would count the 64 MiB it allocated
+    as pages copied from its parent (private growth beyond resident growth)."""
+    import multiprocessing
+
+    from mprs_plus.runtime import stats as runtime_stats
+
+    fork = multiprocessing.get_context("fork")
+    table = runtime_stats.StatsTable(fork, 1)
+    results = fork.Queue()
+    child = fork.Process(target=_allocate_then_start_and_sample, args=(table, results))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, "the child failed: its traceback is above"
+    private_growth, resident_growth, allocated = results.get(timeout=10)
+    assert private_growth >= allocated and resident_growth >= allocated
+    assert private_growth - resident_growth < 16 << 20  # copied: a few pages, not the 64 MiB
 
 
 def test_the_watchdogs_rescues_and_late_wake_ups_reach_the_process_stats_apart():

@@ -18,13 +18,14 @@ ends (a short epoch is seen), then at most every ``EVERY`` seconds (less often w
 read takes longer: never more than 1% of its time), at an epoch's end included
 (``stats.py``); never per item. Its growth is measured from its start:
 
-* a forked child (``forked()``) holds nothing of its own at its fork: every page it has
-  is its parent's too. Its start is private 0 and its resident size then (``statm``), read
-  as its lane starts, so no read of its page tables falls in its first items: both its
-  workers reading 16 ms at once, just after their first items, cost the first epoch of
-  600k rows 5-7% of its rate;
-* any other (spawn, forkserver, a Ray actor's thread) reads ``smaps_rollup`` once its lane
-  has handed on its first item (never a delay of that item): what it unpickled is its own.
+* a child forked from a process that had loaded this module (fork; forkserver, where the
+  server preloaded it) holds nothing of its own at its fork: every page it has is its
+  parent's too. Its start is private 0 and its resident size then (``statm``, read as the
+  fork returns in the child, before it unpickles anything), so no read of its page tables
+  falls in its first items: both workers reading 16 ms at once, just after their first
+  items, cost the first epoch of 600k rows 5-7% of its rate;
+* any other (spawn, a Ray actor's thread) reads ``smaps_rollup`` once its lane has handed
+  on its first item (never a delay of that item): what it unpickled is its own.
 
 The main process reads only its resident size (``/proc/self/statm``: microseconds).
 """
@@ -36,14 +37,19 @@ import os
 EVERY = 2.0  # seconds between two samples while items flow, at least
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PRIVATE = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
-_IMPORTED_IN = os.getpid()  # a child forked after this import has it in another process
+_at_fork: int | None = None  # resident bytes as this process was forked (``resident_at_fork``)
 
 
-def forked() -> bool:
-    """This process was forked from one that had loaded this module: every page it has
-    was its parent's at the fork (a process that loaded it itself says False, the safe
-    answer: its start is then sampled)."""
-    return os.getpid() != _IMPORTED_IN
+def resident_at_fork() -> int | None:
+    """This process's resident bytes as it was forked, where its parent had loaded this
+    module: every page it had then was its parent's too, so its private memory then was
+    nothing. None in a process that was not forked so (its start is sampled instead)."""
+    return _at_fork
+
+
+def _note_fork() -> None:
+    global _at_fork
+    _at_fork = resident() or None
 
 
 def sample() -> tuple[int, int]:
@@ -79,3 +85,9 @@ def _from_psutil() -> tuple[int, int]:
         return int(getattr(info, "uss", 0)), int(info.rss)
     except Exception:  # no psutil, or a platform where it cannot tell: unknown, never an error
         return 0, 0
+
+
+if hasattr(os, "register_at_fork"):
+    # Read in the child as the fork returns, before it unpickles anything (a forkserver's
+    # child is sent its dataset after its fork): growth is then measured from one moment.
+    os.register_at_fork(after_in_child=_note_fork)

@@ -55,7 +55,7 @@ import time
 from typing import Any
 
 from ..transport import Sender
-from .private_memory import EVERY, forked, resident, sample
+from .private_memory import EVERY, resident_at_fork, sample
 from .timeline import LaneTrace
 
 FIELDS = (
@@ -174,8 +174,9 @@ class StatsWriter:
     def start(self) -> None:
         self.started_at = time.monotonic()
         self._table[self._base + _STARTED] = self.started_at
-        if forked():  # it holds nothing of its own yet (private_memory.py): no walk needed
-            self._start_memory(0, resident())
+        at_fork = resident_at_fork()
+        if at_fork is not None:  # it held nothing of its own then (private_memory.py): no walk
+            self._start_memory(0, at_fork)
             self._memory_due = self.started_at + EVERY
 
     def sample_memory(self, *, due_only: bool = False, at_end: bool = False) -> None:
