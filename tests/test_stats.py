@@ -713,6 +713,25 @@ def test_memory_a_forked_child_made_before_its_lane_started_is_not_taken_for_cop
     assert private_growth - resident_growth < 16 << 20  # copied: a few pages, not the 64 MiB
 
 
+def test_a_fork_without_statm_leaves_the_start_to_a_sample_and_never_loads_psutil(monkeypatch):
+    """Forced: ``/proc/self/statm`` cannot be opened (not Linux). The hook that runs in every
+    forked child then notes nothing, and loads nothing heavy; the child samples its start
+    after its first item, as a spawned one does."""
+    import sys
+
+    from mprs_plus.runtime import private_memory
+
+    def refuse(*args, **kwargs):
+        raise OSError("no statm here")
+
+    monkeypatch.setattr(private_memory, "open", refuse, raising=False)
+    monkeypatch.setattr(private_memory, "_at_fork", 123)
+    monkeypatch.delitem(sys.modules, "psutil", raising=False)
+    private_memory._note_fork()
+    assert private_memory.resident_at_fork() is None
+    assert "psutil" not in sys.modules
+
+
 def test_the_watchdogs_rescues_and_late_wake_ups_reach_the_process_stats_apart():
     """A process's output channels' traffic, as its row publishes it and ``stats()`` reads
     it: a late wake-up (a loaded machine) is not reported as a rescue (a bug)."""

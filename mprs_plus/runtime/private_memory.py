@@ -48,8 +48,14 @@ def resident_at_fork() -> int | None:
 
 
 def _note_fork() -> None:
+    """In every child forked from this process: ``statm`` only (microseconds), never
+    psutil, whose import would cost each fork milliseconds where there is no ``statm``."""
     global _at_fork
-    _at_fork = resident() or None
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            _at_fork = int(f.read().split()[1]) * _PAGE or None
+    except (OSError, IndexError, ValueError):
+        _at_fork = None  # no statm (not Linux): the start is sampled after the first item
 
 
 def sample() -> tuple[int, int]:
