@@ -204,13 +204,16 @@ class StatsWriter:
     def sample_start(self) -> None:
         """The lane handed on its first item: where its memory's growth starts from, unless
         its start already said (a forked process, ``start()``)."""
-        table, base = self._table, self._base
-        if not table[base + _PRIVATE_START] and not table[base + _RESIDENT_START]:
+        if not self._memory_started():
             self.sample_memory()
 
-    def _start_memory(self, private: int, resident: int) -> None:
+    def _memory_started(self) -> bool:
         table, base = self._table, self._base
-        if not table[base + _PRIVATE_START] and not table[base + _RESIDENT_START]:
+        return bool(table[base + _PRIVATE_START] or table[base + _RESIDENT_START])
+
+    def _start_memory(self, private: int, resident: int) -> None:
+        if not self._memory_started():
+            table, base = self._table, self._base
             table[base + _PRIVATE_START], table[base + _RESIDENT_START] = private, resident
 
     def publish(self) -> None:
