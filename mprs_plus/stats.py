@@ -9,12 +9,14 @@ asked for, or kept as a service stops; never on the path to a loader's first ite
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .autoscale import usable_cores
 from .segment import Segment
 from .transport import Lending
 
@@ -480,13 +482,22 @@ def aggregate(
     large = large_buffers if large_buffers is not None else Lending(0, 0, 0, 0)
     network = any(p.node for p in processes)  # children placed on nodes talk over the network
     each_worker = [p for p in processes if p.role == Segment.WORKER]
-    verdict = bottleneck(segments, network=network, startup=_startup(processes), each_worker=each_worker)
+    # Local workers share this host's cores: past one a core, more of them add nothing.
+    cores = 0 if network else _host_cores()
+    verdict = bottleneck(segments, network=network, startup=_startup(processes), each_worker=each_worker, cores=cores)
     memory = copying(processes, main_memory_bytes)
     if memory:
         verdict = f"{memory}. Throughput: {verdict}"
     return Stats(
         tuple(processes), tuple(segments), verdict, large, main_memory_bytes=main_memory_bytes, memory=memory
     )
+
+
+@functools.cache
+def _host_cores() -> int:
+    """``usable_cores()``, read once a process: a statistics read comes at every epoch's
+    end (the memory check), and the cgroup's files cost a tenth of a millisecond."""
+    return usable_cores()
 
 
 def _signed_mib(n: int) -> str:
@@ -569,6 +580,7 @@ def bottleneck(
     network: bool = False,
     startup: tuple[float, float] = (0.0, 0.0),
     each_worker: Sequence[ProcessStats] = (),
+    cores: int = 0,
 ) -> str:
     """One sentence naming what limits throughput and what to do about it, or saying that
     the pipeline keeps up and there is nothing to change. Never both.
@@ -576,7 +588,8 @@ def bottleneck(
     ``network``: a backend placed the children on a cluster's nodes (Ray's), so their
     channels are the network; otherwise they are this host's transport. ``startup``: the
     seconds the main process lived before its last child began to run, and its whole life
-    so far. Fractions are of each process's lifetime so far; ``W`` is the share of its life
+    so far. ``cores``: the cores this host lets the workers use, where they run on it (0:
+    unknown, or on a cluster's nodes). Fractions are of each process's lifetime so far; ``W`` is the share of its life
     the main process waited for the workers' items. The rules, in order:
 
     0. W > 50% and most of the main process's life (> 50%) went by before the children
@@ -591,7 +604,8 @@ def bottleneck(
        for its items (> 50%); one worker when it is busy (>= 50%) and busier by ``UNEVEN``
        than another that waits for room (> 20%): the loop takes the workers' items in
        turn, so all go at the slowest one's pace (``each_worker``: the workers' own
-       figures); the workers when they are busy (>= 50%: add workers); the
+       figures); the workers when they are busy (>= 50%: add workers, unless there are as
+       many as ``cores`` already, when another would only share a core with one); the
        channel from the dispatch process when the workers wait for its items; else the
        channel to the main process (idle workers whose items are slow to cross). "Add
        workers" is never said of idle workers.
@@ -645,10 +659,18 @@ def bottleneck(
             "what else runs on its core), or take items as they are ready (in_order=False)"
         )
     if workers.busy_fraction >= 0.5:
-        return (
+        said = (
             f"the workers are the bottleneck: they are {workers.busy_fraction:.0%} busy and the main process waits "
-            f"{waits:.0%} of the time for their items; add workers, or make the work per item cheaper"
+            f"{waits:.0%} of the time for their items"
         )
+        if cores and workers.processes >= cores:
+            # Another worker would take its core from one of these: the same work, shared.
+            return (
+                f"{said}; each of this host's {cores} usable cores already runs one of the {workers.processes} "
+                "workers, so more workers would only share them: make the work per item cheaper, or run the "
+                "workers on more cores (backend=\"ray\" places them on a cluster's nodes)"
+            )
+        return f"{said}; add workers, or make the work per item cheaper"
     # Mostly idle workers and a waiting loop: the items are slow to cross, not to make.
     if dispatch is not None and workers.input_wait_fraction > 0.5:
         between = "between the dispatch process and the workers" if network else "from the dispatch process"

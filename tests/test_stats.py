@@ -15,6 +15,7 @@ from torchdata.datapipes.iter import IterableWrapper
 import pipelines
 from mprs_plus import MultiProcessingReadingService
 from mprs_plus.segment import Segment
+import mprs_plus.stats as stats_module
 from mprs_plus.stats import ProcessStats, SegmentStats, aggregate, bottleneck
 
 
@@ -358,10 +359,28 @@ def test_verdict_hand_over_in_the_main_process_names_the_transport_or_the_networ
     assert remote.startswith("the network is the bottleneck: the main process spends 60%"), remote
 
 
-def test_verdict_workers():
+def test_verdict_workers(monkeypatch):
+    monkeypatch.setattr(stats_module, "_host_cores", lambda: 4)
     verdict = _verdict(_child("worker", busy=0.95), _main_process(waiting=8.0))
     assert verdict.startswith("the workers are the bottleneck: they are 95% busy and the main process waits 80%")
     assert "add workers" in verdict
+
+
+def test_verdict_busy_workers_on_every_core_are_not_told_to_add_workers(monkeypatch):
+    # Two busy workers on a host of two cores: a third would take its core from one of them.
+    monkeypatch.setattr(stats_module, "_host_cores", lambda: 2)
+    busy = [_child("worker", index=i, busy=0.8, waiting_output=0.15) for i in range(2)]
+    verdict = _verdict(*busy, _main_process(waiting=7.0))
+    assert verdict.startswith("the workers are the bottleneck: they are 80% busy and the main process waits 70%")
+    assert "add workers" not in verdict
+    assert "each of this host's 2 usable cores already runs one of the 2 workers" in verdict
+    assert "make the work per item cheaper" in verdict
+    # One worker on those two cores: another has a core of its own.
+    assert "add workers" in _verdict(busy[0], _main_process(waiting=7.0))
+    # On a cluster's nodes this host's cores are not theirs: the count is not asked for.
+    monkeypatch.setattr(stats_module, "_host_cores", lambda: pytest.fail("host cores read for remote workers"))
+    remote = [_child("worker", index=i, busy=0.8, node="10.0.0.2") for i in range(2)]
+    assert "add workers" in _verdict(*remote, _main_process(waiting=7.0))
 
 
 def test_verdict_dispatch():
