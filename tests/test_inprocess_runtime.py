@@ -12,6 +12,7 @@ import itertools
 import threading
 
 import pytest
+import torch.utils.data.graph as torch_graph
 from torchdata.dataloader2.random import SeedGenerator
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -32,6 +33,22 @@ ITEMS = 400  # many more than the channels hold: producers block on full channel
 
 def _times_ten(x: int) -> int:
     return x * 10
+
+
+def _walks_take_turns(monkeypatch) -> None:
+    """torch's graph walk (``traverse_dps``: each epoch's reseeding, the sharding) pickles
+    a DataPipe with a hook set on the DataPipe classes themselves, and refuses to set one
+    while another is set: two threads of one process walking at once make the second raise
+    ("Attempt to override existing reduce_ex_hook"). The runtime runs one child per process;
+    these threads share one, so their walks take turns, one level of a graph at a time."""
+    walk_one_level = torch_graph._list_connected_datapipes
+    turn = threading.RLock()
+
+    def one_at_a_time(*args, **kwargs):
+        with turn:
+            return walk_one_level(*args, **kwargs)
+
+    monkeypatch.setattr(torch_graph, "_list_connected_datapipes", one_at_a_time)
 
 
 def _channel(items: int = 4):
@@ -61,6 +78,7 @@ def test_dispatch_and_worker_loops_deliver_in_order_over_in_process_channels(mon
     # A child's set-up is for a fresh process (signals, inherited endpoints); threads skip it.
     monkeypatch.setattr(dispatch_module, "child_setup", lambda ends: None)
     monkeypatch.setattr(worker_module, "child_setup", lambda ends: None)
+    _walks_take_turns(monkeypatch)  # three children in one process
 
     dispatch_control = _channel()
     deal = [_channel() for _ in range(WORKERS)]  # dispatcher 0 -> worker w
