@@ -589,8 +589,9 @@ def bottleneck(
     channels are the network; otherwise they are this host's transport. ``startup``: the
     seconds the main process lived before its last child began to run, and its whole life
     so far. ``cores``: the cores this host lets the workers use, where they run on it (0:
-    unknown, or on a cluster's nodes). Fractions are of each process's lifetime so far; ``W`` is the share of its life
-    the main process waited for the workers' items. The rules, in order:
+    unknown, or on a cluster's nodes). Fractions are of each process's lifetime so far;
+    ``W`` is the share of its life the main process waited for the workers' items. The
+    rules, in order:
 
     0. W > 50% and most of the main process's life (> 50%) went by before the children
        ran: their start, which says nothing yet of the steady state.
