@@ -51,11 +51,7 @@ def _note_fork() -> None:
     """In every child forked from this process: ``statm`` only (microseconds), never
     psutil, whose import would cost each fork milliseconds where there is no ``statm``."""
     global _at_fork
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            _at_fork = int(f.read().split()[1]) * _PAGE or None
-    except (OSError, IndexError, ValueError):
-        _at_fork = None  # no statm (not Linux): the start is sampled after the first item
+    _at_fork = _statm_resident() or None  # None: no statm (not Linux), sampled after the first item
 
 
 def sample() -> tuple[int, int]:
@@ -76,11 +72,17 @@ def sample() -> tuple[int, int]:
 
 def resident() -> int:
     """This process's resident bytes, cheaply; 0 where unknown."""
+    found = _statm_resident()
+    return found if found is not None else _from_psutil()[1]
+
+
+def _statm_resident() -> int | None:
+    """Resident bytes from ``/proc/self/statm`` (microseconds); None where it cannot be read."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
-        return _from_psutil()[1]
+        return None
 
 
 def _from_psutil() -> tuple[int, int]:
