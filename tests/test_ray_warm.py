@@ -31,6 +31,11 @@ from mprs_plus.backends.ray import warm  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 DRIVER_TIMEOUT = 240
 DEATH_BOUND = 20.0
+# Seconds an idle actor waits in the tests that check reuse, where no actor should expire
+# between its give and its take however slowly a loaded machine starts one (a pre-started
+# actor's wait counts from prestart(), its start included: the default 60 s was passed on a
+# loaded machine, and the loader then took a new actor). The teardown ends them all.
+WARM = 600.0
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -106,7 +111,7 @@ def test_non_persistent_epochs_and_loaders_take_warm_actors_and_see_what_new_one
     cold_log, warm_log = str(tmp_path / "cold"), str(tmp_path / "warm")
     cold = _torch_epochs(RayBackend(num_cpus_per_worker=0, warm_for=0), cold_log)
     assert warm.pool.idle() == 0  # warm_for=0: none kept
-    warmed = _torch_epochs(RayBackend(num_cpus_per_worker=0), warm_log)
+    warmed = _torch_epochs(RayBackend(num_cpus_per_worker=0, warm_for=WARM), warm_log)
     assert warmed == cold
     shifts = sorted({int(sample[0]) // 100 * 100 for epoch in warmed for batch in epoch for sample in batch[2]})
     assert shifts == [0, 100, 1000, 1100]  # each epoch read the dataset as it was then
@@ -137,7 +142,7 @@ def test_dataloader2_loaders_one_after_another_take_warm_actors(cluster, tmp_pat
         return got, ids
 
     cold, cold_ids = items(RayBackend(num_cpus_per_worker=0, warm_for=0), str(tmp_path / "cold"))
-    warmed, warm_ids = items(RayBackend(num_cpus_per_worker=0), str(tmp_path / "warm"))
+    warmed, warm_ids = items(RayBackend(num_cpus_per_worker=0, warm_for=WARM), str(tmp_path / "warm"))
     assert warmed == cold == [[3 * x for x in range(10)]] * 2
     assert cold_ids[0] != cold_ids[1] and warm_ids[0] == warm_ids[1]
     assert sorted(w for _, w, _ in calls(str(tmp_path / "warm"))) == [0, 0, 1, 1]
@@ -160,7 +165,7 @@ def test_an_idle_actor_that_died_is_not_handed_out_and_close_leaves_none(cluster
     connections, proved with its own secret)."""
     import socket
 
-    backend = RayBackend(num_cpus_per_worker=0)
+    backend = RayBackend(num_cpus_per_worker=0, warm_for=WARM)
     loader = _dataloader2(backend)
     assert list(loader) == list(range(8))
     first = set(_actor_ids(loader))
@@ -191,7 +196,7 @@ def test_an_idle_actor_that_died_is_not_handed_out_and_close_leaves_none(cluster
 
 
 def test_prestarted_actors_are_the_ones_the_loader_takes(cluster):
-    backend = RayBackend(num_cpus_per_worker=0)
+    backend = RayBackend(num_cpus_per_worker=0, warm_for=WARM)
     backend.prestart(2)
     started = {entry.actor._actor_id.hex() for entries in warm.pool._idle.values() for entry in entries}
     assert len(started) == 2
@@ -278,7 +283,7 @@ def test_a_warm_actor_killed_in_epoch_two_is_replaced_and_the_batches_are_torchs
     armed, marker = str(tmp_path / "armed"), str(tmp_path / "killed")
     expected, _ = epochs(torch.utils.data.DataLoader, Draws(n=64), multiprocessing_context="forkserver")
     os.remove(armed)
-    backend = RayBackend(num_cpus_per_worker=0)
+    backend = RayBackend(num_cpus_per_worker=0, warm_for=WARM)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, loader = epochs(mprs_plus.DataLoader, Draws(n=64, kill_at=41, marker=marker, armed=armed), backend=backend, worker_restarts=1)
